@@ -1,0 +1,48 @@
+# moesplit — every target does its own set-up; `make demo` and `make test` work on a fresh machine.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: setup setup-test protos build test demo bench bench-kernels gpu-check chart-check clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml setup.py $(wildcard cpu_expert_service/kernels/*.pyx cpu_expert_service/kernels/*.c cpu_expert_service/kernels/*.h)
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	scripts/install_torch.sh $(PY)
+	$(PIP) install -q -e '.[test]'
+	touch $(STAMP)
+
+# Debian packages used by tests (Prometheus for the metrics test).
+setup-test: setup
+	scripts/setup_test.sh
+
+protos: setup
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. protos/moesplit/v1/*.proto
+
+build: setup
+	$(PY) setup.py -q build_ext --inplace
+
+test: setup-test
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+demo: setup
+	$(PY) -m gpu_service.demo
+
+bench-kernels: build
+	$(PY) bench/bench_kernels.py
+
+bench: setup
+	$(PY) bench/bench_pipeline.py
+
+gpu-check: setup
+	scripts/gpu_check.sh
+
+chart-check: setup
+	scripts/chart_check.sh
+
+clean:
+	rm -rf build *.egg-info $(VENV)
