@@ -1,0 +1,99 @@
+"""`moesplit generate`: start N expert shard processes and the GPU service on loopback, generate.
+
+Prints the text; with --json the last line is {"token_ids", "text", "timings", ...}."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint directory (config.json + *.safetensors)")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--prompt", help="prompt text (needs tokenizer.json in the model directory)")
+    g.add_argument("--prompt-ids", help="comma-separated prompt token ids, e.g. 1,2,3")
+    p.add_argument("--chat", action="store_true", help="wrap --prompt in the checkpoint's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--shards", type=int, default=2, help="number of local expert shard processes")
+    p.add_argument("--split", choices=["experts", "intermediate"], default="experts",
+                   help="shard by expert subsets or by intermediate slices of every expert")
+    p.add_argument("--shard-addresses", default=None,
+                   help="comma-separated host:port of running shards (skips starting local ones)")
+    p.add_argument("--backend", default="auto", help="shard compute backend: auto|numpy|kernel")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--device", default=None, help="cuda|cpu (default: cuda when available)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+
+
+def run(args: argparse.Namespace) -> int:
+    from checkpoint.reader import CheckpointReader
+    from gpu_service.experts_client import ExpertsClient
+    from gpu_service.local_stack import start_shards
+    from gpu_service.runner import ModelRunner, RemoteExperts
+    from gpu_service.sampling import SamplingParams
+
+    if args.max_new_tokens < 1:
+        print("moesplit generate: --max-new-tokens must be >= 1", file=sys.stderr)
+        return 2
+    reader = CheckpointReader(args.model)
+    cfg = reader.config
+    tok = None
+    if args.prompt is not None:
+        from gpu_service.tokenizer import Tokenizer
+
+        tok = Tokenizer(args.model)
+        ids = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
+    else:
+        try:
+            ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        except ValueError:
+            print(f"moesplit generate: --prompt-ids must be comma-separated integers, got {args.prompt_ids!r}",
+                  file=sys.stderr)
+            return 2
+    sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    device = torch.device(args.device) if args.device else None
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+
+    t0 = time.perf_counter()
+    shards = None
+    try:
+        if args.shard_addresses:
+            addresses = [a.strip() for a in args.shard_addresses.split(",") if a.strip()]
+        else:
+            shards = start_shards(args.model, args.shards, split=args.split, backend=args.backend)
+            addresses = shards.addresses
+        t_shards = time.perf_counter() - t0
+        client = ExpertsClient(addresses, cfg)
+        client.connect()
+        try:
+            runner = ModelRunner(reader, RemoteExperts(client), device=device, dtype=dtype,
+                                 kv_tokens=max(len(ids) + args.max_new_tokens, 64))
+            res = runner.generate(ids, args.max_new_tokens, sampling, stop_ids=cfg.eos_token_ids)
+        finally:
+            client.close()
+    finally:
+        if shards is not None:
+            shards.stop()
+    text = tok.decode(res.token_ids) if tok is not None else None
+    res.timings["shards_start_s"] = round(t_shards, 3)
+    if text is not None:
+        print(text)
+    tps = res.timings.get("decode_tokens_per_s")
+    print(f"[{len(res.token_ids)} tokens, decode {tps} tok/s, prefill {res.timings['prefill_tokens_per_s']} tok/s, "
+          f"finish={res.finish_reason}]", file=sys.stderr)
+    if args.json:
+        print(json.dumps({
+            "token_ids": res.token_ids, "text": text, "prompt_ids": ids, "finish_reason": res.finish_reason,
+            "last_logits": res.last_logits.tolist() if res.last_logits is not None else None,
+            "timings": res.timings, "shards": len(addresses), "split": args.split,
+        }))
+    return 0

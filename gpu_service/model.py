@@ -1,0 +1,384 @@
+"""Our PyTorch implementation of the DeepSeek-V3 architecture, minus the routed experts.
+
+Embeddings, RMSNorm, MLA attention with YaRN RoPE and a compressed KV cache (c_kv + k_pe per
+token per layer), the dense MLP layers, the router (sigmoid + correction bias, group-limited top-k),
+shared experts and lm_head. Routed experts are never loaded here: each MoE layer hands its
+tokens to an `ExpertsFn` (the gRPC experts client, or an in-process backend in benchmarks).
+
+The forward pass takes a flat token batch made of per-sequence chunks (continuous batching):
+each chunk writes its c_kv/k_pe into the paged `KVPool` and attends over its sequence's cache.
+A one-token chunk (decode) uses the weight-absorbed MLA path; longer chunks expand K/V.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from checkpoint.config import ModelConfig
+
+
+class ExpertsFn(Protocol):
+    """Routed experts of one MoE layer, started asynchronously: returns a zero-argument callable
+    that waits for and returns sum_k w[t,k] * expert_{ids[t,k]}(h[t]) as [T, H] on h's device.
+    The caller computes the shared expert between the call and the wait (overlap)."""
+
+    def __call__(self, layer: int, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> Callable[[], torch.Tensor]: ...
+
+
+# --------------------------------------------------------------------------------------- basics
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dt = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dt)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+class Rope:
+    """YaRN rotary embedding for the qk_rope_head_dim part (DeepSeek interleaved pairs)."""
+
+    def __init__(self, cfg: ModelConfig):
+        dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+        self.interleave = cfg.rope_interleave
+        pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
+        rs = cfg.rope_scaling
+        self.attention_factor = 1.0
+        self.softmax_mscale = 1.0
+        if rs is None:
+            inv_freq = 1.0 / pos_freqs
+        else:
+            factor = float(rs["factor"])
+            orig = rs["original_max_position_embeddings"]
+            beta_fast = rs.get("beta_fast") or 32
+            beta_slow = rs.get("beta_slow") or 1
+            mscale, mscale_all = rs.get("mscale"), rs.get("mscale_all_dim")
+            if rs.get("attention_factor") is not None:
+                self.attention_factor = float(rs["attention_factor"])
+            elif mscale and mscale_all:
+                self.attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+            else:
+                self.attention_factor = yarn_mscale(factor)
+
+            def corr_dim(rot: float) -> float:
+                return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+            low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+            if rs.get("truncate", True):
+                low, high = math.floor(low), math.ceil(high)
+            low, high = max(low, 0), min(high, dim - 1)
+            if low == high:
+                high += 0.001
+            ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+            extrap = 1 - ramp
+            inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrap) + (1.0 / pos_freqs) * extrap
+            if mscale_all:
+                self.softmax_mscale = yarn_mscale(factor, mscale_all) ** 2
+        self.inv_freq = inv_freq  # [dim/2]
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]  # [T, dim/2]
+        return (freqs.cos() * self.attention_factor).to(dtype), (freqs.sin() * self.attention_factor).to(dtype)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, dim]; cos/sin: [T, dim/2]. Output in the de-interleaved (half-split) layout."""
+        c, s = cos[:, None, :], sin[:, None, :]
+        if self.interleave:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+        else:
+            x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+# ------------------------------------------------------------------------------------- KV cache
+class KVPool:
+    """Paged pool for MLA's compressed cache: per layer [pages * page_size, kv_lora_rank + rope].
+
+    A sequence owns a list of pages; token position p lives in slot page[p // S] * S + p % S.
+    """
+
+    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
+                 layer_devices: list[torch.device]):
+        self.cfg, self.page_size, self.num_pages = cfg, page_size, num_pages
+        self.kv = [torch.zeros(num_pages * page_size, cfg.kv_cache_dim, dtype=dtype, device=d)
+                   for d in layer_devices]  # c_kv (normalised) ++ k_pe (roped)
+        self.free_pages: list[int] = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def pages_in_use(self) -> int:
+        return self.num_pages - len(self.free_pages)
+
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.kv)
+
+
+class PoolExhausted(RuntimeError):
+    """The KV pool has no free page: wait for a request to finish or lower the load."""
+
+
+@dataclass
+class SeqKV:
+    """One sequence's view of the pool."""
+
+    pool: KVPool
+    pages: list[int] = field(default_factory=list)
+    length: int = 0  # tokens whose KV has been written
+
+    def reserve(self, n_tokens: int) -> None:
+        need = -(-n_tokens // self.pool.page_size) - len(self.pages)
+        if need > len(self.pool.free_pages):
+            raise PoolExhausted(
+                f"KV pool exhausted: need {need} more pages of {self.pool.page_size} tokens, "
+                f"{len(self.pool.free_pages)} free of {self.pool.num_pages}"
+            )
+        for _ in range(max(need, 0)):
+            self.pages.append(self.pool.free_pages.pop())
+
+    def free(self) -> None:
+        self.pool.free_pages.extend(reversed(self.pages))
+        self.pages.clear()
+        self.length = 0
+
+    def slots(self, start: int, end: int, device: torch.device) -> torch.Tensor:
+        pos = torch.arange(start, end)
+        pages = torch.tensor(self.pages, dtype=torch.long)[pos // self.pool.page_size]
+        return (pages * self.pool.page_size + pos % self.pool.page_size).to(device)
+
+
+@dataclass
+class Chunk:
+    """A run of consecutive tokens of one sequence inside a batch."""
+
+    seq: SeqKV
+    start: int  # position of the first token
+    n: int
+
+
+# ------------------------------------------------------------------------------------ attention
+class MLA(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: Rope):
+        super().__init__()
+        self.cfg, self.rope = cfg, rope
+        H, nh = cfg.hidden_size, cfg.num_attention_heads
+        self.nh, self.nope, self.rdim, self.vdim, self.r = nh, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(H, nh * cfg.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(H, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, nh * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(H, self.r + self.rdim, bias=cfg.attention_bias)
+        self.kv_a_layernorm = RMSNorm(self.r, 1e-6)
+        self.kv_b_proj = nn.Linear(self.r, nh * (self.nope + self.vdim), bias=False)
+        self.o_proj = nn.Linear(nh * self.vdim, H, bias=cfg.attention_bias)
+        self.scaling = cfg.qk_head_dim ** -0.5 * rope.softmax_mscale
+
+    def _q(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cfg.q_lora_rank is None:
+            return self.q_proj(x)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
+                chunks: list[Chunk]) -> torch.Tensor:
+        # x: [T, H]; kv: this layer's pool tensor [slots, r + rope]
+        T = x.shape[0]
+        q = self._q(x).view(T, self.nh, self.nope + self.rdim)
+        q_nope, q_pe = q[..., : self.nope], self.rope.apply(q[..., self.nope:], cos, sin)  # [T,nh,nope],[T,nh,rope]
+        ckv = self.kv_a_proj_with_mqa(x)  # [T, r + rope]
+        c = self.kv_a_layernorm(ckv[:, : self.r])
+        k_pe = self.rope.apply(ckv[:, None, self.r:], cos, sin)[:, 0]  # [T, rope]
+        new = torch.cat([c, k_pe], dim=-1).to(kv.dtype)
+
+        out = x.new_empty(T, self.nh * self.vdim)
+        t0 = 0
+        for ch in chunks:
+            sl = slice(t0, t0 + ch.n)
+            t0 += ch.n
+            kv[ch.seq.slots(ch.start, ch.start + ch.n, kv.device)] = new[sl]
+            cache = kv[ch.seq.slots(0, ch.start + ch.n, kv.device)].to(x.dtype)  # [S, r + rope]
+            out[sl] = self._attend(q_nope[sl], q_pe[sl], cache, ch.start)
+        return self.o_proj(out)
+
+    def _attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, start: int) -> torch.Tensor:
+        n, S = q_nope.shape[0], cache.shape[0]
+        c_kv, k_pe = cache[:, : self.r], cache[:, self.r:]  # [S, r], [S, rope]
+        mask = None
+        if n > 1:  # causal: query i (position start+i) sees keys 0..start+i
+            qpos = torch.arange(start, start + n, device=cache.device)[:, None]
+            mask = torch.arange(S, device=cache.device)[None, :] > qpos  # [n, S]
+        wkv = self.kv_b_proj.weight.view(self.nh, self.nope + self.vdim, self.r)
+        if n == 1:
+            # weight-absorbed decode: score = (q_nope W_UK) . c_kv + q_pe . k_pe ; out = (attn c_kv) W_UV
+            q_abs = torch.einsum("thd,hdr->thr", q_nope, wkv[:, : self.nope].to(q_nope.dtype))  # [1,nh,r]
+            scores = torch.einsum("thr,sr->ths", q_abs, c_kv) + torch.einsum("thd,sd->ths", q_pe, k_pe)
+            p = torch.softmax(scores.float() * self.scaling, dim=-1).to(q_nope.dtype)  # [1,nh,S]
+            o_lat = torch.einsum("ths,sr->thr", p, c_kv)
+            o = torch.einsum("thr,hvr->thv", o_lat, wkv[:, self.nope:].to(q_nope.dtype))  # [1,nh,v]
+            return o.reshape(n, -1)
+        # expanded prefill: K/V from the cache through kv_b_proj
+        kvx = self.kv_b_proj(c_kv).view(S, self.nh, self.nope + self.vdim)
+        k = torch.cat([kvx[..., : self.nope], k_pe[:, None, :].expand(S, self.nh, self.rdim)], dim=-1)  # [S,nh,qk]
+        v = kvx[..., self.nope:]  # [S, nh, v]
+        qq = torch.cat([q_nope, q_pe], dim=-1)  # [n, nh, qk]
+        scores = torch.einsum("thd,shd->hts", qq, k) * self.scaling  # [nh, n, S]
+        if mask is not None:
+            scores = scores.masked_fill(mask[None], float("-inf"))
+        p = torch.softmax(scores.float(), dim=-1).to(qq.dtype)
+        return torch.einsum("hts,shv->thv", p, v).reshape(n, -1)
+
+
+# ------------------------------------------------------------------------------------------ MLP
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Sigmoid scores; selection with e_score_correction_bias and group-limited top-k (top-2 sum
+    per group); weights from the unbiased scores, normalised, times routed_scaling_factor."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg, E = self.cfg, self.cfg.n_routed_experts
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
+        choice = scores + self.e_score_correction_bias.float()
+        if cfg.n_group > 1:
+            g = choice.view(-1, cfg.n_group, E // cfg.n_group).topk(2, dim=-1)[0].sum(-1)  # [T, G]
+            gidx = g.topk(cfg.topk_group, dim=-1, sorted=False)[1]
+            gmask = torch.zeros_like(g).scatter_(1, gidx, 1.0)
+            emask = gmask[:, :, None].expand(-1, -1, E // cfg.n_group).reshape(-1, E)
+            choice = choice.masked_fill(emask == 0, float("-inf"))
+        ids = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False)[1]  # [T, k]
+        w = scores.gather(1, ids)
+        if cfg.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return ids, w * cfg.routed_scaling_factor
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.gate = Router(cfg)
+        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+                               if cfg.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor, experts: ExpertsFn) -> torch.Tensor:
+        ids, w = self.gate(x)  # [T, k], [T, k] float32
+        wait = experts(self.layer, x, ids, w)  # shards work while we compute the shared expert
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        routed = wait()
+        return routed if shared is None else routed + shared
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rope: Rope):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLA(cfg, rope)
+        self.mlp = MoE(cfg, layer) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, cos, sin, kv, chunks, experts: ExpertsFn):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, chunks)
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, experts) if isinstance(self.mlp, MoE) else self.mlp(h))
+
+
+# ---------------------------------------------------------------------------------------- model
+class DeepseekV3(nn.Module):
+    """Everything but the routed experts. Parameter names equal the checkpoint's (minus experts)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.rope = Rope(cfg)
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.layers = nn.ModuleList(Block(cfg, i, self.rope) for i in range(cfg.num_hidden_layers))
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def layer_devices(self) -> list[torch.device]:
+        return [blk.input_layernorm.weight.device for blk in self.model.layers]
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, chunks: list[Chunk], pool: KVPool, experts: ExpertsFn,
+                all_logits: bool = False) -> torch.Tensor:
+        """input_ids: [T] (chunks concatenated). Returns logits [len(chunks), V] of each chunk's
+        last token (or [T, V] with all_logits). Writes the chunks' KV and advances seq.length."""
+        emb_dev = self.model.embed_tokens.weight.device
+        x = self.model.embed_tokens(input_ids.to(emb_dev))  # [T, H]
+        positions = torch.cat([torch.arange(c.start, c.start + c.n) for c in chunks])
+        for c in chunks:
+            c.seq.reserve(c.start + c.n)
+        cos_sin: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i, blk in enumerate(self.model.layers):
+            dev = pool.kv[i].device
+            x = x.to(dev)
+            if dev not in cos_sin:
+                cos_sin[dev] = self.rope.cos_sin(positions.to(dev), x.dtype)
+            x = blk(x, *cos_sin[dev], pool.kv[i], chunks, experts)
+        for c in chunks:
+            c.seq.length = max(c.seq.length, c.start + c.n)
+        x = x.to(self.lm_head.weight.device)
+        if not all_logits:
+            last = torch.tensor([c.n for c in chunks]).cumsum(0) - 1
+            x = x[last.to(x.device)]
+        x = self.model.norm(x)
+        return self.lm_head(x).float()
+
+
+def checkpoint_name(param_name: str) -> str:
+    """Our parameter names are the checkpoint's names, so the load table is the identity."""
+    return param_name
+
+
+def build_model(cfg: ModelConfig, get: Callable[[str], "object"], dtype: torch.dtype,
+                device_of: Callable[[str], torch.device]) -> tuple[DeepseekV3, set[str]]:
+    """Build the model on the meta device and fill every parameter from `get(name) -> float32
+    ndarray`, placing each on `device_of(param_name)`. Nothing is allocated twice and nothing is
+    left random: a missing tensor raises through `get`. Router weights stay float32 (as in the
+    reference). Returns the model and the set of checkpoint names loaded."""
+    with torch.device("meta"):
+        model = DeepseekV3(cfg)
+    loaded: set[str] = set()
+    for name, p in list(model.named_parameters()):
+        src = checkpoint_name(name)
+        if src == "lm_head.weight" and cfg.tie_word_embeddings:
+            src = "model.embed_tokens.weight"
+        t = torch.from_numpy(get(src))
+        if tuple(t.shape) != tuple(p.shape):
+            raise ValueError(f"tensor {src!r} has shape {tuple(t.shape)}, expected {tuple(p.shape)} from config.json")
+        keep32 = ".mlp.gate." in name
+        mod_name, _, attr = name.rpartition(".")
+        mod = model.get_submodule(mod_name)
+        mod._parameters[attr] = nn.Parameter(
+            t.to(device=device_of(name), dtype=torch.float32 if keep32 else dtype), requires_grad=False)
+        loaded.add(src)
+    return model.eval(), loaded

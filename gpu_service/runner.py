@@ -1,0 +1,136 @@
+"""The GPU service's model runner: loads the non-expert weights, owns the KV pool, runs steps.
+
+`ModelRunner.generate` is the simple one-request loop used by `moesplit generate`; the serving
+engine (continuous batching) drives `ModelRunner.step` directly with many sequences.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from checkpoint.config import ModelConfig
+from gpu_service.model import Chunk, DeepseekV3, KVPool, SeqKV, build_model
+from gpu_service.sampling import SamplingParams, sample
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+class RemoteExperts:
+    """ExpertsFn over the gRPC experts client: tensors go to the shards as numpy arrays."""
+
+    def __init__(self, client):
+        self.client = client
+
+    def __call__(self, layer: int, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> Callable[[], torch.Tensor]:
+        fut = self.client.forward_async(
+            layer, h.detach().float().cpu().numpy(), ids.cpu().numpy().astype(np.int32), w.float().cpu().numpy())
+
+        def wait() -> torch.Tensor:
+            return torch.from_numpy(fut.result()).to(device=h.device, dtype=h.dtype)
+
+        return wait
+
+
+class LocalExperts:
+    """ExpertsFn over an in-process `ExpertBackend` (no RPC): for benchmarks and tests."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def __call__(self, layer, h, ids, w):
+        out = self.backend.forward(layer, h.detach().float().cpu().numpy(), ids.cpu().numpy().astype(np.int64),
+                                   w.float().cpu().numpy())
+        t = torch.from_numpy(out).to(device=h.device, dtype=h.dtype)
+        return lambda: t
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    finish_reason: str
+    last_logits: torch.Tensor | None = None
+    timings: dict = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, reader, experts, device: torch.device | None = None, dtype: torch.dtype | None = None,
+                 kv_tokens: int = 4096, page_size: int = 64, layer_devices: list[torch.device] | None = None):
+        self.cfg: ModelConfig = reader.config
+        self.device = device or default_device()
+        self.dtype = dtype or default_dtype(self.device)
+        self.experts = experts
+        n = self.cfg.num_hidden_layers
+        self.layer_devices = layer_devices or [self.device] * n
+
+        def device_of(name: str) -> torch.device:
+            if name.startswith("model.layers."):
+                return self.layer_devices[int(name.split(".")[2])]
+            if name.startswith("model.embed_tokens"):
+                return self.layer_devices[0]
+            return self.layer_devices[-1]
+
+        t0 = time.perf_counter()
+        self.model: DeepseekV3
+        self.model, self.loaded = build_model(self.cfg, reader.get, self.dtype, device_of)
+        self.load_s = time.perf_counter() - t0
+        self.page_size = page_size
+        self.pool = KVPool(self.cfg, -(-kv_tokens // page_size), page_size, self.dtype, self.layer_devices)
+
+    def new_seq(self) -> SeqKV:
+        return SeqKV(self.pool)
+
+    def step(self, input_ids: list[int], chunks: list[Chunk], all_logits: bool = False) -> torch.Tensor:
+        ids = torch.tensor(input_ids, dtype=torch.long)
+        return self.model(ids, chunks, self.pool, self.experts, all_logits=all_logits)
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
+                 stop_ids: tuple[int, ...] = (), chunk_tokens: int = 2048) -> GenerationResult:
+        if not prompt_ids:
+            raise ValueError("empty prompt: give at least one token")
+        if any(not 0 <= t < self.cfg.vocab_size for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
+        sampling = sampling or SamplingParams()
+        gen = sampling.generator()
+        seq = self.new_seq()
+        out: list[int] = []
+        finish = "length"
+        try:
+            t0 = time.perf_counter()
+            logits = None
+            for s in range(0, len(prompt_ids), chunk_tokens):  # chunked prefill
+                part = prompt_ids[s:s + chunk_tokens]
+                logits = self.step(part, [Chunk(seq, s, len(part))])
+            t_prefill = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            for i in range(max_new_tokens):
+                tok = sample(logits[0], sampling, gen)
+                out.append(tok)
+                if tok in stop_ids:
+                    finish = "stop"
+                    break
+                if i + 1 == max_new_tokens:
+                    break
+                logits = self.step([tok], [Chunk(seq, seq.length, 1)])
+            t_decode = time.perf_counter() - t1
+        finally:
+            seq.free()
+        n_dec = max(len(out) - 1, 0)
+        return GenerationResult(out, finish, logits[0].detach().cpu() if logits is not None else None, {
+            "load_s": round(self.load_s, 4),
+            "prefill_s": round(t_prefill, 4),
+            "prefill_tokens_per_s": round(len(prompt_ids) / t_prefill, 2) if t_prefill else None,
+            "decode_s": round(t_decode, 4),
+            "decode_tokens_per_s": round(n_dec / t_decode, 2) if t_decode and n_dec else None,
+            "prompt_tokens": len(prompt_ids),
+            "generated_tokens": len(out),
+        })
