@@ -31,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda|cpu (default: cuda when available)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
@@ -77,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             runner = ModelRunner(reader, RemoteExperts(client), device=device, dtype=dtype,
                                  kv_tokens=max(len(ids) + args.max_new_tokens, 64))
-            res = runner.generate(ids, args.max_new_tokens, sampling, stop_ids=cfg.eos_token_ids)
+            res = runner.generate(ids, args.max_new_tokens, sampling,
+                                  stop_ids=() if args.ignore_eos else cfg.eos_token_ids)
         finally:
             client.close()
     finally:

@@ -15,11 +15,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from checkpoint.config import ModelConfig
+from gpu_service.qlinear import make_quantized, weight_of
+from gpu_service.indexer import Indexer
 
 
 class ExpertsFn(Protocol):
@@ -115,6 +118,9 @@ class KVPool:
         self.cfg, self.page_size, self.num_pages = cfg, page_size, num_pages
         self.kv = [torch.zeros(num_pages * page_size, cfg.kv_cache_dim, dtype=dtype, device=d)
                    for d in layer_devices]  # c_kv (normalised) ++ k_pe (roped)
+        # DeepSeek-V3.2: the lightning indexer's keys, [slots, index_head_dim] per layer, same slots
+        self.index_k = ([torch.zeros(num_pages * page_size, cfg.index_head_dim, dtype=dtype, device=d)
+                         for d in layer_devices] if cfg.is_v32 else None)
         self.free_pages: list[int] = list(range(num_pages - 1, -1, -1))
 
     @property
@@ -122,7 +128,7 @@ class KVPool:
         return self.num_pages - len(self.free_pages)
 
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kv)
+        return sum(t.numel() * t.element_size() for t in self.kv + (self.index_k or []))
 
 
 class PoolExhausted(RuntimeError):
@@ -185,6 +191,7 @@ class MLA(nn.Module):
         self.kv_b_proj = nn.Linear(self.r, nh * (self.nope + self.vdim), bias=False)
         self.o_proj = nn.Linear(nh * self.vdim, H, bias=cfg.attention_bias)
         self.scaling = cfg.qk_head_dim ** -0.5 * rope.softmax_mscale
+        self.indexer = Indexer(cfg) if cfg.is_v32 else None  # DSA: attend to the top-k indexed tokens
 
     def _q(self, x: torch.Tensor) -> torch.Tensor:
         if self.cfg.q_lora_rank is None:
@@ -192,10 +199,15 @@ class MLA(nn.Module):
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
-                chunks: list[Chunk]) -> torch.Tensor:
-        # x: [T, H]; kv: this layer's pool tensor [slots, r + rope]
+                chunks: list[Chunk], ik: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [T, H]; kv: this layer's pool tensor [slots, r + rope]; ik: its index keys [slots, index_head_dim]
         T = x.shape[0]
-        q = self._q(x).view(T, self.nh, self.nope + self.rdim)
+        if self.indexer is None:
+            q = self._q(x).view(T, self.nh, self.nope + self.rdim)
+        else:
+            q_resid = self.q_a_layernorm(self.q_a_proj(x))  # [T, q_lora_rank], the indexer's query input
+            q = self.q_b_proj(q_resid).view(T, self.nh, self.nope + self.rdim)
+            idx_new = self.indexer.keys(x, cos, sin).to(ik.dtype)  # [T, index_head_dim]
         q_nope, q_pe = q[..., : self.nope], self.rope.apply(q[..., self.nope:], cos, sin)  # [T,nh,nope],[T,nh,rope]
         ckv = self.kv_a_proj_with_mqa(x)  # [T, r + rope]
         c = self.kv_a_layernorm(ckv[:, : self.r])
@@ -209,21 +221,32 @@ class MLA(nn.Module):
             t0 += ch.n
             kv[ch.seq.slots(ch.start, ch.start + ch.n, kv.device)] = new[sl]
             cache = kv[ch.seq.slots(0, ch.start + ch.n, kv.device)].to(x.dtype)  # [S, r + rope]
-            out[sl] = self._attend(q_nope[sl], q_pe[sl], cache, ch.start)
+            keep = None
+            if self.indexer is not None:
+                ik[ch.seq.slots(ch.start, ch.start + ch.n, ik.device)] = idx_new[sl]
+                keys = ik[ch.seq.slots(0, ch.start + ch.n, ik.device)].to(x.dtype)  # [S, index_head_dim]
+                keep = self.indexer.select(x[sl], q_resid[sl], cos[sl], sin[sl], keys, ch.start)
+            out[sl] = self._attend(q_nope[sl], q_pe[sl], cache, ch.start, keep)
         return self.o_proj(out)
 
-    def _attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, start: int) -> torch.Tensor:
+    def _attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, start: int,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """keep: [n, S] bool, the positions each query may see (DSA selection, causal included)."""
         n, S = q_nope.shape[0], cache.shape[0]
         c_kv, k_pe = cache[:, : self.r], cache[:, self.r:]  # [S, r], [S, rope]
         mask = None
         if n > 1:  # causal: query i (position start+i) sees keys 0..start+i
             qpos = torch.arange(start, start + n, device=cache.device)[:, None]
             mask = torch.arange(S, device=cache.device)[None, :] > qpos  # [n, S]
-        wkv = self.kv_b_proj.weight.view(self.nh, self.nope + self.vdim, self.r)
+        if keep is not None:
+            mask = ~keep  # [n, S]
+        wkv = weight_of(self.kv_b_proj, q_nope.dtype).view(self.nh, self.nope + self.vdim, self.r)
         if n == 1:
             # weight-absorbed decode: score = (q_nope W_UK) . c_kv + q_pe . k_pe ; out = (attn c_kv) W_UV
             q_abs = torch.einsum("thd,hdr->thr", q_nope, wkv[:, : self.nope].to(q_nope.dtype))  # [1,nh,r]
             scores = torch.einsum("thr,sr->ths", q_abs, c_kv) + torch.einsum("thd,sd->ths", q_pe, k_pe)
+            if mask is not None:
+                scores = scores.masked_fill(mask[:, None, :], float("-inf"))
             p = torch.softmax(scores.float() * self.scaling, dim=-1).to(q_nope.dtype)  # [1,nh,S]
             o_lat = torch.einsum("ths,sr->thr", p, c_kv)
             o = torch.einsum("thr,hvr->thv", o_lat, wkv[:, self.nope:].to(q_nope.dtype))  # [1,nh,v]
@@ -280,31 +303,50 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    """Router + shared experts; routed experts on the shards, except the optional GPU-resident
+    hot experts (`experts`, named like the checkpoint: mlp.experts.{e}.*), which are computed
+    here and sent to the shards with weight 0 so that the shards skip them."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, hot: list[int] = ()):
         super().__init__()
         self.layer = layer
         self.gate = Router(cfg)
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
                                if cfg.n_shared_experts else None)
+        self.hot = list(hot)
+        self.experts = nn.ModuleDict({str(e): MLP(cfg.hidden_size, cfg.moe_intermediate_size) for e in self.hot}) \
+            if self.hot else None
 
     def forward(self, x: torch.Tensor, experts: ExpertsFn) -> torch.Tensor:
         ids, w = self.gate(x)  # [T, k], [T, k] float32
-        wait = experts(self.layer, x, ids, w)  # shards work while we compute the shared expert
+        w_remote = w
+        if self.experts is not None:
+            is_hot = (ids[..., None] == torch.tensor(self.hot, device=ids.device)).any(-1)  # [T, k]
+            w_remote = w.masked_fill(is_hot, 0.0)
+        wait = experts(self.layer, x, ids, w_remote)  # shards work while we compute the rest
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         routed = wait()
+        if self.experts is not None:
+            hot_out = torch.zeros_like(routed)
+            for e in self.hot:
+                rows, cols = torch.where(ids == e)
+                if rows.numel():
+                    y = self.experts[str(e)](x[rows]) * w[rows, cols, None].to(x.dtype)
+                    hot_out.index_add_(0, rows, y.to(hot_out.dtype))
+            routed = routed + hot_out
         return routed if shared is None else routed + shared
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rope: Rope):
+    def __init__(self, cfg: ModelConfig, layer: int, rope: Rope, hot: list[int] = ()):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MLA(cfg, rope)
-        self.mlp = MoE(cfg, layer) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MoE(cfg, layer, hot) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, kv, chunks, experts: ExpertsFn):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, chunks)
+    def forward(self, x, cos, sin, kv, chunks, experts: ExpertsFn, ik=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, chunks, ik)
         h = self.post_attention_layernorm(x)
         return x + (self.mlp(h, experts) if isinstance(self.mlp, MoE) else self.mlp(h))
 
@@ -313,13 +355,15 @@ class Block(nn.Module):
 class DeepseekV3(nn.Module):
     """Everything but the routed experts. Parameter names equal the checkpoint's (minus experts)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, hot_experts: dict[int, list[int]] | None = None):
         super().__init__()
         self.cfg = cfg
         self.rope = Rope(cfg)
+        hot_experts = hot_experts or {}
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleList(Block(cfg, i, self.rope) for i in range(cfg.num_hidden_layers))
+        self.model.layers = nn.ModuleList(Block(cfg, i, self.rope, hot_experts.get(i, ()))
+                                          for i in range(cfg.num_hidden_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
@@ -343,7 +387,8 @@ class DeepseekV3(nn.Module):
             x = x.to(dev)
             if dev not in cos_sin:
                 cos_sin[dev] = self.rope.cos_sin(positions.to(dev), x.dtype)
-            x = blk(x, *cos_sin[dev], pool.kv[i], chunks, experts)
+            x = blk(x, *cos_sin[dev], pool.kv[i], chunks, experts,
+                    pool.index_k[i] if pool.index_k is not None else None)
         for c in chunks:
             c.seq.length = max(c.seq.length, c.start + c.n)
         x = x.to(self.lm_head.weight.device)
@@ -360,25 +405,55 @@ def checkpoint_name(param_name: str) -> str:
 
 
 def build_model(cfg: ModelConfig, get: Callable[[str], "object"], dtype: torch.dtype,
-                device_of: Callable[[str], torch.device]) -> tuple[DeepseekV3, set[str]]:
+                device_of: Callable[[str], torch.device],
+                linear_format: Callable[[str], str | None] = lambda name: None,
+                get_stored: Callable[[str], "object"] | None = None,
+                hot_experts: dict[int, list[int]] | None = None) -> tuple[DeepseekV3, set[str]]:
     """Build the model on the meta device and fill every parameter from `get(name) -> float32
     ndarray`, placing each on `device_of(param_name)`. Nothing is allocated twice and nothing is
     left random: a missing tensor raises through `get`. Router weights stay float32 (as in the
-    reference). Returns the model and the set of checkpoint names loaded."""
+    reference). `linear_format(weight_name)` may return "fp8"/"int8" to hold that linear
+    weight-only quantised; an FP8 checkpoint's own e4m3 arrays are kept without re-quantising
+    (through `get_stored`). Returns the model and the set of checkpoint names loaded."""
     with torch.device("meta"):
-        model = DeepseekV3(cfg)
+        model = DeepseekV3(cfg, hot_experts)
     loaded: set[str] = set()
     for name, p in list(model.named_parameters()):
         src = checkpoint_name(name)
         if src == "lm_head.weight" and cfg.tie_word_embeddings:
             src = "model.embed_tokens.weight"
+        mod_name, _, attr = name.rpartition(".")
+        mod = model.get_submodule(mod_name)
+        dev = device_of(name)
+        fmt = linear_format(name) if isinstance(mod, nn.Linear) and attr == "weight" else None
+        if fmt is not None:
+            stored = get_stored(src) if get_stored is not None else None
+            if fmt == "int4" and stored is not None and stored.format == "int4":
+                a = stored.arrays
+                q = make_quantized(None, "int4", dev, stored=(
+                    torch.from_numpy(np.ascontiguousarray(a["weight_packed"])),
+                    torch.from_numpy(np.ascontiguousarray(a["weight_scale"]).view(np.int16)).view(torch.bfloat16),
+                    tuple(stored.shape)))
+            elif fmt == "fp8" and stored is not None and stored.format == "fp8":
+                pair = (torch.from_numpy(stored.arrays["weight"].view(np.uint8).copy()).view(torch.float8_e4m3fn),
+                        torch.from_numpy(np.asarray(stored.arrays["weight_scale_inv"], dtype=np.float32)))
+                if tuple(pair[0].shape) != tuple(p.shape):
+                    raise ValueError(f"tensor {src!r} has shape {tuple(pair[0].shape)}, expected {tuple(p.shape)}")
+                q = make_quantized(None, "fp8", dev, stored=pair)
+            else:
+                w = torch.from_numpy(get(src))
+                if tuple(w.shape) != tuple(p.shape):
+                    raise ValueError(f"tensor {src!r} has shape {tuple(w.shape)}, expected {tuple(p.shape)}")
+                q = make_quantized(w, fmt, dev)
+            parent_name, _, child = mod_name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, q)
+            loaded.add(src)
+            continue
         t = torch.from_numpy(get(src))
         if tuple(t.shape) != tuple(p.shape):
             raise ValueError(f"tensor {src!r} has shape {tuple(t.shape)}, expected {tuple(p.shape)} from config.json")
-        keep32 = ".mlp.gate." in name
-        mod_name, _, attr = name.rpartition(".")
-        mod = model.get_submodule(mod_name)
+        keep32 = ".mlp.gate." in name or ".indexer.weights_proj." in name  # float32 as in the reference
         mod._parameters[attr] = nn.Parameter(
-            t.to(device=device_of(name), dtype=torch.float32 if keep32 else dtype), requires_grad=False)
+            t.to(device=dev, dtype=torch.float32 if keep32 else dtype), requires_grad=False)
         loaded.add(src)
     return model.eval(), loaded

@@ -14,6 +14,7 @@ import torch
 
 from checkpoint.config import ModelConfig
 from gpu_service.model import Chunk, DeepseekV3, KVPool, SeqKV, build_model
+from gpu_service.placement import Placement
 from gpu_service.sampling import SamplingParams, sample
 
 
@@ -64,27 +65,22 @@ class GenerationResult:
 
 class ModelRunner:
     def __init__(self, reader, experts, device: torch.device | None = None, dtype: torch.dtype | None = None,
-                 kv_tokens: int = 4096, page_size: int = 64, layer_devices: list[torch.device] | None = None):
+                 kv_tokens: int = 4096, page_size: int = 64, placement: Placement | None = None):
         self.cfg: ModelConfig = reader.config
-        self.device = device or default_device()
+        self.device = device or (placement.devices[0] if placement else default_device())
         self.dtype = dtype or default_dtype(self.device)
         self.experts = experts
-        n = self.cfg.num_hidden_layers
-        self.layer_devices = layer_devices or [self.device] * n
-
-        def device_of(name: str) -> torch.device:
-            if name.startswith("model.layers."):
-                return self.layer_devices[int(name.split(".")[2])]
-            if name.startswith("model.embed_tokens"):
-                return self.layer_devices[0]
-            return self.layer_devices[-1]
-
+        self.placement = placement or Placement.single(self.cfg, self.device, kv_tokens)
         t0 = time.perf_counter()
         self.model: DeepseekV3
-        self.model, self.loaded = build_model(self.cfg, reader.get, self.dtype, device_of)
+        self.model, self.loaded = build_model(
+            self.cfg, reader.get, self.dtype, self.placement.device_of,
+            linear_format=self.placement.linear_format, get_stored=reader.get_stored,
+            hot_experts=self.placement.hot_experts)
         self.load_s = time.perf_counter() - t0
         self.page_size = page_size
-        self.pool = KVPool(self.cfg, -(-kv_tokens // page_size), page_size, self.dtype, self.layer_devices)
+        self.pool = KVPool(self.cfg, -(-self.placement.kv_tokens // page_size), page_size, self.dtype,
+                           self.placement.layer_devices)
 
     def new_seq(self) -> SeqKV:
         return SeqKV(self.pool)

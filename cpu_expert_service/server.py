@@ -1,0 +1,415 @@
+"""One CPU expert shard: serves routed experts of every MoE layer over gRPC (no torch).
+
+A shard holds either a subset of the routed experts (`--experts 0-7,9`) or a slice of every
+expert's intermediate dimension (`--slice i/n`, 0-based: gate/up rows and down columns
+[i0:i1) of an even split of moe_intermediate_size), or both. It reads only those weights,
+tensor by tensor, through `CheckpointReader.get`, so its memory is its share of the experts.
+
+    moesplit expert-server --model DIR (--experts 0-7,9 | --slice 1/2) [--host H] [--port P]
+                           [--port-file F] [--shard-id NAME] [--backend auto|kernels|numpy]
+    python -m cpu_expert_service.server ...   (same arguments)
+
+After binding it prints `READY port=<port>` on stdout and writes the port file; it serves until
+SIGTERM/SIGINT. Every request is validated; a bad one gets INVALID_ARGUMENT naming the problem
+(on the bidi stream that aborts the stream only) and the shard keeps serving.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import ml_dtypes
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from checkpoint.config import ModelConfig, load_config
+from cpu_expert_service.backend import ExpertBackend, make_backend
+from protos.moesplit.v1 import experts_pb2, experts_pb2_grpc
+
+log = logging.getLogger("moesplit.expert_server")
+
+SERVICE_NAME = "moesplit.v1.ExpertService"
+DEFAULT_MAX_TOKENS = 16384
+DEFAULT_MAX_WORKERS = 32  # each open Forward stream holds one worker thread for its lifetime
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", -1),
+    ("grpc.max_receive_message_length", -1),
+]
+
+# wire dtype name -> numpy dtype
+WIRE_DTYPES: dict[str, np.dtype] = {
+    "float32": np.dtype(np.float32),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float16": np.dtype(np.float16),
+    "int32": np.dtype(np.int32),
+    "int64": np.dtype(np.int64),
+}
+FLOAT_WIRE = ("float32", "bfloat16", "float16")
+INT_WIRE = ("int32", "int64")
+# modules whose presence in a shard process is reported by Describe (torch must never be there)
+WATCHED_MODULES = ("torch", "transformers", "numpy", "grpc", "safetensors")
+
+
+# ---- tensors on the wire ----------------------------------------------------------------------
+def to_tensor(a: np.ndarray, dtype: str | None = None) -> experts_pb2.Tensor:
+    """numpy array -> Tensor (cast to `dtype` wire name if given)."""
+    if dtype is None:
+        dtype = next((k for k, v in WIRE_DTYPES.items() if v == a.dtype), None)
+        if dtype is None:
+            raise ValueError(f"dtype {a.dtype} has no wire encoding; use one of {list(WIRE_DTYPES)}")
+    arr = np.ascontiguousarray(a, dtype=WIRE_DTYPES[dtype])
+    return experts_pb2.Tensor(dtype=dtype, shape=list(arr.shape), data=arr.tobytes())
+
+
+class RequestError(ValueError):
+    """A request the shard refuses (becomes INVALID_ARGUMENT)."""
+
+
+def from_tensor(t: experts_pb2.Tensor, field: str, allowed: tuple[str, ...]) -> np.ndarray:
+    """Tensor -> numpy array (a read-only view of the message bytes), validated."""
+    if t.dtype not in allowed:
+        raise RequestError(f"{field}: dtype {t.dtype!r} not accepted; expected one of {', '.join(allowed)}")
+    dt = WIRE_DTYPES[t.dtype]
+    shape = tuple(int(s) for s in t.shape)
+    if len(shape) != 2 or any(s < 0 for s in shape):
+        raise RequestError(f"{field}: shape {list(shape)} must be 2-D with non-negative sizes")
+    n = shape[0] * shape[1]
+    if len(t.data) != n * dt.itemsize:
+        raise RequestError(
+            f"{field}: {len(t.data)} data bytes do not match shape {list(shape)} x {t.dtype} "
+            f"({n * dt.itemsize} bytes)"
+        )
+    return np.frombuffer(t.data, dtype=dt).reshape(shape)
+
+
+# ---- what this shard serves -------------------------------------------------------------------
+def parse_experts(spec: str, n_experts: int | None = None) -> list[int]:
+    """'0-7,9' -> [0..7, 9] (sorted, unique); ranges are inclusive."""
+    out: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            if "-" in part:
+                a, b = part.split("-", 1)
+                lo, hi = int(a), int(b)
+                if hi < lo:
+                    raise ValueError
+                out.update(range(lo, hi + 1))
+            else:
+                out.add(int(part))
+        except ValueError:
+            raise ValueError(f"--experts: cannot parse {part!r}; expected e.g. '0-7,9'") from None
+    if not out:
+        raise ValueError(f"--experts {spec!r} names no expert; expected e.g. '0-7,9'")
+    if n_experts is not None:
+        bad = sorted(e for e in out if not 0 <= e < n_experts)
+        if bad:
+            raise ValueError(f"--experts: ids {bad} outside [0, {n_experts}) of this model")
+    return sorted(out)
+
+
+def parse_slice(spec: str) -> tuple[int, int]:
+    """'1/2' -> (1, 2): slice 1 (0-based) of 2."""
+    try:
+        a, b = spec.split("/")
+        i, n = int(a), int(b)
+    except ValueError:
+        raise ValueError(f"--slice {spec!r}: expected 'i/n', e.g. 0/2 for the first of two slices") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise ValueError(f"--slice {spec!r}: need n >= 1 and 0 <= i < n (i is 0-based)")
+    return i, n
+
+
+def slice_range(intermediate: int, index: int, count: int) -> tuple[int, int]:
+    """Even split of [0, intermediate) into `count` parts; part `index` as [i0, i1)."""
+    return (index * intermediate) // count, ((index + 1) * intermediate) // count
+
+
+def _weight_format(reader, name: str, cfg: ModelConfig) -> str:
+    try:
+        return str(reader.format_of(name))
+    except Exception:  # noqa: BLE001 - fall back to what config.json says
+        if cfg.quantization is not None:
+            return cfg.quantization.method
+        return {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}.get(cfg.torch_dtype, cfg.torch_dtype)
+
+
+def load_shard(
+    model_dir: str,
+    experts: list[int] | None,
+    slice_spec: tuple[int, int] | None,
+    backend: str = "numpy",
+) -> tuple[ModelConfig, ExpertBackend, dict]:
+    """Read this shard's expert weights (only those) into a backend. Returns (cfg, backend, info)."""
+    from checkpoint.names import expert_weight  # numpy-only package
+    from checkpoint.reader import CheckpointReader
+
+    reader = CheckpointReader(model_dir)
+    cfg: ModelConfig = reader.config
+    E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
+    experts = list(range(E)) if experts is None else sorted(set(int(e) for e in experts))
+    bad = [e for e in experts if not 0 <= e < E]
+    if bad:
+        raise ValueError(f"experts {bad} outside [0, {E}) of model {model_dir}")
+    s_idx, s_cnt = slice_spec if slice_spec is not None else (0, 1)
+    if not (s_cnt >= 1 and 0 <= s_idx < s_cnt):
+        raise ValueError(f"slice {s_idx}/{s_cnt}: need count >= 1 and 0 <= index < count")
+    i0, i1 = slice_range(I, s_idx, s_cnt)
+    if i1 <= i0:
+        raise ValueError(f"slice {s_idx}/{s_cnt} of moe_intermediate_size={I} is empty; use fewer slices")
+    layers = list(cfg.moe_layers)
+    fmt = _weight_format(reader, expert_weight(layers[0], experts[0], "gate"), cfg) if layers else "f32"
+    be = make_backend(backend, weight_format=fmt)
+    t0 = time.perf_counter()
+    whole = (i0, i1) == (0, I)
+    for layer in layers:
+        for e in experts:
+            gate = reader.get(expert_weight(layer, e, "gate"))  # [I, H]
+            up = reader.get(expert_weight(layer, e, "up"))  # [I, H]
+            down = reader.get(expert_weight(layer, e, "down"))  # [H, I]
+            if not whole:  # copy so the full tensors are freed right away
+                gate, up, down = gate[i0:i1].copy(), up[i0:i1].copy(), down[:, i0:i1].copy()
+            be.add_expert(layer, e, gate, up, down)
+            del gate, up, down
+        reader.close()  # unmap: file pages read so far stop counting towards this process's RSS
+    be.finalize()
+    info = dict(
+        experts=experts,
+        layers=layers,
+        slice_index=s_idx,
+        slice_count=s_cnt,
+        intermediate_start=i0,
+        intermediate_stop=i1,
+        weight_format=fmt,
+        load_s=time.perf_counter() - t0,
+    )
+    return cfg, be, info
+
+
+# ---- the servicer -----------------------------------------------------------------------------
+class ExpertServicer(experts_pb2_grpc.ExpertServiceServicer):
+    """Thin: validate, decode, backend.forward, encode."""
+
+    def __init__(self, cfg: ModelConfig, backend: ExpertBackend, info: dict, shard_id: str, max_tokens: int):
+        self.cfg = cfg
+        self.backend = backend
+        self.info = info
+        self.shard_id = shard_id
+        self.max_tokens = int(max_tokens)
+        self.layers = frozenset(info["layers"])
+
+    # request -> response; raises RequestError for anything invalid
+    def _compute(self, req: experts_pb2.LayerRequest) -> experts_pb2.LayerResponse:
+        t_start = time.perf_counter()
+        cfg = self.cfg
+        if req.layer not in self.layers:
+            raise RequestError(
+                f"layer {req.layer} is not an MoE layer served by shard {self.shard_id} "
+                f"(serves layers {compact_ranges(self.layers) or 'none'})"
+            )
+        x = from_tensor(req.hidden, "hidden", FLOAT_WIRE)  # [T, H]
+        ids = from_tensor(req.topk_ids, "topk_ids", INT_WIRE)  # [T, k]
+        w = from_tensor(req.topk_weights, "topk_weights", FLOAT_WIRE)  # [T, k]
+        T, H = x.shape
+        if H != cfg.hidden_size:
+            raise RequestError(f"hidden: size {H} != model hidden_size {cfg.hidden_size}")
+        if T > self.max_tokens:
+            raise RequestError(f"hidden: {T} tokens exceed this shard's maximum of {self.max_tokens} per request")
+        if ids.shape[0] != T:
+            raise RequestError(f"topk_ids: {ids.shape[0]} rows but hidden has {T} tokens")
+        if w.shape != ids.shape:
+            raise RequestError(f"topk_weights shape {list(w.shape)} != topk_ids shape {list(ids.shape)}")
+        if T and not 1 <= ids.shape[1] <= cfg.n_routed_experts:
+            raise RequestError(f"topk_ids: k={ids.shape[1]} must be in [1, {cfg.n_routed_experts}]")
+        ids64 = ids.astype(np.int64)
+        if ids64.size and (ids64.min() < 0 or ids64.max() >= cfg.n_routed_experts):
+            bad = ids64[(ids64 < 0) | (ids64 >= cfg.n_routed_experts)]
+            raise RequestError(
+                f"topk_ids: expert id {int(bad[0])} outside [0, {cfg.n_routed_experts})"
+            )
+        x32 = x.astype(np.float32)
+        w32 = w.astype(np.float32)
+        if not np.isfinite(x32).all():
+            raise RequestError("hidden contains NaN or Inf")
+        if not np.isfinite(w32).all():
+            raise RequestError("topk_weights contain NaN or Inf")
+        t0 = time.perf_counter()
+        out = self.backend.forward(req.layer, x32, ids64, w32)  # [T, H] f32
+        compute_us = int((time.perf_counter() - t0) * 1e6)
+        resp = experts_pb2.LayerResponse(
+            seq=req.seq,
+            layer=req.layer,
+            output=to_tensor(out, req.hidden.dtype),
+            compute_us=compute_us,
+        )
+        resp.server_us = int((time.perf_counter() - t_start) * 1e6)
+        return resp
+
+    def _compute_or_abort(self, req: experts_pb2.LayerRequest, context) -> experts_pb2.LayerResponse:
+        try:
+            return self._compute(req)
+        except RequestError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"shard {self.shard_id}: seq {req.seq}: {e}")
+        except Exception as e:  # noqa: BLE001 - a bug in the backend: say so, keep serving
+            log.exception("shard %s: layer %d seq %d failed", self.shard_id, req.layer, req.seq)
+            context.abort(grpc.StatusCode.INTERNAL, f"shard {self.shard_id}: seq {req.seq}: {type(e).__name__}: {e}")
+
+    def Forward(self, request_iterator, context):
+        for req in request_iterator:
+            yield self._compute_or_abort(req, context)
+
+    def ForwardOne(self, request, context):
+        return self._compute_or_abort(request, context)
+
+    def Describe(self, request, context):
+        i = self.info
+        return experts_pb2.ShardInfo(
+            shard_id=self.shard_id,
+            layers=i["layers"],
+            experts=i["experts"],
+            slice_index=i["slice_index"],
+            slice_count=i["slice_count"],
+            intermediate_start=i["intermediate_start"],
+            intermediate_stop=i["intermediate_stop"],
+            weight_format=i["weight_format"],
+            kernel=self.backend.name,
+            model_fingerprint=self.cfg.fingerprint(),
+            hidden_size=self.cfg.hidden_size,
+            n_routed_experts=self.cfg.n_routed_experts,
+            num_experts_per_tok=self.cfg.num_experts_per_tok,
+            weight_bytes=int(self.backend.weight_bytes()),
+            max_tokens=self.max_tokens,
+            pid=os.getpid(),
+            loaded_modules=[m for m in WATCHED_MODULES if m in sys.modules],
+        )
+
+
+def _default_shard_id(experts: list[int] | None, slice_spec: tuple[int, int] | None) -> str:
+    parts = []
+    if experts is not None:
+        parts.append("experts-" + compact_ranges(experts))
+    if slice_spec is not None:
+        parts.append(f"slice-{slice_spec[0]}of{slice_spec[1]}")
+    return "_".join(parts) or "all"
+
+
+def compact_ranges(values) -> str:
+    """[0,1,2,3,5,7,8] -> '0-3,5,7-8'."""
+    vals = sorted(set(int(v) for v in values))
+    out, i = [], 0
+    while i < len(vals):
+        j = i
+        while j + 1 < len(vals) and vals[j + 1] == vals[j] + 1:
+            j += 1
+        out.append(str(vals[i]) if i == j else f"{vals[i]}-{vals[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def create_server(
+    model_dir: str,
+    experts: list[int] | None = None,
+    slice_spec: tuple[int, int] | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    backend: str = "numpy",
+    max_workers: int = DEFAULT_MAX_WORKERS,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    shard_id: str | None = None,
+) -> tuple[grpc.Server, int]:
+    """Load this shard's experts and return a started server and its bound port."""
+    cfg, be, info = load_shard(model_dir, experts, slice_spec, backend)
+    shard_id = shard_id or _default_shard_id(experts, slice_spec)
+    servicer = ExpertServicer(cfg, be, info, shard_id, max_tokens)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
+    experts_pb2_grpc.add_ExpertServiceServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    server.start()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    server.health_servicer = health_servicer  # so run() can flip to NOT_SERVING on shutdown
+    server.servicer = servicer
+    log.info(
+        "shard %s: %d experts x %d layers, intermediate [%d:%d), %s via %s, %.1f MB in %.2fs, port %d",
+        shard_id, len(info["experts"]), len(info["layers"]), info["intermediate_start"],
+        info["intermediate_stop"], info["weight_format"], be.name, be.weight_bytes() / 2**20,
+        info["load_s"], bound,
+    )
+    return server, bound
+
+
+# ---- CLI --------------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint directory (config.json + *.safetensors)")
+    p.add_argument("--experts", help="routed expert ids to serve, e.g. '0-7,9' (default: all)")
+    p.add_argument("--slice", dest="slice_spec", help="intermediate slice i/n to serve (0-based), e.g. 1/2")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default)")
+    p.add_argument("--port-file", help="write the bound port to this file once serving")
+    p.add_argument("--shard-id", help="name reported by Describe and in errors")
+    p.add_argument("--backend", default="auto",
+                   help="expert kernel: auto (best built; env MOESPLIT_CPU_BACKEND overrides) | kernels | numpy")
+    p.add_argument("--max-workers", type=int, default=DEFAULT_MAX_WORKERS,
+                   help="gRPC worker threads (each open stream holds one)")
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="largest T accepted per request")
+    p.add_argument("--log-level", default="INFO")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        cfg = load_config(args.model)
+        experts = parse_experts(args.experts, cfg.n_routed_experts) if args.experts else None
+        slice_spec = parse_slice(args.slice_spec) if args.slice_spec else None
+    except ValueError as e:
+        print(f"moesplit expert-server: {e}", file=sys.stderr)
+        return 2
+    server, port = create_server(
+        args.model, experts=experts, slice_spec=slice_spec, host=args.host, port=args.port,
+        backend=args.backend, max_workers=args.max_workers, max_tokens=args.max_tokens,
+        shard_id=args.shard_id,
+    )
+    stop = threading.Event()
+
+    def _on_signal(signum, frame):
+        log.info("signal %d: shutting down", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    if args.port_file:
+        tmp = f"{args.port_file}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(f"{port}\n")
+        os.replace(tmp, args.port_file)  # readers never see a partial file
+    print(f"READY port={port}", flush=True)
+    while not stop.wait(3600):
+        pass
+    server.health_servicer.enter_graceful_shutdown()
+    server.stop(grace=2.0).wait()
+    log.info("stopped")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cpu_expert_service.server", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,472 @@
+"""Continuous-batching engine: one scheduler thread drives `ModelRunner.step` for many requests.
+
+Between steps the scheduler admits new requests and retires finished or cancelled ones. Each step
+is one flat batch of chunks: a one-token decode chunk for every running request past its prompt,
+then prefill chunks (of running requests, then of newly admitted ones) within `chunk_tokens`
+tokens in all (chunked prefill mixed with decode). KV lives in the runner's paged pool:
+
+- admission reserves pages for the request's whole prompt (+1); when the pool cannot, the request
+  waits in the queue (first come, first served);
+- a decode that needs a new page and finds none preempts the most recently admitted request:
+  its pages are freed and it goes back to the head of the queue, to be re-prefilled from
+  prompt + generated tokens later (recompute);
+- a request that can never fit (prompt + max_tokens larger than the pool or the context) is
+  refused at `submit` with a `RequestError`, so nothing ever runs out of memory mid-step.
+
+Sampling uses gpu_service.sampling with one generator per request, so a seeded request gives the
+same tokens whatever it is batched with. The model computes attention per chunk, so batching
+changes numerics only by float reassociation (greedy tokens identical alone or batched).
+
+    engine = Engine(runner, tokenizer, max_batch=16, chunk_tokens=512).start()
+    h = engine.submit(ids, SamplingParams(temperature=0.7, seed=1), max_tokens=64, stop=["\\n\\n"])
+    for out in h:                 # Output(token_ids, text, finish_reason) as tokens come
+        print(out.text, end="")
+    # h.cancel() from any thread: freed at the next step boundary
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+
+from gpu_service.model import Chunk, PoolExhausted, SeqKV
+from gpu_service.sampling import SamplingParams, sample
+
+log = logging.getLogger("moesplit.engine")
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+class RequestError(ValueError):
+    """A request the engine will never serve as given; `param`/`code` name what to fix."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class EngineStopped(RuntimeError):
+    """The engine is shutting down and takes no new requests."""
+
+
+@dataclass
+class Output:
+    """What a request produced since the previous Output. `finish_reason` is set on the last one:
+    "stop" (EOS or a stop string), "length" (max_tokens), "cancelled", or "error" (see `error`)."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class RequestHandle:
+    """The caller's side of one request: iterate (sync or async) over `Output`s, or `cancel()`.
+
+    Thread-safe: the scheduler pushes, any thread or event loop consumes."""
+
+    def __init__(self, rid: str, prompt_tokens: int, max_tokens: int, wake):
+        self.id = rid
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self._wake = wake
+        self._cond = threading.Condition()
+        self._events: collections.deque[Output] = collections.deque()
+        self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
+        self._cancel = threading.Event()
+
+    # ---- consumer side ------------------------------------------------------------------------
+    def cancel(self) -> None:
+        """Ask the engine to drop this request; its KV pages are freed at the next step boundary."""
+        if self.finish_reason is None and not self._cancel.is_set():
+            self._cancel.set()
+            self._wake()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def get(self, timeout: float | None = None) -> Output:
+        """The next Output (blocking); raises TimeoutError after `timeout` seconds."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._events, timeout):
+                raise TimeoutError(f"request {self.id}: no output within {timeout}s")
+            return self._events.popleft()
+
+    def __iter__(self):
+        while True:
+            out = self.get()
+            yield out
+            if out.finish_reason is not None:
+                return
+
+    async def __aiter__(self):
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._cond:
+                if self._events:
+                    out, fut = self._events.popleft(), None
+                else:
+                    out, fut = None, loop.create_future()
+                    self._waiter = (loop, fut)
+            if fut is not None:
+                await fut
+                continue
+            yield out
+            if out.finish_reason is not None:
+                return
+
+    def result(self, timeout: float | None = None) -> tuple[list[int], str, str]:
+        """Block until done: (token_ids, text, finish_reason)."""
+        ids, text = [], []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            out = self.get(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            ids += out.token_ids
+            text.append(out.text)
+            if out.finish_reason is not None:
+                return ids, "".join(text), out.finish_reason
+
+    # ---- engine side --------------------------------------------------------------------------
+    def _push(self, out: Output) -> None:
+        with self._cond:
+            self.completion_tokens += len(out.token_ids)
+            if out.finish_reason is not None:
+                self.finish_reason, self.error = out.finish_reason, out.error
+            self._events.append(out)
+            self._cond.notify_all()
+            waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            loop, fut = waiter
+            try:
+                loop.call_soon_threadsafe(_resolve, fut)
+            except RuntimeError:  # the consumer's loop is closed: nobody is listening
+                pass
+
+
+def _resolve(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+@dataclass
+class _Request:
+    handle: RequestHandle
+    prompt_len: int
+    tokens: list[int]  # prompt + generated; KV exists for tokens[:seq.length]
+    params: SamplingParams
+    gen: torch.Generator | None
+    max_tokens: int
+    stop: tuple[str, ...]
+    ignore_eos: bool
+    seq: SeqKV
+    arrival: float = field(default_factory=time.monotonic)
+    # incremental detokenisation (prefix/read offsets into the generated ids) and stop handling
+    prefix_offset: int = 0
+    read_offset: int = 0
+    text: str = ""
+    sent_chars: int = 0
+
+    @property
+    def out(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to feed before the next sample (1 = a decode)."""
+        return len(self.tokens) - self.seq.length
+
+
+class Engine:
+    """Continuous batching over a `ModelRunner` (see the module docstring)."""
+
+    def __init__(self, runner, tokenizer=None, max_batch: int = 16, chunk_tokens: int = 512,
+                 eos_token_ids: tuple[int, ...] | None = None, max_context: int | None = None):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.cfg = runner.cfg
+        self.max_batch = max_batch
+        self.chunk_tokens = chunk_tokens
+        self.eos = frozenset(self.cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        self.max_context = int(max_context or self.cfg.max_position_embeddings)
+        self.pool = runner.pool
+        self.pool_tokens = self.pool.num_pages * self.pool.page_size
+        self._inbox: collections.deque[_Request] = collections.deque()
+        self._lock = threading.Lock()
+        self._wake_ev = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count(1)
+        self.waiting: collections.deque[_Request] = collections.deque()
+        self.running: list[_Request] = []
+        self.counters = dict(peak_running=0, requests=0, finished=0, cancelled=0, errors=0, preempted=0, steps=0,
+                             prompt_tokens=0, generated_tokens=0, step_tokens=0)
+        self.last_error: str | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> "Engine":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="moesplit-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the scheduler after the current step; unfinished requests end with "cancelled"."""
+        self._stopping = True
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._abort_all("cancelled", None)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def _wake(self) -> None:
+        self._wake_ev.set()
+
+    # ---- submit -------------------------------------------------------------------------------
+    @property
+    def max_request_tokens(self) -> int:
+        """Largest prompt + max_tokens a request may ask for."""
+        return min(self.max_context, self.pool_tokens)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, max_tokens: int | None = None,
+               stop: list[str] | tuple[str, ...] = (), ignore_eos: bool = False) -> RequestHandle:
+        """Queue a request. `max_tokens=None` means up to the context (or pool) size.
+
+        Raises RequestError for a request that can never be served, EngineStopped when stopping."""
+        if self._stopping:
+            raise EngineStopped("the engine is shutting down")
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise RequestError("empty prompt: give at least one token", "prompt")
+        V = self.cfg.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < V), None)
+        if bad is not None:
+            raise RequestError(f"prompt token id {bad} out of range: ids must be in [0, {V})", "prompt")
+        limit, n = self.max_request_tokens, len(prompt_ids)
+        where = "context length" if self.max_context <= self.pool_tokens else "KV pool (--kv-tokens)"
+        if n >= limit:
+            raise RequestError(
+                f"the prompt has {n} tokens but the {where} is {limit} tokens; shorten the prompt",
+                "messages", "context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = limit - n
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise RequestError(f"max_tokens must be an integer >= 1, got {max_tokens!r}", "max_tokens")
+        if n + max_tokens > limit:
+            raise RequestError(
+                f"this request needs {n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion) "
+                f"but the {where} is {limit} tokens; lower max_tokens to at most {limit - n}",
+                "max_tokens", "context_length_exceeded")
+        stop = tuple(stop or ())
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise RequestError("stop strings must be non-empty strings", "stop")
+        if stop and self.tokenizer is None:
+            raise RequestError("stop strings need the checkpoint's tokenizer.json", "stop")
+        params = params or SamplingParams()
+        rid = f"req-{next(self._ids)}"
+        handle = RequestHandle(rid, n, max_tokens, self._wake)
+        req = _Request(handle, n, list(prompt_ids), params, params.generator(), max_tokens, stop, ignore_eos,
+                       self.runner.new_seq())
+        with self._lock:
+            self._inbox.append(req)
+            self.counters["requests"] += 1
+            self.counters["prompt_tokens"] += n
+        self._wake()
+        return handle
+
+    # ---- stats --------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Snapshot for metrics: requests running/waiting, pool pages, counters."""
+        p = self.pool
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting) + len(self._inbox),
+            "pool_pages_total": p.num_pages,
+            "pool_pages_in_use": p.pages_in_use,
+            "pool_page_size": p.page_size,
+            "pool_usage": p.pages_in_use / p.num_pages if p.num_pages else 0.0,
+            "max_batch": self.max_batch,
+            "chunk_tokens": self.chunk_tokens,
+            **self.counters,
+        }
+
+    # ---- scheduler ----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stopping:
+            self._wake_ev.clear()
+            with self._lock:
+                while self._inbox:
+                    self.waiting.append(self._inbox.popleft())
+            self._reap_cancelled()
+            batch = self._schedule()
+            if not batch:
+                self._wake_ev.wait()
+                continue
+            self._run(batch)
+
+    def _reap_cancelled(self) -> None:
+        for r in [r for r in self.running if r.handle.cancelled]:
+            self.running.remove(r)
+            self._finish(r, "cancelled")
+        for r in [r for r in self.waiting if r.handle.cancelled]:
+            self.waiting.remove(r)
+            self._finish(r, "cancelled")
+
+    def _preempt(self, r: _Request) -> None:
+        """Free a running request's pages and put it back at the head of the queue (recompute)."""
+        r.seq.free()
+        self.waiting.appendleft(r)
+        self.counters["preempted"] += 1
+        log.info("preempted %s (%d tokens) to free KV pages", r.handle.id, len(r.tokens))
+
+    def _schedule(self) -> list[tuple[_Request, int, int]]:
+        """Pick this step's chunks as (request, start, n); reserves their KV pages."""
+        # 1. every decode needs one more slot; preempt the newest requests if the pool is full
+        i = 0
+        while i < len(self.running):
+            r = self.running[i]
+            if r.remaining == 1:
+                while True:
+                    try:
+                        r.seq.reserve(r.seq.length + 1)
+                        break
+                    except PoolExhausted:
+                        victim = self.running.pop()
+                        self._preempt(victim)
+                        if victim is r:
+                            break
+            i += 1
+        batch = [(r, r.seq.length, 1) for r in self.running if r.remaining == 1]
+        budget = self.chunk_tokens - len(batch)
+        # 2. continue the prefills of running requests (pages already reserved at admission)
+        for r in self.running:
+            if r.remaining > 1 and budget > 0:
+                n = min(r.remaining, budget)
+                batch.append((r, r.seq.length, n))
+                budget -= n
+        # 3. admit new requests while the budget, the batch size and the pool allow
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch:
+            r = self.waiting[0]
+            try:
+                r.seq.reserve(len(r.tokens) + 1)
+            except PoolExhausted:
+                break  # wait until a request finishes (FIFO: no overtaking)
+            self.waiting.popleft()
+            self.running.append(r)
+            n = min(r.remaining, budget)
+            batch.append((r, r.seq.length, n))
+            budget -= n
+        return batch
+
+    def _run(self, batch: list[tuple[_Request, int, int]]) -> None:
+        ids: list[int] = []
+        chunks: list[Chunk] = []
+        for r, start, n in batch:
+            ids += r.tokens[start:start + n]
+            chunks.append(Chunk(r.seq, start, n))
+        try:
+            logits = self.runner.step(ids, chunks)  # [len(chunks), V]
+        except Exception as e:  # noqa: BLE001 - fail this batch's requests, keep serving
+            msg = f"model step failed: {type(e).__name__}: {e}"
+            log.error("%s\n%s", msg, traceback.format_exc())
+            self.last_error = msg
+            for r, _, _ in batch:
+                if r in self.running:
+                    self.running.remove(r)
+                self._finish(r, "error", msg)
+            return
+        self.counters["steps"] += 1
+        self.counters["peak_running"] = max(self.counters["peak_running"], len(self.running))
+        self.counters["step_tokens"] += len(ids)
+        # one device->host copy for every greedy row (sample() would sync once per request)
+        greedy = logits.argmax(-1).tolist() if any(r.params.greedy for r, _, _ in batch) else None
+        for j, (r, start, n) in enumerate(batch):
+            if start + n < len(r.tokens):
+                continue  # a prefill chunk short of the prompt's end: nothing to sample yet
+            tok = greedy[j] if r.params.greedy else sample(logits[j], r.params, r.gen)
+            r.tokens.append(tok)
+            self.counters["generated_tokens"] += 1
+            self._emit(r, tok)
+
+    # ---- outputs ------------------------------------------------------------------------------
+    def _detok(self, r: _Request) -> str:
+        """New text of the generated ids (prefix/read-offset incremental decoding: only complete
+        characters are returned, so multi-byte characters split across tokens come out whole)."""
+        out = r.out
+        prefix = self.tokenizer.decode(out[r.prefix_offset:r.read_offset])
+        new = self.tokenizer.decode(out[r.prefix_offset:])
+        if len(new) > len(prefix) and not new.endswith("\ufffd"):
+            r.prefix_offset, r.read_offset = r.read_offset, len(out)
+            return new[len(prefix):]
+        return ""
+
+    def _emit(self, r: _Request, tok: int) -> None:
+        finish = None
+        if tok in self.eos and not r.ignore_eos:
+            finish = "stop"
+        elif len(r.out) >= r.max_tokens:
+            finish = "length"
+        text = ""
+        if self.tokenizer is not None:
+            before = len(r.text)
+            r.text += self._detok(r)
+            if finish is not None and r.read_offset < len(r.out):  # flush an incomplete tail
+                tail = self.tokenizer.decode(r.out[r.prefix_offset:])
+                r.text += tail[len(self.tokenizer.decode(r.out[r.prefix_offset:r.read_offset])):]
+            if r.stop:
+                longest = max(len(s) for s in r.stop)
+                lo = max(0, before - longest + 1)
+                hits = [i for i in (r.text.find(s, lo) for s in r.stop) if i >= 0]
+                if hits:
+                    r.text = r.text[:min(hits)]
+                    finish = "stop"
+                hold = 0 if finish is not None else longest - 1  # a stop string may be starting
+            else:
+                hold = 0
+            end = max(r.sent_chars, len(r.text) - hold)
+            text, r.sent_chars = r.text[r.sent_chars:end], end
+        if finish is None:
+            r.handle._push(Output([tok], text))
+            return
+        self.running.remove(r)
+        r.seq.free()
+        self.counters["finished"] += 1
+        r.handle._push(Output([tok], text, finish))
+
+    def _finish(self, r: _Request, reason: str, error: str | None = None) -> None:
+        """End a request without a new token (cancelled, error, shutdown) and free its pages."""
+        r.seq.free()
+        self.counters["cancelled" if reason == "cancelled" else "errors"] += 1
+        r.handle._push(Output([], "", reason, error))
+
+    def _abort_all(self, reason: str, error: str | None) -> None:
+        with self._lock:
+            self.waiting.extend(self._inbox)
+            self._inbox.clear()
+        for r in self.running + list(self.waiting):
+            if r.handle.finish_reason is None:
+                self._finish(r, reason, error)
+        self.running.clear()
+        self.waiting.clear()

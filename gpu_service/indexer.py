@@ -1,0 +1,88 @@
+"""DeepSeek-V3.2 lightning indexer (DeepSeek Sparse Attention, DSA).
+
+Each MLA layer of a V3.2 model carries an `Indexer`: from the compressed query q_resid
+(= q_a_layernorm(q_a_proj(x))) and the layer input x it scores every cached token s for every
+query t,
+
+    I[t, s] = sum_j  w[t, j] * ReLU(softmax_scale * q[t, j] . k[s])
+    w[t, :] = weights_proj(x[t]) * n_heads^-0.5,   softmax_scale = index_head_dim^-0.5,
+
+and MLA then attends only to the causal top-`index_topk` positions of I[t, :]. Index keys k[s]
+(one single-head vector of index_head_dim per token, = k_norm(wk(x)) with RoPE on its first
+qk_rope_head_dim dims) are cached per layer beside the MLA cache (`KVPool.index_k`).
+
+This follows transformers' `DeepseekV32Indexer` (the equality reference), which differs from
+DeepSeek's own inference code in three precision-only ways: no Hadamard rotation of q and k (it is
+orthogonal, so q.k is unchanged up to rounding), no FP8 (e4m3, 128-blocks) quantisation of q or of
+the cached index keys (scores are computed in float32 from model-dtype q/k), and weights_proj kept
+in float32. The RoPE here is the half-split (non-interleaved) layout, unlike MLA's interleaved
+pairs, as in the fixed (2025-11-17) official code; it uses the same YaRN cos/sin as MLA.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from checkpoint.config import ModelConfig
+
+
+def rope_half_split(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Non-interleaved RoPE. x: [T, heads, d]; cos/sin: [T, d/2] -> [T, heads, d]."""
+    c, s = cos[:, None, :], sin[:, None, :]
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+SCORE_ELEMS = 1 << 26  # float32 elements of per-head index scores held at once in prefill (256 MiB)
+
+
+class Indexer(nn.Module):
+    """Parameters named as in the checkpoint: `...self_attn.indexer.{wq_b,wk,k_norm,weights_proj}`."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.q_lora_rank is None:
+            raise ValueError("deepseek_v32: the indexer reads the compressed query, so q_lora_rank must be set")
+        if cfg.index_head_dim < cfg.qk_rope_head_dim:
+            raise ValueError(f"deepseek_v32: index_head_dim={cfg.index_head_dim} must be >= "
+                             f"qk_rope_head_dim={cfg.qk_rope_head_dim}")
+        self.nh, self.hd, self.rdim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim, cfg.index_topk
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.nh * self.hd, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, self.hd, bias=False)
+        self.k_norm = nn.LayerNorm(self.hd, eps=1e-6)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.nh, bias=False)  # kept float32 by build_model
+        self.softmax_scale = self.hd ** -0.5
+
+    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Index keys of new tokens, to be cached. x: [T, H] -> [T, index_head_dim]."""
+        k = self.k_norm(self.wk(x))  # [T, hd]
+        k_rot = rope_half_split(k[:, None, : self.rdim], cos, sin)[:, 0]
+        return torch.cat([k_rot, k[:, self.rdim:]], dim=-1)
+
+    def select(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               index_keys: torch.Tensor, start: int) -> torch.Tensor | None:
+        """Which cached positions each query may attend to.
+
+        x: [n, H] and q_resid: [n, q_lora_rank] of queries at positions start..start+n-1;
+        index_keys: [S, index_head_dim] of positions 0..S-1 (S = start + n).
+        Returns keep: [n, S] bool (causal AND among the top-`index_topk` index scores), or None
+        when index_topk >= S, where every causal position is selected (dense attention)."""
+        n, S = x.shape[0], index_keys.shape[0]
+        if self.topk >= S:
+            return None
+        q = self.wq_b(q_resid).view(n, self.nh, self.hd)
+        q = torch.cat([rope_half_split(q[..., : self.rdim], cos, sin), q[..., self.rdim:]], dim=-1)  # [n, nh, hd]
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.nh ** -0.5  # [n, nh]
+        k32 = index_keys.float().t()  # [hd, S]
+        index = torch.empty(n, S, dtype=torch.float32, device=x.device)
+        step = max(1, SCORE_ELEMS // (self.nh * S))  # queries per block: bounds the [b, nh, S] scores
+        for i in range(0, n, step):
+            scores = F.relu(torch.matmul(q[i:i + step].float(), k32) * self.softmax_scale)  # [b, nh, S]
+            index[i:i + step] = torch.matmul(w[i:i + step, None, :], scores)[:, 0]  # [b, S]
+        qpos = torch.arange(start, start + n, device=x.device)[:, None]
+        causal = torch.arange(S, device=x.device)[None, :] <= qpos  # [n, S]
+        index = index.masked_fill(~causal, float("-inf"))
+        top = index.topk(self.topk, dim=-1).indices  # [n, topk]; masked picks are dropped by `& causal`
+        keep = torch.zeros_like(causal).scatter_(1, top, True)
+        return keep & causal

@@ -1,0 +1,137 @@
+"""Executing a memory plan: which device holds each parameter, in which format, and the
+pre-load check against the memory actually free.
+
+`Placement.from_plan` turns a `plan.Plan` into a layer -> GPU map (hidden states hop between
+GPUs; no NCCL), embeddings on the CPU when the plan says so, weight-only FP8/INT8 linears, the
+KV pool size and the GPU-resident hot experts. `preflight` compares the plan with
+`torch.cuda.mem_get_info` before anything is allocated and refuses with the plan table, the
+missing GiB and the options that would fit.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from checkpoint.config import ModelConfig
+
+# linears that the attention-weights option quantises (attention, V3.2 indexer projections,
+# shared experts, dense MLP) — the same set the planner counts as quantisable
+_QUANTISABLE = re.compile(
+    r"model\.layers\.\d+\.(self_attn\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj"
+    r"|indexer\.wq_b|indexer\.wk)|mlp\.shared_experts\.(gate|up|down)_proj|mlp\.(gate|up|down)_proj)\.weight$")
+_HOT_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+class PlanDoesNotFit(RuntimeError):
+    """The plan needs more GPU memory than is free; the message has the table and the options."""
+
+
+@dataclass
+class Placement:
+    cfg: ModelConfig
+    devices: list[torch.device]  # one per planned GPU (on a CPU-only machine: cpu, repeated)
+    layer_gpu: list[int]  # layer -> index into devices
+    embeddings_on_cpu: bool = False
+    attention_weights: str = "checkpoint"  # checkpoint|bf16|fp8|int8
+    expert_format: str = "bf16"  # format of GPU-resident hot experts
+    kv_tokens: int = 4096
+    hot_experts: dict[int, list[int]] = field(default_factory=dict)  # layer -> expert ids on the GPU
+
+    @staticmethod
+    def single(cfg: ModelConfig, device: torch.device, kv_tokens: int = 4096) -> "Placement":
+        return Placement(cfg, [device], [0] * cfg.num_hidden_layers, kv_tokens=kv_tokens)
+
+    @staticmethod
+    def from_plan(plan, devices: list[torch.device] | None = None,
+                  hot_experts: dict[int, list[int]] | None = None) -> "Placement":
+        cfg, o = plan.cfg, plan.options
+        if devices is None:
+            n = torch.cuda.device_count()
+            if n < len(plan.gpus):
+                raise PlanDoesNotFit(f"the plan uses {len(plan.gpus)} GPUs but {n} are visible")
+            devices = [torch.device("cuda", i) for i in range(len(plan.gpus))]
+        layer_gpu = [0] * cfg.num_hidden_layers
+        for g, gp in enumerate(plan.gpus):
+            for layer in gp.layers:
+                layer_gpu[layer] = g
+        if hot_experts is None:
+            # Without activation statistics the hot set is the first N experts of each layer;
+            # pass `hot_experts` (e.g. from the shards' activation counters) to choose better.
+            hot_experts = {layer: list(range(o.gpu_experts)) for layer in cfg.moe_layers} if o.gpu_experts else {}
+        return Placement(cfg, list(devices), layer_gpu, o.embeddings == "cpu", o.attention_weights,
+                         o.expert_format, o.kv_tokens, hot_experts)
+
+    # ---- per-parameter decisions ---------------------------------------------------------------
+    def gpu_index_of(self, param_name: str) -> int:
+        """Index into `devices` of the GPU holding this parameter; -1 for the CPU."""
+        if param_name.startswith("model.layers."):
+            return self.layer_gpu[int(param_name.split(".")[2])]
+        if param_name.startswith("model.embed_tokens"):
+            return -1 if self.embeddings_on_cpu else 0
+        return len(self.devices) - 1  # final norm and lm_head
+
+    def device_of(self, param_name: str) -> torch.device:
+        g = self.gpu_index_of(param_name)
+        return torch.device("cpu") if g < 0 else self.devices[g]
+
+    @property
+    def layer_devices(self) -> list[torch.device]:
+        return [self.devices[g] for g in self.layer_gpu]
+
+    def linear_format(self, param_name: str) -> str | None:
+        """"fp8"/"int8"/"int4" for a weight held quantised, None for the compute dtype."""
+        if _HOT_EXPERT.match(param_name):
+            return None if self.expert_format == "bf16" else self.expert_format
+        if not _QUANTISABLE.match(param_name):
+            return None
+        aw = self.attention_weights
+        if aw == "checkpoint":
+            q = self.cfg.quantization
+            return "fp8" if q is not None and q.method == "fp8" else None
+        return None if aw == "bf16" else aw
+
+
+def allocated_bytes_by_gpu(model: torch.nn.Module, placement: Placement, pool=None) -> dict[int, int]:
+    """Bytes of parameters and buffers (and the KV pool) per planned GPU index (-1 = CPU), by the
+    placement's map — on a CPU-only machine this still tells each planned device's share."""
+    out: dict[int, int] = {}
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        g = placement.gpu_index_of(name)
+        out[g] = out.get(g, 0) + t.numel() * t.element_size()
+    if pool is not None:
+        for layer, t in enumerate(pool.kv):
+            g = placement.layer_gpu[layer]
+            out[g] = out.get(g, 0) + t.numel() * t.element_size()
+    return out
+
+
+def preflight(plan, plan_kwargs: dict | None = None) -> None:
+    """Before allocating: each planned GPU's used bytes must be free right now (mem_get_info).
+    Raises PlanDoesNotFit with the table, the missing GiB and re-planned options that would fit."""
+    if not torch.cuda.is_available():
+        return
+    from gpu_service import plan as P
+
+    short = []
+    free = []
+    for i, g in enumerate(plan.gpus):
+        f, total = torch.cuda.mem_get_info(i)
+        # the plan's reserve covers the CUDA context this process is about to create
+        need = g.used_bytes - g.items.get("reserve", 0)
+        free.append(f)
+        if need > f:
+            short.append((i, need - f, f, total))
+    if not short and plan.fits:
+        return
+    lines = [plan.table(), ""]
+    for i, miss, f, total in short:
+        lines.append(f"GPU {i}: {P.fmt_gib(miss)} missing ({P.fmt_gib(f)} free of {P.fmt_gib(total)})")
+    if plan_kwargs is not None:
+        alt = P.make_plan(plan.cfg, [f + P.gpu_reserve(f) for f in free], **plan_kwargs)
+        if alt.fits:
+            lines.append("would fit with the memory free now: " + "; ".join(alt.choices))
+        for s in alt.suggestions or plan.suggestions:
+            lines.append(f"would fit: {s.get('args') or s.get('change')}")
+    raise PlanDoesNotFit("\n".join(lines))

@@ -1,0 +1,820 @@
+"""The memory plan: bytes per GPU and per CPU expert shard, computed from config.json alone.
+
+Nothing is allocated. `make_plan` places every non-routed weight, the KV cache, the activation
+workspace and optional GPU-resident hot experts on the GPUs given, places the routed experts on
+CPU shards, and — for each option left at "auto" — searches for a configuration that fits.
+The GPU service executes the plan; `param_bytes_by_module` lets it compare "planned vs allocated"
+per module and device.
+
+Byte model (every number below is a module constant or a formula in this file)
+-------------------------------------------------------------------------------
+Weights, per linear [out, in] of n = out*in parameters:
+    bf16  2n
+    fp8   n + 4 * ceil(out/128) * ceil(in/128)        e4m3 + f32 scale per 128x128 block
+    int8  n + 4 * out                                 per-output-channel f32 scale
+    int4  n/2 + 2 * out * ceil(in/32)                 packed int32 + bf16 scale per group of 32
+  "checkpoint" = as stored: fp8 for DeepSeek/Kimi-K2 FP8 checkpoints, bf16 for the non-expert
+  linears of Kimi-K2-Thinking (its INT4 `ignore` list), bf16 for BF16 checkpoints.
+  Quantisable on the GPU: attention (q_a/q_b or q_proj, kv_a, kv_b, o_proj), V3.2 indexer wq_b/wk,
+  shared experts and dense MLP. Always bf16: embeddings, lm_head, norms (q_a/kv_a norms are
+  counted in "attention"), the V3.2 indexer weights_proj and k_norm. Routers: f32 weight and f32
+  e_score_correction_bias (the model keeps router weights in f32).
+KV cache, bf16, per token per layer: MLA c_kv + k_pe = kv_lora_rank + qk_rope_head_dim values
+  (576 for every target model); V3.2 adds its indexer key, index_head_dim values ("index_keys").
+  `kv_tokens` is the pool size shared by all running sequences; every layer holds all of it.
+Workspace of one GPU (the largest layer it runs; T = chunk_tokens, Kb = min(kv_tokens, T)):
+    act    = 2 * T * (3*H + max(A, 3*M))   bf16 residual/normed/output rows, plus the widest of
+             A = q_lora + kv_lora + rope + heads*qk_head_dim + heads*v_head_dim (attention) and
+             M = widest MLP on this GPU (dense intermediate, shared-expert or hot-expert width)
+    attn   = 4*T*heads*Kb  + 2*Kb*heads*(qk_head_dim + v_head_dim) + 4*T*heads*v_head_dim
+             fp32 scores of one key block, expanded K/V of the block, fp32 output accumulator:
+             the expanded prefill path attends over the cache in key blocks of <= T tokens
+             (online softmax); decode uses the absorbed path, which needs less.
+    index  = 4*T*index_heads*Kb + 4*T*kv_tokens + 8*T*index_topk      (V3.2 only; runs before
+             attention, so the workspace takes max(attn, index))
+    moe    = 4*T*H + 12*T*top_k                 fp32 sum of shard partials, routing ids/weights
+    logits = 2 * 4 * max_batch * vocab          fp32 logits + sampling probs (GPU with lm_head;
+             only each sequence's last position is projected)
+Reserve of one GPU: CUDA context 512 MiB (context, cuBLAS handles, kernel images; the user report
+  shows ~350 MiB outside PyTorch) + allocator fragmentation max(256 MiB, 3% of capacity).
+  `--gpu 24GiB` is taken as the card's total; a card that reports less (an RTX 3090 shows
+  "total capacity of 23.56 GiB") should be given its reported total for an exact plan.
+CPU shard (one per NUMA node; intermediate-slice split: shard i holds rows/cols i/n of every
+  expert's intermediate dimension): weights in the expert format (formula above, per slice)
+  + buffers 4*(2*T*H + T*top_k*(H + 3*I_slice)) + 1 GiB process baseline.
+Host RAM = all shards + GPU service host side (4 GiB + embeddings when they live on the CPU)
+  + 8 GiB for the OS; checked against --host-ram when given.
+
+Auto search, in order of least harm (explicit options are never changed)
+------------------------------------------------------------------------
+KV target = kv_tokens if given else 65536 (a target: auto shrinks it only when needed, never
+below min_kv_tokens; pass min_kv_tokens = kv_tokens to pin it). At the target, with gpu_experts
+= 0 when auto:
+  1. layer split across all GPUs given: contiguous layer ranges, balanced by bytes (maximin free
+     bytes); embeddings on the first GPU, final norm + lm_head on the last — always done;
+  2. embeddings on the CPU (only lm_head stays on the GPU);
+  3. weight-only quantised attention/indexer/shared-expert/dense linears: fp8 for an FP8
+     checkpoint (its stored format: no loss), int8 per-channel otherwise (best accuracy at 1 B);
+     then embeddings back on the GPU if that fits;
+  4. fewer KV tokens (binary search, multiples of 256, >= min_kv_tokens);
+  5. gpu_experts auto = as many hot experts per MoE layer as fit in what is left after 1-4.
+expert_format auto: the checkpoint's INT4 for INT4 checkpoints; otherwise the most precise of
+bf16, int8, int4 whose shards fit --host-ram (int8 when --host-ram is not given).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from checkpoint.config import ConfigError, ModelConfig, load_config
+
+KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
+
+CUDA_CONTEXT_BYTES = 512 * MiB
+FRAGMENTATION_FRACTION = 0.03
+FRAGMENTATION_MIN_BYTES = 256 * MiB
+DEFAULT_KV_TARGET = 65536
+DEFAULT_MIN_KV_TOKENS = 4096
+DEFAULT_CHUNK_TOKENS = 2048
+DEFAULT_MAX_BATCH = 16
+KV_ROUND = 256
+SHARD_BASELINE_BYTES = 1 * GiB
+GPU_SERVICE_HOST_BYTES = 4 * GiB
+HOST_OS_RESERVE_BYTES = 8 * GiB
+FP8_BLOCK = (128, 128)
+INT4_GROUP = 32
+
+ATTENTION_WEIGHTS = ("auto", "checkpoint", "bf16", "fp8", "int8")
+EMBEDDINGS = ("auto", "gpu", "cpu")
+EXPERT_FORMATS = ("auto", "bf16", "int8", "int4")
+PRESETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
+
+# GPU item categories, in table order
+CATEGORIES = ("embeddings", "attention", "indexer", "dense_mlp", "shared_experts", "routers", "norms",
+              "lm_head", "kv_cache", "index_keys", "gpu_experts", "workspace", "reserve")
+
+
+# ------------------------------------------------------------------------------------- sizes
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": KiB, "ki": KiB, "m": 1000**2, "mb": 1000**2,
+          "mib": MiB, "mi": MiB, "g": 1000**3, "gb": 1000**3, "gib": GiB, "gi": GiB,
+          "t": 1000**4, "tb": 1000**4, "tib": TiB, "ti": TiB}
+
+
+def parse_size(s: str | int | float) -> int:
+    """"24GiB" -> 25769803776. GB/MB/KB/TB (and G/M/K/T) are powers of 1000, GiB/MiB/KiB/TiB
+    (and Gi/Mi/Ki/Ti) powers of 1024; a bare number is bytes. Raises ValueError otherwise."""
+    if isinstance(s, (int, float)) and not isinstance(s, bool):
+        return int(s)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(s))
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _UNITS:
+        raise ValueError(f"cannot read size {s!r}; write e.g. 24GiB, 16GB, 768GiB, 512MiB")
+    return int(round(float(m.group(1)) * _UNITS[unit]))
+
+
+def fmt_gib(n: int | float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+# ----------------------------------------------------------------------------- weight bytes
+def linear_bytes(out: int, inp: int, fmt: str) -> int:
+    """Bytes of one linear weight [out, inp] stored in `fmt` (see the module docstring)."""
+    n = out * inp
+    if fmt == "bf16":
+        return 2 * n
+    if fmt == "fp8":
+        return n + 4 * math.ceil(out / FP8_BLOCK[0]) * math.ceil(inp / FP8_BLOCK[1])
+    if fmt == "int8":
+        return n + 4 * out
+    if fmt == "int4":
+        return 4 * out * math.ceil(inp / 8) + 2 * out * math.ceil(inp / INT4_GROUP)
+    raise ValueError(f"unknown weight format {fmt!r}; expected bf16, fp8, int8 or int4")
+
+
+@dataclass(frozen=True)
+class Module:
+    """One GPU-side parameter group. linears: quantisable [out, in] weights (with their checkpoint
+    names for the INT4 ignore list); bf16/f32: element counts of always-unquantised tensors."""
+
+    name: str
+    category: str
+    layer: int | None
+    linears: tuple[tuple[str, int, int], ...] = ()
+    bf16: int = 0
+    f32: int = 0
+
+    @property
+    def params(self) -> int:
+        return sum(o * i for _, o, i in self.linears) + self.bf16 + self.f32
+
+
+def gpu_modules(cfg: ModelConfig) -> list[Module]:
+    """Every non-routed parameter group of the model (MTP layers excluded: not served)."""
+    H, V, nh = cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads
+    mods = [Module("model.embed_tokens", "embeddings", None, bf16=V * H)]
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        mods.append(Module(p + "input_layernorm", "norms", i, bf16=H))
+        a = p + "self_attn."
+        if cfg.q_lora_rank:
+            q = ((a + "q_a_proj", cfg.q_lora_rank, H), (a + "q_b_proj", nh * cfg.qk_head_dim, cfg.q_lora_rank))
+            qnorm = cfg.q_lora_rank
+        else:
+            q, qnorm = ((a + "q_proj", nh * cfg.qk_head_dim, H),), 0
+        lin = q + ((a + "kv_a_proj_with_mqa", cfg.kv_cache_dim, H),
+                   (a + "kv_b_proj", nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+                   (a + "o_proj", H, nh * cfg.v_head_dim))
+        mods.append(Module(p + "self_attn", "attention", i, lin, bf16=qnorm + cfg.kv_lora_rank))
+        if cfg.is_v32:
+            x, hd, ih = a + "indexer.", cfg.index_head_dim, cfg.index_n_heads
+            mods.append(Module(p + "self_attn.indexer", "indexer", i,
+                               ((x + "wq_b", ih * hd, cfg.q_lora_rank or H), (x + "wk", hd, H)),
+                               bf16=ih * H + 2 * hd))  # weights_proj [ih, H], k_norm weight + bias
+        mods.append(Module(p + "post_attention_layernorm", "norms", i, bf16=H))
+        m = p + "mlp."
+        if cfg.is_moe_layer(i):
+            if cfg.n_shared_experts:
+                I = cfg.n_shared_experts * cfg.moe_intermediate_size
+                s = m + "shared_experts."
+                mods.append(Module(p + "mlp.shared_experts", "shared_experts", i,
+                                   ((s + "gate_proj", I, H), (s + "up_proj", I, H), (s + "down_proj", H, I))))
+            mods.append(Module(p + "mlp.gate", "routers", i, f32=cfg.n_routed_experts * H + cfg.n_routed_experts))
+        else:
+            I = cfg.intermediate_size
+            mods.append(Module(p + "mlp", "dense_mlp", i,
+                               ((m + "gate_proj", I, H), (m + "up_proj", I, H), (m + "down_proj", H, I))))
+    mods.append(Module("model.norm", "norms", None, bf16=H))
+    mods.append(Module("lm_head", "lm_head", None, bf16=V * H))
+    return mods
+
+
+def param_counts(cfg: ModelConfig) -> dict[str, int]:
+    """{"routed": ..., "non_routed": ..., "total": ...} parameters (MTP layers excluded)."""
+    routed = len(cfg.moe_layers) * cfg.n_routed_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    mods = gpu_modules(cfg)
+    non = sum(m.params for m in mods if not (cfg.tie_word_embeddings and m.category == "lm_head"))
+    return {"routed": routed, "non_routed": non, "total": routed + non}
+
+
+def _int4_ignored(cfg: ModelConfig, linear_name: str) -> bool:
+    for pat in cfg.quantization.ignore:
+        if pat.startswith("re:"):
+            if re.match(pat[3:], linear_name):
+                return True
+        elif linear_name == pat or linear_name.startswith(pat + "."):
+            return True
+    return False
+
+
+def checkpoint_format(cfg: ModelConfig, linear_name: str) -> str:
+    """How the checkpoint stores one non-expert linear: bf16, fp8 or int4."""
+    q = cfg.quantization
+    if q is None:
+        return "bf16"
+    if q.method == "fp8":
+        return "fp8"
+    return "bf16" if _int4_ignored(cfg, linear_name) else "int4"
+
+
+@dataclass(frozen=True)
+class Options:
+    """Resolved plan options (no "auto" left)."""
+
+    attention_weights: str  # checkpoint|bf16|fp8|int8
+    embeddings: str  # gpu|cpu
+    expert_format: str  # bf16|int8|int4
+    gpu_experts: int
+    kv_tokens: int
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    max_batch: int = DEFAULT_MAX_BATCH
+
+
+def module_bytes(cfg: ModelConfig, mod: Module, attention_weights: str) -> int:
+    b = 2 * mod.bf16 + 4 * mod.f32
+    for name, o, i in mod.linears:
+        fmt = checkpoint_format(cfg, name) if attention_weights == "checkpoint" else attention_weights
+        b += linear_bytes(o, i, fmt)
+    return b
+
+
+def param_bytes_by_module(cfg: ModelConfig, options: Options | dict | str = "checkpoint") -> dict[str, int]:
+    """{module name: bytes} of every GPU-side parameter group with the given attention-weights
+    format (an `Options`, a dict with "attention_weights", or the format string). Names are the
+    model's module paths (model.layers.{i}.self_attn, ...mlp.shared_experts, ...mlp.gate, lm_head)."""
+    aw = options if isinstance(options, str) else (
+        options["attention_weights"] if isinstance(options, dict) else options.attention_weights)
+    if aw not in ATTENTION_WEIGHTS[1:]:
+        raise ValueError(f"attention_weights {aw!r} must be resolved: one of {ATTENTION_WEIGHTS[1:]}")
+    return {m.name: module_bytes(cfg, m, aw) for m in gpu_modules(cfg)}
+
+
+def expert_bytes(cfg: ModelConfig, fmt: str, inter: int | None = None) -> int:
+    """Bytes of one routed expert (or of an intermediate slice of `inter` rows of it)."""
+    I, H = inter if inter is not None else cfg.moe_intermediate_size, cfg.hidden_size
+    return 2 * linear_bytes(I, H, fmt) + linear_bytes(H, I, fmt)
+
+
+def kv_bytes_per_token_layer(cfg: ModelConfig) -> tuple[int, int]:
+    """(MLA c_kv + k_pe bytes, V3.2 indexer key bytes) per token per layer, bf16."""
+    return 2 * cfg.kv_cache_dim, (2 * cfg.index_head_dim if cfg.is_v32 else 0)
+
+
+def gpu_reserve(capacity: int) -> int:
+    return CUDA_CONTEXT_BYTES + max(FRAGMENTATION_MIN_BYTES, int(FRAGMENTATION_FRACTION * capacity))
+
+
+def workspace_bytes(cfg: ModelConfig, o: Options, *, mlp_width: int, lm_head: bool) -> int:
+    """Activation workspace of one GPU (formula in the module docstring)."""
+    T, H, nh = o.chunk_tokens, cfg.hidden_size, cfg.num_attention_heads
+    Kb = min(o.kv_tokens, T)
+    A = (cfg.q_lora_rank or 0) + cfg.kv_cache_dim + nh * cfg.qk_head_dim + nh * cfg.v_head_dim
+    act = 2 * T * (3 * H + max(A, 3 * mlp_width))
+    attn = 4 * T * nh * Kb + 2 * Kb * nh * (cfg.qk_head_dim + cfg.v_head_dim) + 4 * T * nh * cfg.v_head_dim
+    index = 0
+    if cfg.is_v32:
+        index = 4 * T * cfg.index_n_heads * Kb + 4 * T * o.kv_tokens + 8 * T * cfg.index_topk
+    moe = 4 * T * H + 12 * T * cfg.num_experts_per_tok
+    logits = 2 * 4 * o.max_batch * cfg.vocab_size if lm_head else 0
+    return act + max(attn, index) + moe + logits
+
+
+# ------------------------------------------------------------------------------- the plan
+@dataclass
+class GpuPlan:
+    device: str
+    capacity_bytes: int
+    layers: list[int]
+    items: dict[str, int]
+    embeddings: bool
+    lm_head: bool
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(self.items.values())
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self.used_bytes
+
+    def to_json(self) -> dict:
+        return {"device": self.device, "capacity_bytes": self.capacity_bytes, "used_bytes": self.used_bytes,
+                "free_bytes": self.free_bytes, "items": dict(self.items), "layers": list(self.layers),
+                "embeddings": self.embeddings, "lm_head": self.lm_head}
+
+
+@dataclass
+class ShardPlan:
+    index: int
+    numa_node: int
+    weight_bytes: int
+    ram_bytes: int
+    slice: tuple[int, int] | None = None  # (i, n): intermediate slice i of n
+    experts: tuple[int, int] | None = None  # [a, b) routed expert ids
+
+    def to_json(self) -> dict:
+        d: dict[str, Any] = {"index": self.index, "numa_node": self.numa_node}
+        if self.slice is not None:
+            d["slice"] = list(self.slice)
+        else:
+            d["experts"] = list(self.experts)
+        d.update(weight_bytes=self.weight_bytes, ram_bytes=self.ram_bytes)
+        return d
+
+
+@dataclass
+class Plan:
+    model: str
+    cfg: ModelConfig
+    options: Options
+    gpus: list[GpuPlan]
+    shards: list[ShardPlan]
+    host: dict[str, Any]
+    choices: list[str]
+    suggestions: list[dict] = field(default_factory=list)
+
+    @property
+    def gpus_fit(self) -> bool:
+        return all(g.free_bytes >= 0 for g in self.gpus)
+
+    @property
+    def fits(self) -> bool:
+        return self.gpus_fit and self.host["fits"]
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.options.kv_tokens
+
+    @property
+    def missing_bytes(self) -> int:
+        """GPU overflow summed over GPUs plus host RAM shortfall (0 when it fits)."""
+        return sum(max(0, -g.free_bytes) for g in self.gpus) + self.host.get("missing_bytes", 0)
+
+    def to_json(self) -> dict:
+        c = param_counts(self.cfg)
+        d: dict[str, Any] = {
+            "model": self.model,
+            "fits": self.fits,
+            "kv_tokens": self.options.kv_tokens,
+            "gpus": [g.to_json() for g in self.gpus],
+            "shards": [s.to_json() for s in self.shards],
+            "host": dict(self.host),
+            "choices": list(self.choices),
+            "options": {k: getattr(self.options, k) for k in self.options.__dataclass_fields__},
+            "param_counts": c,
+            "kv_bytes_per_token": sum(kv_bytes_per_token_layer(self.cfg)) * self.cfg.num_hidden_layers,
+            "fingerprint": self.cfg.fingerprint(),
+        }
+        if not self.fits:
+            d["missing_bytes"] = self.missing_bytes
+            d["suggestions"] = list(self.suggestions)
+        return d
+
+    def table(self) -> str:
+        return render_table(self)
+
+
+# --------------------------------------------------------------------------------- layout
+class _Layout:
+    """Per-layer and fixed byte costs for one set of options; splits layers across GPUs."""
+
+    def __init__(self, cfg: ModelConfig, o: Options, capacities: list[int]):
+        self.cfg, self.o, self.caps = cfg, o, capacities
+        L = cfg.num_hidden_layers
+        self.layer_items: list[dict[str, int]] = [dict() for _ in range(L)]
+        self.fixed: dict[str, int] = {}
+        for m in gpu_modules(cfg):
+            b = module_bytes(cfg, m, o.attention_weights)
+            if m.layer is None:
+                self.fixed[m.name] = b
+            else:
+                it = self.layer_items[m.layer]
+                it[m.category] = it.get(m.category, 0) + b
+        kv, idx = kv_bytes_per_token_layer(cfg)
+        hot = o.gpu_experts * expert_bytes(cfg, o.expert_format)
+        for i in range(L):
+            self.layer_items[i]["kv_cache"] = kv * o.kv_tokens
+            if idx:
+                self.layer_items[i]["index_keys"] = idx * o.kv_tokens
+            if cfg.is_moe_layer(i) and hot:
+                self.layer_items[i]["gpu_experts"] = hot
+        self.layer_total = [sum(it.values()) for it in self.layer_items]
+        self.prefix = [0]
+        for b in self.layer_total:
+            self.prefix.append(self.prefix[-1] + b)
+        self.dense_prefix = [0]
+        for i in range(L):
+            self.dense_prefix.append(self.dense_prefix[-1] + (0 if cfg.is_moe_layer(i) else 1))
+        moe_w = cfg.n_shared_experts * cfg.moe_intermediate_size
+        if o.gpu_experts:
+            moe_w = max(moe_w, cfg.moe_intermediate_size)
+        self.moe_width = moe_w
+        self.emb = self.fixed["model.embed_tokens"] if o.embeddings == "gpu" else 0
+        self.tail = self.fixed["model.norm"] + self.fixed["lm_head"]
+        self.ws_cache: dict[tuple[int, bool], int] = {}
+
+    def _ws(self, mlp_width: int, lm_head: bool) -> int:
+        k = (mlp_width, lm_head)
+        if k not in self.ws_cache:
+            self.ws_cache[k] = workspace_bytes(self.cfg, self.o, mlp_width=mlp_width, lm_head=lm_head)
+        return self.ws_cache[k]
+
+    def used(self, g: int, a: int, b: int) -> int:
+        """Bytes on GPU g holding layers [a, b)."""
+        G = len(self.caps)
+        n_dense = self.dense_prefix[b] - self.dense_prefix[a]
+        width = self.cfg.intermediate_size if n_dense else 0
+        if n_dense < b - a:
+            width = max(width, self.moe_width)
+        u = self.prefix[b] - self.prefix[a] + self._ws(width, g == G - 1) + gpu_reserve(self.caps[g])
+        if g == 0:
+            u += self.emb
+        if g == G - 1:
+            u += self.tail
+        return u
+
+    def split(self) -> list[int]:
+        """Boundaries [0, b1, ..., L] maximising the smallest free bytes over GPUs (contiguous)."""
+        L, G = self.cfg.num_hidden_layers, len(self.caps)
+        if G == 1:
+            return [0, L]
+        NEG = -(1 << 62)
+        # best[g][j]: max over splits of layers [0, j) onto GPUs 0..g-1 of min free; arg for backtrack
+        best = [[NEG] * (L + 1) for _ in range(G + 1)]
+        arg = [[0] * (L + 1) for _ in range(G + 1)]
+        best[0][0] = 1 << 62
+        for g in range(1, G + 1):
+            cap = self.caps[g - 1]
+            lo_j = g
+            hi_j = L - (G - g)
+            for j in range(lo_j, hi_j + 1):
+                bv, ba = NEG, 0
+                for i in range(g - 1, j):
+                    prev = best[g - 1][i]
+                    if prev <= bv:
+                        continue
+                    v = min(prev, cap - self.used(g - 1, i, j))
+                    if v > bv:
+                        bv, ba = v, i
+                best[g][j], arg[g][j] = bv, ba
+            if g == G:
+                break
+        bounds = [L]
+        j = L
+        for g in range(G, 0, -1):
+            j = arg[g][j]
+            bounds.append(j)
+        return bounds[::-1]
+
+    def min_free(self) -> int:
+        b = self.split()
+        return min(self.caps[g] - self.used(g, b[g], b[g + 1]) for g in range(len(self.caps)))
+
+    def gpu_plans(self) -> list[GpuPlan]:
+        b = self.split()
+        G = len(self.caps)
+        out = []
+        for g in range(G):
+            items = {c: 0 for c in CATEGORIES}
+            for i in range(b[g], b[g + 1]):
+                for k, v in self.layer_items[i].items():
+                    items[k] += v
+            if g == 0:
+                items["embeddings"] = self.emb
+            if g == G - 1:
+                items["lm_head"] = self.fixed["lm_head"]
+                items["norms"] += self.fixed["model.norm"]
+            n_dense = self.dense_prefix[b[g + 1]] - self.dense_prefix[b[g]]
+            width = self.cfg.intermediate_size if n_dense else 0
+            if n_dense < b[g + 1] - b[g]:
+                width = max(width, self.moe_width)
+            items["workspace"] = self._ws(width, g == G - 1)
+            items["reserve"] = gpu_reserve(self.caps[g])
+            if not self.cfg.is_v32:
+                items.pop("indexer"), items.pop("index_keys")
+            out.append(GpuPlan(f"cuda:{g}", self.caps[g], list(range(b[g], b[g + 1])), items,
+                               embeddings=(g == 0 and self.o.embeddings == "gpu"), lm_head=(g == G - 1)))
+        assert sum(self.caps[g] - p.free_bytes for g, p in enumerate(out)) == sum(p.used_bytes for p in out)
+        return out
+
+
+def _fits_gpus(cfg: ModelConfig, o: Options, caps: list[int]) -> bool:
+    return _Layout(cfg, o, caps).min_free() >= 0
+
+
+# ----------------------------------------------------------------------------- CPU shards
+def shard_plans(cfg: ModelConfig, fmt: str, numa_nodes: int, chunk_tokens: int,
+                split: str = "slice") -> list[ShardPlan]:
+    """One shard per NUMA node: an intermediate slice of every expert (split="slice") or a
+    contiguous range of experts (split="experts"), for every MoE layer."""
+    n, I, E, H = numa_nodes, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.hidden_size
+    T, k, nl = chunk_tokens, cfg.num_experts_per_tok, len(cfg.moe_layers)
+    out = []
+    for s in range(n):
+        if split == "slice":
+            I_s = I // n + (1 if s < I % n else 0)
+            w = nl * E * expert_bytes(cfg, fmt, I_s)
+            ident: dict[str, Any] = {"slice": (s, n)}
+        elif split == "experts":
+            a, b = s * E // n, (s + 1) * E // n
+            I_s = I
+            w = nl * (b - a) * expert_bytes(cfg, fmt)
+            ident = {"experts": (a, b)}
+        else:
+            raise ValueError(f"shard split {split!r}: expected 'slice' or 'experts'")
+        buf = 4 * (2 * T * H + T * k * (H + 3 * I_s))
+        out.append(ShardPlan(index=s, numa_node=s, weight_bytes=w, ram_bytes=w + buf + SHARD_BASELINE_BYTES, **ident))
+    return out
+
+
+def host_summary(cfg: ModelConfig, shards: list[ShardPlan], embeddings: str, host_ram: int | None) -> dict:
+    emb_cpu = 2 * cfg.vocab_size * cfg.hidden_size if embeddings == "cpu" else 0
+    req = sum(s.ram_bytes for s in shards) + GPU_SERVICE_HOST_BYTES + emb_cpu + HOST_OS_RESERVE_BYTES
+    d: dict[str, Any] = {"capacity_bytes": host_ram, "shards_bytes": sum(s.ram_bytes for s in shards),
+                         "gpu_service_bytes": GPU_SERVICE_HOST_BYTES + emb_cpu,
+                         "os_reserve_bytes": HOST_OS_RESERVE_BYTES, "required_bytes": req,
+                         "fits": host_ram is None or req <= host_ram}
+    if host_ram is not None and req > host_ram:
+        d["missing_bytes"] = req - host_ram
+    return d
+
+
+# ------------------------------------------------------------------------------ make_plan
+def _quant_choice(cfg: ModelConfig) -> str:
+    return "fp8" if cfg.quantization is not None and cfg.quantization.method == "fp8" else "int8"
+
+
+def make_plan(cfg: ModelConfig, gpus: list[int | str], host_ram: int | str | None = None, numa_nodes: int = 1,
+              kv_tokens: int | None = None, min_kv_tokens: int = DEFAULT_MIN_KV_TOKENS,
+              chunk_tokens: int = DEFAULT_CHUNK_TOKENS, attention_weights: str = "auto",
+              embeddings: str = "auto", gpu_experts: int | str = "auto", expert_format: str = "auto",
+              max_batch: int = DEFAULT_MAX_BATCH, shard_split: str = "slice", model: str | None = None,
+              suggest: bool = True) -> Plan:
+    """Plan GPU and CPU memory for `cfg` on GPUs of the given total capacities (bytes or "24GiB").
+
+    Options left at "auto" (and kv_tokens, a target) are searched in the documented order of
+    least harm; explicit options are kept as given. When nothing fits, the returned plan has
+    fits=False, the most memory-saving configuration tried, and `suggestions` of changed options
+    that do fit (each verified by re-planning)."""
+    caps = [parse_size(g) for g in gpus]
+    host = parse_size(host_ram) if host_ram is not None else None
+    if not caps:
+        raise ValueError("no GPU given; pass at least one --gpu SIZE (e.g. --gpu 24GiB)")
+    if any(c <= 0 for c in caps):
+        raise ValueError(f"GPU capacities must be positive, got {gpus}")
+    if len(caps) > cfg.num_hidden_layers:
+        raise ValueError(f"{len(caps)} GPUs for {cfg.num_hidden_layers} layers; give at most one GPU per layer")
+    if attention_weights not in ATTENTION_WEIGHTS:
+        raise ValueError(f"attention_weights {attention_weights!r}: expected one of {ATTENTION_WEIGHTS}")
+    if embeddings not in EMBEDDINGS:
+        raise ValueError(f"embeddings {embeddings!r}: expected one of {EMBEDDINGS}")
+    if expert_format not in EXPERT_FORMATS:
+        raise ValueError(f"expert_format {expert_format!r}: expected one of {EXPERT_FORMATS}")
+    if gpu_experts != "auto" and (not isinstance(gpu_experts, int) or not 0 <= gpu_experts <= cfg.n_routed_experts):
+        raise ValueError(f"gpu_experts {gpu_experts!r}: expected 'auto' or an int in [0, {cfg.n_routed_experts}]")
+    if numa_nodes < 1:
+        raise ValueError(f"numa_nodes must be >= 1, got {numa_nodes}")
+    if chunk_tokens < 1 or max_batch < 1 or chunk_tokens < max_batch:
+        raise ValueError(f"need chunk_tokens >= max_batch >= 1, got chunk_tokens={chunk_tokens} max_batch={max_batch}")
+    if kv_tokens is not None and kv_tokens < 1:
+        raise ValueError(f"kv_tokens must be positive, got {kv_tokens}")
+    name = model or cfg.model_type
+    choices: list[str] = []
+    is_int4 = cfg.quantization is not None and cfg.quantization.method == "int4"
+
+    # expert format (CPU shards; also the hot experts' format on the GPU)
+    if expert_format == "auto":
+        if is_int4:
+            efmt = "int4"
+            choices.append("expert format int4: the checkpoint's own format (lossless)")
+        elif host is None:
+            efmt = "int8"
+            choices.append("expert format int8: no --host-ram given; 1 B/param with per-channel scales")
+        else:
+            efmt = "int4"
+            for f in ("bf16", "int8", "int4"):
+                if host_summary(cfg, shard_plans(cfg, f, numa_nodes, chunk_tokens, shard_split), "cpu", host)["fits"]:
+                    efmt = f
+                    break
+            choices.append(f"expert format {efmt}: the most precise of bf16/int8/int4 whose shards fit "
+                           f"--host-ram {fmt_gib(host)}")
+    else:
+        efmt = expert_format
+
+    target = kv_tokens if kv_tokens is not None else DEFAULT_KV_TARGET
+    floor = min(min_kv_tokens, target)
+    quant = _quant_choice(cfg)
+    emb_opts = [embeddings] if embeddings != "auto" else ["gpu", "cpu"]
+    aw_opts = [attention_weights] if attention_weights != "auto" else (
+        ["checkpoint"] if quant == "fp8" and cfg.quantization is not None else ["checkpoint", quant])
+    stages = [(a, e) for a in aw_opts for e in emb_opts]
+    n_exp = 0 if gpu_experts == "auto" else gpu_experts
+
+    def opts(a: str, e: str, kv: int, x: int) -> Options:
+        return Options(a, e, efmt, x, kv, chunk_tokens, max_batch)
+
+    chosen = None
+    for a, e in stages:
+        if _fits_gpus(cfg, opts(a, e, target, n_exp), caps):
+            chosen = (a, e, target)
+            break
+    if chosen is None:
+        a, e = stages[-1]
+        lo, hi = floor // KV_ROUND, target // KV_ROUND  # search multiples of KV_ROUND
+        best = None
+        if _fits_gpus(cfg, opts(a, e, floor, n_exp), caps):
+            best = floor
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if mid * KV_ROUND > floor and _fits_gpus(cfg, opts(a, e, mid * KV_ROUND, n_exp), caps):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            best = max(floor, lo * KV_ROUND)
+        chosen = (a, e, best if best is not None else floor)
+        if best is not None and best < target:
+            choices.append(f"kv tokens {best}: the most that fits (target {target}, minimum {floor})")
+        elif best is None:
+            choices.append(f"kv tokens {floor}: the minimum (--min-kv-tokens); even so the GPUs are too small")
+    a, e, kv = chosen
+    if kv == target:
+        choices.append(f"kv tokens {kv}: the target ({'--kv-tokens' if kv_tokens is not None else 'default'})")
+    if attention_weights == "auto":
+        if a == "checkpoint":
+            choices.append("attention weights checkpoint: " + (
+                "the checkpoint's FP8 blocks as stored (1 B/param)" if quant == "fp8" and cfg.quantization
+                else "as stored, no re-quantisation needed to fit"))
+        else:
+            choices.append(f"attention weights {a}: weight-only {a} for attention, shared experts and dense MLP, "
+                           "because checkpoint precision does not fit")
+    if embeddings == "auto":
+        choices.append("embeddings gpu: they fit" if e == "gpu" else
+                       "embeddings cpu: the GPU cannot hold them (only lm_head stays on the GPU)")
+    if len(caps) > 1:
+        choices.append(f"layers split over {len(caps)} GPUs in contiguous ranges balanced by free bytes")
+
+    if gpu_experts == "auto":
+        lo, hi = 0, cfg.n_routed_experts
+        if not _fits_gpus(cfg, opts(a, e, kv, 0), caps):
+            hi = 0
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if _fits_gpus(cfg, opts(a, e, kv, mid), caps):
+                lo = mid
+            else:
+                hi = mid - 1
+        n_exp = lo
+        choices.append(f"gpu experts {n_exp} per MoE layer: as many hot {efmt} experts as fit after the KV cache")
+
+    o = opts(a, e, kv, n_exp)
+    layout = _Layout(cfg, o, caps)
+    shards = shard_plans(cfg, efmt, numa_nodes, chunk_tokens, shard_split)
+    plan = Plan(name, cfg, o, layout.gpu_plans(), shards, host_summary(cfg, shards, e, host), choices)
+    if not plan.fits and suggest:
+        plan.suggestions = _suggestions(cfg, dict(gpus=caps, host_ram=host, numa_nodes=numa_nodes, kv_tokens=kv_tokens,
+                                                  min_kv_tokens=min_kv_tokens, chunk_tokens=chunk_tokens,
+                                                  attention_weights=attention_weights, embeddings=embeddings,
+                                                  gpu_experts=gpu_experts, expert_format=expert_format,
+                                                  max_batch=max_batch, shard_split=shard_split), plan)
+    return plan
+
+
+_STD_GPU_GIB = (8, 12, 16, 20, 24, 32, 40, 48, 80, 96, 141)
+
+
+def _size_arg(n: int) -> str:
+    return f"{n // GiB}GiB" if n % GiB == 0 else f"{n / GiB:.2f}GiB"
+
+
+def _suggestions(cfg: ModelConfig, kw: dict, failed: Plan) -> list[dict]:
+    """Changed options that fit, each verified by planning again; least harmful first."""
+    cands: list[tuple[str, dict]] = []
+    quant = _quant_choice(cfg)
+    gpus_fail = not failed.gpus_fit
+    if gpus_fail:
+        if kw["embeddings"] == "gpu":
+            cands.append(("--embeddings cpu", {"embeddings": "cpu"}))
+        fp8_ckpt = cfg.quantization is not None and cfg.quantization.method == "fp8"
+        if kw["attention_weights"] not in ("auto", quant) and not (kw["attention_weights"] == "checkpoint" and fp8_ckpt):
+            cands.append((f"--attention-weights {quant}", {"attention_weights": quant}))
+        if kw["gpu_experts"] not in ("auto", 0):
+            cands.append(("--gpu-experts 0", {"gpu_experts": 0}))
+        explicit = {k: v for k, v in (("embeddings", "auto"), ("attention_weights", "auto"), ("gpu_experts", "auto"))
+                    if kw[k] != "auto"}
+        if len(explicit) > 1:
+            cands.append((" ".join(f"--{k.replace('_', '-')} auto" for k in explicit), explicit))
+        for m in (2048, 1024):
+            if m < min(kw["min_kv_tokens"], kw["kv_tokens"] or DEFAULT_KV_TARGET):
+                cands.append((f"--min-kv-tokens {m}", {"min_kv_tokens": m}))
+        for c in (1024, 512):
+            if c < kw["chunk_tokens"] and c >= kw["max_batch"]:
+                cands.append((f"--chunk-tokens {c}", {"chunk_tokens": c}))
+        g = kw["gpus"]
+        if len(g) < cfg.num_hidden_layers:
+            cands.append((" ".join(f"--gpu {_size_arg(x)}" for x in g + [g[-1]]), {"gpus": g + [g[-1]]}))
+        for s in _STD_GPU_GIB:
+            if s * GiB > max(g):
+                if make_plan(cfg, **{**kw, "gpus": [s * GiB] * len(g), "suggest": False}).gpus_fit:
+                    cands.append((" ".join(f"--gpu {s}GiB" for _ in g), {"gpus": [s * GiB] * len(g)}))
+                    break
+    if not failed.host["fits"]:
+        for f in ("int8", "int4"):
+            if kw["expert_format"] != f and (kw["expert_format"] != "auto" or f == "int4"):
+                cands.append((f"--expert-format {f}", {"expert_format": f}))
+        need = failed.host["required_bytes"]
+        cands.append((f"--host-ram {math.ceil(need / (64 * GiB)) * 64}GiB",
+                       {"host_ram": math.ceil(need / (64 * GiB)) * 64 * GiB}))
+    out = []
+    for args, change in cands:
+        p = make_plan(cfg, **{**kw, **change, "suggest": False})
+        if p.fits:
+            out.append({"args": args, "change": {k: v for k, v in change.items()}, "kv_tokens": p.kv_tokens,
+                        "gpu_experts": p.options.gpu_experts,
+                        "gpu_used_bytes": [x.used_bytes for x in p.gpus],
+                        "gpu_capacity_bytes": [x.capacity_bytes for x in p.gpus]})
+    return out
+
+
+# ------------------------------------------------------------------------------ rendering
+_LABELS = {"embeddings": "embeddings", "attention": "attention (MLA)", "indexer": "indexer (V3.2)",
+           "dense_mlp": "dense MLP", "shared_experts": "shared experts", "routers": "routers",
+           "norms": "norms", "lm_head": "lm_head", "kv_cache": "KV cache (c_kv+k_pe)",
+           "index_keys": "indexer keys", "gpu_experts": "hot experts", "workspace": "workspace",
+           "reserve": "CUDA ctx + reserve"}
+
+
+def render_table(p: Plan) -> str:
+    cfg, o = p.cfg, p.options
+    c = param_counts(cfg)
+    lines = [f"moesplit plan: {p.model} ({cfg.architecture}, {cfg.num_hidden_layers} layers, "
+             f"{len(cfg.moe_layers)} MoE x {cfg.n_routed_experts} experts)",
+             f"parameters: {c['total']:,} = {c['routed']:,} routed (CPU shards) + {c['non_routed']:,} other",
+             f"options: attention-weights {o.attention_weights}, embeddings {o.embeddings}, expert-format "
+             f"{o.expert_format}, gpu-experts {o.gpu_experts}/layer, kv-tokens {o.kv_tokens}, "
+             f"chunk-tokens {o.chunk_tokens}, max-batch {o.max_batch}", ""]
+    w0 = 22
+    cats = [k for k in CATEGORIES if any(k in g.items for g in p.gpus)]
+    hdr = "GPU".ljust(w0) + "".join(g.device.rjust(13) for g in p.gpus)
+    lines += [hdr, "-" * len(hdr)]
+
+    def row(label: str, vals: list[str]) -> str:
+        return label.ljust(w0) + "".join(v.rjust(13) for v in vals)
+
+    lr = [f"{g.layers[0]}-{g.layers[-1]}" if g.layers else "-" for g in p.gpus]
+    lines.append(row("layers", lr))
+    for k in cats:
+        lines.append(row(_LABELS[k], [fmt_gib(g.items.get(k, 0)) for g in p.gpus]))
+    lines.append("-" * len(hdr))
+    lines.append(row("used", [fmt_gib(g.used_bytes) for g in p.gpus]))
+    lines.append(row("capacity", [fmt_gib(g.capacity_bytes) for g in p.gpus]))
+    lines.append(row("free", [fmt_gib(g.free_bytes) for g in p.gpus]))
+    kvb = sum(kv_bytes_per_token_layer(cfg)) * cfg.num_hidden_layers
+    lines += ["", f"KV cache: {o.kv_tokens} tokens x {kvb:,} B/token (all layers)", "",
+              f"CPU shards ({len(p.shards)}, {o.expert_format} experts):"]
+    for s in p.shards:
+        what = f"slice {s.slice[0]}/{s.slice[1]}" if s.slice else f"experts {s.experts[0]}-{s.experts[1] - 1}"
+        lines.append(f"  shard {s.index}  numa {s.numa_node}  {what:<16} weights {fmt_gib(s.weight_bytes):>12}"
+                     f"  RAM {fmt_gib(s.ram_bytes):>12}")
+    h = p.host
+    cap = fmt_gib(h["capacity_bytes"]) if h["capacity_bytes"] is not None else "unchecked (no --host-ram)"
+    lines.append(f"host RAM: needs {fmt_gib(h['required_bytes'])} (shards + GPU service + OS) of {cap}")
+    lines += ["", "choices:"] + [f"  - {x}" for x in p.choices]
+    if p.fits:
+        lines += ["", "FITS"]
+    else:
+        where = [f"{g.device} short by {fmt_gib(-g.free_bytes)}" for g in p.gpus if g.free_bytes < 0]
+        if not h["fits"]:
+            where.append(f"host RAM short by {fmt_gib(h['missing_bytes'])}")
+        lines += ["", f"DOES NOT FIT: {fmt_gib(p.missing_bytes)} missing ({'; '.join(where)})"]
+        if p.suggestions:
+            lines.append("options that would fit (each verified by re-planning):")
+            for s in p.suggestions:
+                used = ", ".join(f"{fmt_gib(u)}/{fmt_gib(cp)}"
+                                 for u, cp in zip(s["gpu_used_bytes"], s["gpu_capacity_bytes"]))
+                lines.append(f"  {s['args']:<40} kv-tokens {s['kv_tokens']}, "
+                             f"gpu-experts {s['gpu_experts']}, GPU {used}")
+        else:
+            lines.append("no single option change fits; add GPU memory or host RAM")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ model input
+def presets() -> list[str]:
+    return sorted(f[:-5] for f in os.listdir(PRESETS_DIR) if f.endswith(".json"))
+
+
+def load_model_config(spec: str) -> tuple[ModelConfig, str]:
+    """--model: a checkpoint directory, a config.json path, or a preset name. Returns (cfg, name)."""
+    if os.path.exists(spec):
+        cfg = load_config(spec)
+        base = spec if os.path.isdir(spec) else os.path.dirname(os.path.abspath(spec))
+        return cfg, os.path.basename(os.path.normpath(base)) or spec
+    path = os.path.join(PRESETS_DIR, f"{spec}.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            return ModelConfig.from_dict(json.load(f), source=path), spec
+    raise ConfigError(f"--model {spec!r} is neither a checkpoint directory, a config.json nor a preset; "
+                      f"presets: {', '.join(presets())}")

@@ -1,0 +1,33 @@
+"""`moesplit serve`: start N local CPU expert shard processes, then the GPU service with the
+OpenAI HTTP API and the gRPC Generate API; serve until Ctrl-C/SIGTERM, then stop everything
+(shard processes included)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gpu_service.serving import add_serving_arguments, check_serving_args, run_stack, setup_logging
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_serving_arguments(p)
+    p.add_argument("--shards", type=int, default=2, help="number of local expert shard processes")
+    p.add_argument("--split", choices=["experts", "intermediate"], default="experts",
+                   help="shard by expert subsets or by intermediate slices of every expert")
+    p.add_argument("--backend", default="numpy", help="shard compute backend: numpy|kernels|auto")
+
+
+def run(args: argparse.Namespace) -> int:
+    from gpu_service.local_stack import ShardStartError, start_shards
+
+    setup_logging(args.log_level)
+    err = check_serving_args(args) or (f"--shards must be >= 1, got {args.shards}" if args.shards < 1 else None)
+    if err:
+        print(f"moesplit serve: {err}", file=sys.stderr)
+        return 2
+    try:
+        shards = start_shards(args.model, args.shards, split=args.split, backend=args.backend)
+    except (ShardStartError, ValueError) as e:
+        print(f"moesplit serve: {e}", file=sys.stderr)
+        return 1
+    return run_stack(args, "moesplit serve", shards.addresses, [shards.stop])

@@ -1,0 +1,383 @@
+"""`moesplit make-tiny`: write a tiny random-weight DeepSeek-V3 / V3.2 checkpoint (dev/test tool).
+
+The model is built with transformers' `DeepseekV3ForCausalLM` / `DeepseekV32ForCausalLM` (the
+correctness oracle), filled with seeded random weights that make routing and logits far from
+ties, and written the way the real checkpoints are: real on-disk tensor names (per-expert
+`mlp.experts.{e}.gate_proj.weight`, not transformers 5's fused `gate_up_proj`), real config.json
+field names (`rope_theta` + `rope_scaling` {"type": "yarn"}), safetensors sharded with an
+index.json, and a byte-level BPE tokenizer with DeepSeek's special tokens and a chat template.
+
+Formats:
+  bf16: every tensor bf16, except `e_score_correction_bias` f32 (as in the real checkpoints).
+  fp8:  DeepSeek block FP8 (e4m3 + f32 weight_scale_inv per 128x128 block) for every linear weight
+        except the router (`mlp.gate.weight`), embeddings, lm_head and the V3.2 indexer's
+        `weights_proj` (the real V3.2 checkpoint keeps that one unquantized); norms stay bf16.
+  int4: compressed-tensors pack-quantized INT4 for routed experts only, the rest bf16, with
+        Kimi-K2-Thinking's quantization_config.
+
+This module imports torch and transformers; the runtime never does.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+
+import numpy as np
+
+from checkpoint import names as N
+from checkpoint.config import load_config
+from checkpoint.formats import pack_int4, quant_fp8_block
+
+FORMATS = ("bf16", "fp8", "int4")
+ARCHS = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
+
+BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
+SPECIAL_TOKENS = [BOS, EOS, USER, ASSISTANT]  # ids 0, 1, 2, 3
+
+DEFAULT_CONFIG: dict = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "vocab_size": 512,
+    "hidden_size": 96,
+    "intermediate_size": 160,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 3,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 48,
+    "kv_lora_rank": 32,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+    "n_group": 4,
+    "topk_group": 2,
+    "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "norm_topk_prob": True,
+    "hidden_act": "silu",
+    "max_position_embeddings": 1024,
+    "rope_theta": 10000.0,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 256,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    "rms_norm_eps": 1e-6,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "tie_word_embeddings": False,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "num_nextn_predict_layers": 0,
+    "initializer_range": 0.1,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+}
+V32_EXTRA = {"index_n_heads": 4, "index_head_dim": 32, "index_topk": 8}
+
+FP8_QUANT = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+INT4_QUANT = {  # exactly Kimi-K2-Thinking's
+    "quant_method": "compressed-tensors",
+    "format": "pack-quantized",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {
+                "num_bits": 4,
+                "type": "int",
+                "symmetric": True,
+                "strategy": "group",
+                "group_size": 32,
+                "dynamic": False,
+            },
+            "input_activations": None,
+        }
+    },
+    "ignore": [
+        "lm_head",
+        "re:.*self_attn.*",
+        "re:.*shared_experts.*",
+        "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+    ],
+}
+
+TOKENIZER_TEXT = """\
+The quick brown fox jumps over the lazy dog. A mixture of experts model routes every token to a
+few experts chosen by a small router, so only a fraction of the weights is used for each token.
+Attention compresses keys and values into a latent vector; the cache keeps that latent and a
+shared rotary key. Hello, world! How are you today? I am fine, thank you. What is the capital of
+France? Paris is the capital of France. Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 100 1000 2024.
+The GPU computes attention while the CPU computes the experts; the two talk over gRPC streams.
+Once upon a time there was a little model that wanted to be large. It learned to split itself in
+two: the heavy experts went to the big memory of the server, the light layers stayed on the card.
+def main(): print("hello") return 0  # code, too: if x > 1 and y < 2: z = x + y
+Questions and answers, the user and the assistant, the system prompt and the reply.
+"""
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' %}{{ message['content'] }}"
+    "{%- elif message['role'] == 'user' %}{{ '" + USER + "' + message['content'] }}"
+    "{%- elif message['role'] == 'assistant' %}{{ '" + ASSISTANT + "' + message['content'] + eos_token }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '" + ASSISTANT + "' }}{%- endif %}"
+)
+
+
+def tiny_config(arch: str = "deepseek_v3", fmt: str = "bf16", overrides: dict | None = None) -> dict:
+    """The config.json dict of a tiny checkpoint (real DeepSeek field names)."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {tuple(ARCHS)}, got {arch!r}")
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+    cfg = copy.deepcopy(DEFAULT_CONFIG)
+    if arch == "deepseek_v32":
+        cfg.update(architectures=[ARCHS[arch]], model_type="deepseek_v32", **V32_EXTRA)
+    for k, v in (overrides or {}).items():
+        if k == "rope_scaling" and isinstance(v, dict) and isinstance(cfg.get(k), dict):
+            cfg[k] = {**cfg[k], **v}
+        else:
+            cfg[k] = v
+    if fmt == "fp8":
+        cfg["quantization_config"] = copy.deepcopy(FP8_QUANT)
+    elif fmt == "int4":
+        cfg["quantization_config"] = copy.deepcopy(INT4_QUANT)
+    return cfg
+
+
+def _hf_config(cfg: dict):
+    """transformers config object from our config.json dict (quantization_config left out: the
+    oracle is built unquantized and we quantize on write)."""
+    import transformers
+
+    d = {k: v for k, v in cfg.items() if k != "quantization_config"}
+    cls = transformers.DeepseekV32Config if d["model_type"] == "deepseek_v32" else transformers.DeepseekV3Config
+    for k in ("architectures", "model_type", "torch_dtype", "moe_layer_freq", "scoring_func", "topk_method",
+              "num_nextn_predict_layers"):
+        d.pop(k, None)
+    if cls.__name__ == "DeepseekV32Config":
+        d.pop("rope_interleave", None)
+    rs = d.pop("rope_scaling", None)
+    theta = d.pop("rope_theta", 10000.0)
+    rp = {"rope_type": "default", "rope_theta": theta}
+    if rs:
+        rp = {**{k: v for k, v in rs.items() if k != "type"}, "rope_type": rs.get("type", rs.get("rope_type")),
+              "rope_theta": theta}
+    return cls(rope_parameters=rp, **d)
+
+
+def build_hf_model(cfg: dict, seed: int = 0):
+    """transformers DeepseekV3ForCausalLM / DeepseekV32ForCausalLM in fp32 with seeded random weights."""
+    import torch
+    import transformers
+
+    hf_cfg = _hf_config(cfg)
+    cls = transformers.DeepseekV32ForCausalLM if cfg["model_type"] == "deepseek_v32" else transformers.DeepseekV3ForCausalLM
+    torch.manual_seed(seed)
+    model = cls(hf_cfg).float().eval()
+    g = torch.Generator().manual_seed(seed)
+    std = float(cfg.get("initializer_range", 0.1))
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):
+                t.copy_(0.1 * torch.randn(t.shape, generator=g))
+            elif name.endswith(("norm.weight", "layernorm.weight")):
+                t.copy_(1.0 + 0.1 * torch.randn(t.shape, generator=g))
+            elif name.endswith("norm.bias"):
+                t.copy_(0.05 * torch.randn(t.shape, generator=g))
+            elif t.is_floating_point() and name.endswith(("weight", "gate_up_proj", "down_proj")):
+                t.copy_(std * torch.randn(t.shape, generator=g))
+    return model
+
+
+def _to_checkpoint_tensors(model, cfg: dict) -> dict:
+    """transformers state dict -> {real on-disk name: float32 torch tensor} (experts split)."""
+    sd = model.state_dict()
+    out = {}
+    inter = int(cfg["moe_intermediate_size"])
+    for name, t in sd.items():
+        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, H]: gate rows first, then up
+            layer = N.parse_layer(name)
+            for e in range(t.shape[0]):
+                out[N.expert_weight(layer, e, "gate")] = t[e, :inter]
+                out[N.expert_weight(layer, e, "up")] = t[e, inter:]
+        elif name.endswith("mlp.experts.down_proj"):  # [E, H, I]
+            layer = N.parse_layer(name)
+            for e in range(t.shape[0]):
+                out[N.expert_weight(layer, e, "down")] = t[e]
+        else:
+            out[name] = t
+    return out
+
+
+def _fp8_quantized(name: str) -> bool:
+    return (
+        name.endswith(".weight")
+        and name.startswith("model.layers.")
+        and not N.is_norm(name)
+        and not name.endswith("mlp.gate.weight")
+        and not name.endswith("indexer.weights_proj.weight")
+    )
+
+
+def _encode(tensors: dict, fmt: str, cfg: dict) -> dict:
+    """float32 torch tensors -> {stored name: torch tensor in the stored dtype}."""
+    import torch
+
+    stored = {}
+    for name, t in tensors.items():
+        t = t.detach().float().contiguous()
+        if name.endswith("e_score_correction_bias"):
+            stored[name] = t
+        elif fmt == "fp8" and _fp8_quantized(name):
+            q, s = quant_fp8_block(t.numpy(), tuple(FP8_QUANT["weight_block_size"]))
+            stored[name] = torch.from_numpy(q.view(np.uint8).copy()).view(torch.float8_e4m3fn)
+            stored[name + "_scale_inv"] = torch.from_numpy(s)
+        elif fmt == "int4" and N.is_routed_expert(name):
+            gs = INT4_QUANT["config_groups"]["group_0"]["weights"]["group_size"]
+            packed, scale, shape = pack_int4(t.numpy(), gs)
+            base = name[: -len("weight")]
+            stored[base + "weight_packed"] = torch.from_numpy(packed)
+            stored[base + "weight_scale"] = torch.from_numpy(scale.view(np.uint16).copy()).view(torch.bfloat16)
+            stored[base + "weight_shape"] = torch.from_numpy(shape)
+        else:
+            stored[name] = t.to(torch.bfloat16)
+    return stored
+
+
+def _write_shards(out_dir: str, stored: dict, n_layers: int) -> list[str]:
+    """Write safetensors; >= 2 layers -> sharded by size (shard boundaries fall inside layers)."""
+    from safetensors.torch import save_file
+
+    names = list(stored)
+    if n_layers < 2:
+        save_file(stored, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    n_shards = min(4, max(2, n_layers))
+    sizes = [stored[n].numel() * stored[n].element_size() for n in names]
+    total = sum(sizes)
+    shards: list[list[str]] = [[]]
+    acc = 0
+    for n, sz in zip(names, sizes):
+        if acc >= total * len(shards) / n_shards and len(shards) < n_shards:
+            shards.append([])
+        shards[-1].append(n)
+        acc += sz
+    files = []
+    weight_map = {}
+    for i, group in enumerate(shards):
+        fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: stored[n] for n in group}, os.path.join(out_dir, fn), metadata={"format": "pt"})
+        weight_map.update({n: fn for n in group})
+        files.append(fn)
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return files
+
+
+def write_tokenizer(out_dir: str, vocab_size: int) -> None:
+    """Byte-level BPE trained on built-in text, DeepSeek special tokens, simplified chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    size = min(vocab_size, 512)
+    if size < 256 + len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size {vocab_size} is too small for a byte-level tokenizer (need >= 260)")
+    trainer = trainers.BpeTrainer(
+        vocab_size=size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([TOKENIZER_TEXT] * 4, trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 0)]
+    )
+    assert tok.token_to_id(BOS) == 0 and tok.token_to_id(EOS) == 1, "special token ids moved"
+    assert tok.get_vocab_size() <= vocab_size
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    tc = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": EOS,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "model_max_length": 1024,
+        "clean_up_tokenization_spaces": False,
+        "legacy": True,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(tc, f, indent=2, ensure_ascii=False)
+    with open(os.path.join(out_dir, "special_tokens_map.json"), "w") as f:
+        json.dump({"bos_token": BOS, "eos_token": EOS, "pad_token": EOS}, f, indent=2, ensure_ascii=False)
+
+
+def make_tiny(out_dir: str, fmt: str = "bf16", seed: int = 0, overrides: dict | None = None,
+              arch: str = "deepseek_v3") -> str:
+    """Write a tiny random checkpoint to out_dir (created if needed); returns out_dir."""
+    cfg = tiny_config(arch, fmt, overrides)
+    os.makedirs(out_dir, exist_ok=True)
+    model = build_hf_model(cfg, seed)
+    tensors = _to_checkpoint_tensors(model, cfg)
+    stored = _encode(tensors, fmt, cfg)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    mc = load_config(out_dir)  # the file we wrote must load
+    want = N.expected_shapes(mc)
+    got = set(tensors)
+    if got != set(want):
+        raise RuntimeError(
+            f"make-tiny: names disagree with checkpoint.names.expected_shapes: missing "
+            f"{sorted(set(want) - got)[:5]}, unexpected {sorted(got - set(want))[:5]}"
+        )
+    for n, shape in want.items():
+        if tuple(tensors[n].shape) != shape:
+            raise RuntimeError(f"make-tiny: {n} has shape {tuple(tensors[n].shape)}, names.py expects {shape}")
+    _write_shards(out_dir, stored, mc.num_hidden_layers)
+    write_tokenizer(out_dir, mc.vocab_size)
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump({"_from_model_config": True, "bos_token_id": cfg.get("bos_token_id", 0),
+                   "eos_token_id": cfg.get("eos_token_id", 1)}, f, indent=2)
+    return out_dir
+
+
+# ---- CLI ---------------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("out_dir", metavar="DIR", help="directory to write the checkpoint to")
+    p.add_argument("--format", dest="fmt", choices=FORMATS, default="bf16", help="weight format (default bf16)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--config", dest="config", default=None,
+                   help="JSON file of config.json overrides, e.g. {\"num_hidden_layers\": 4}")
+    p.add_argument("--arch", choices=tuple(ARCHS), default="deepseek_v3", help="model architecture")
+
+
+def run(args: argparse.Namespace) -> int:
+    overrides = None
+    if args.config:
+        with open(args.config) as f:
+            overrides = json.load(f)
+        if not isinstance(overrides, dict):
+            raise SystemExit(f"--config {args.config}: expected a JSON object of config.json fields")
+    out = make_tiny(args.out_dir, fmt=args.fmt, seed=args.seed, overrides=overrides, arch=args.arch)
+    total = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.endswith(".safetensors"))
+    print(f"wrote {args.arch} {args.fmt} checkpoint to {out} ({total / 1e6:.2f} MB of weights, seed {args.seed})")
+    return 0
