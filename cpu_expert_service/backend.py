@@ -98,7 +98,9 @@ class NumpyExperts:
         ids = np.asarray(ids)
         w = np.asarray(w, dtype=np.float32)
         flat_ids = ids.reshape(-1)  # [T*k]
-        order = np.argsort(flat_ids, kind="stable")
+        # pairs with weight 0 are skipped: the GPU service zeroes the experts it computes itself
+        order = np.flatnonzero(w.reshape(-1) != 0)
+        order = order[np.argsort(flat_ids[order], kind="stable")]
         sorted_ids = flat_ids[order]
         uniq, starts = np.unique(sorted_ids, return_index=True)
         ends = np.append(starts[1:], sorted_ids.size)

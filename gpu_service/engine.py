@@ -66,6 +66,7 @@ class Output:
     text: str
     finish_reason: str | None = None
     error: str | None = None
+    unavailable: bool = False  # an "error" because a backend (expert shard) is unavailable: retry later
 
 
 class RequestHandle:
@@ -80,6 +81,7 @@ class RequestHandle:
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.unavailable = False  # the error was an unavailable expert shard (HTTP 503 / gRPC UNAVAILABLE)
         self._wake = wake
         self._cond = threading.Condition()
         self._events: collections.deque[Output] = collections.deque()
@@ -147,7 +149,7 @@ class RequestHandle:
         with self._cond:
             self.completion_tokens += len(out.token_ids)
             if out.finish_reason is not None:
-                self.finish_reason, self.error = out.finish_reason, out.error
+                self.finish_reason, self.error, self.unavailable = out.finish_reason, out.error, out.unavailable
             self._events.append(out)
             self._cond.notify_all()
             waiter, self._waiter = self._waiter, None
@@ -221,6 +223,7 @@ class Engine:
         self.counters = dict(peak_running=0, requests=0, finished=0, cancelled=0, errors=0, preempted=0, steps=0,
                              prompt_tokens=0, generated_tokens=0, step_tokens=0)
         self.last_error: str | None = None
+        self.observer = None  # metrics hooks (gpu_service.metrics.EngineObserver): submit/admit/token/finish/preempt
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -289,6 +292,8 @@ class Engine:
         handle = RequestHandle(rid, n, max_tokens, self._wake)
         req = _Request(handle, n, list(prompt_ids), params, params.generator(), max_tokens, stop, ignore_eos,
                        self.runner.new_seq())
+        if self.observer is not None:
+            self.observer.submit(handle)
         with self._lock:
             self._inbox.append(req)
             self.counters["requests"] += 1
@@ -339,6 +344,8 @@ class Engine:
         r.seq.free()
         self.waiting.appendleft(r)
         self.counters["preempted"] += 1
+        if self.observer is not None:
+            self.observer.preempt(r.handle)
         log.info("preempted %s (%d tokens) to free KV pages", r.handle.id, len(r.tokens))
 
     def _schedule(self) -> list[tuple[_Request, int, int]]:
@@ -375,6 +382,8 @@ class Engine:
                 break  # wait until a request finishes (FIFO: no overtaking)
             self.waiting.popleft()
             self.running.append(r)
+            if self.observer is not None:
+                self.observer.admit(r.handle)
             n = min(r.remaining, budget)
             batch.append((r, r.seq.length, n))
             budget -= n
@@ -389,13 +398,17 @@ class Engine:
         try:
             logits = self.runner.step(ids, chunks)  # [len(chunks), V]
         except Exception as e:  # noqa: BLE001 - fail this batch's requests, keep serving
+            unavailable = bool(getattr(e, "unavailable", False))  # e.g. ShardError: no replica of a shard left
             msg = f"model step failed: {type(e).__name__}: {e}"
-            log.error("%s\n%s", msg, traceback.format_exc())
+            if unavailable:
+                log.error("%s", msg)
+            else:
+                log.error("%s\n%s", msg, traceback.format_exc())
             self.last_error = msg
             for r, _, _ in batch:
                 if r in self.running:
                     self.running.remove(r)
-                self._finish(r, "error", msg)
+                self._finish(r, "error", msg, unavailable)
             return
         self.counters["steps"] += 1
         self.counters["peak_running"] = max(self.counters["peak_running"], len(self.running))
@@ -408,6 +421,8 @@ class Engine:
             tok = greedy[j] if r.params.greedy else sample(logits[j], r.params, r.gen)
             r.tokens.append(tok)
             self.counters["generated_tokens"] += 1
+            if self.observer is not None:
+                self.observer.token(r.handle)
             self._emit(r, tok)
 
     # ---- outputs ------------------------------------------------------------------------------
@@ -454,12 +469,16 @@ class Engine:
         r.seq.free()
         self.counters["finished"] += 1
         r.handle._push(Output([tok], text, finish))
+        if self.observer is not None:
+            self.observer.finish(r.handle, finish)
 
-    def _finish(self, r: _Request, reason: str, error: str | None = None) -> None:
+    def _finish(self, r: _Request, reason: str, error: str | None = None, unavailable: bool = False) -> None:
         """End a request without a new token (cancelled, error, shutdown) and free its pages."""
         r.seq.free()
         self.counters["cancelled" if reason == "cancelled" else "errors"] += 1
-        r.handle._push(Output([], "", reason, error))
+        r.handle._push(Output([], "", reason, error, unavailable))
+        if self.observer is not None:
+            self.observer.finish(r.handle, reason)
 
     def _abort_all(self, reason: str, error: str | None) -> None:
         with self._lock:

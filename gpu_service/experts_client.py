@@ -7,12 +7,22 @@ shard of another model (`FingerprintError`) and a set of shards that does not co
 per shard (requests fed by a queue, responses matched by seq), in parallel, and sums the partial
 outputs. `forward_async` returns a `concurrent.futures.Future` so the caller can compute the
 shared expert meanwhile. numpy in, numpy out; no torch here.
+
+Reliability: addresses with identical coverage are replicas of one shard group (load spread
+round-robin per call); a replica that fails mid-call is replaced by another for that call; every
+layer call has a deadline (`timeout_s`, `--expert-timeout`); a group with no replica left fails
+fast with ShardError(UNAVAILABLE); failed replicas are reconnected with capped exponential
+backoff. Channels use model-sized message limits, keepalive pings and optional mutual TLS
+(cpu_expert_service.transport).
 """
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
+import random
 import threading
+import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -20,14 +30,20 @@ from dataclasses import dataclass
 import grpc
 import ml_dtypes
 import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from checkpoint.config import ModelConfig
+from cpu_expert_service.transport import (
+    DEFAULT_MAX_TOKENS,
+    TLSFiles,
+    add_tls_arguments,
+    channel_credentials,
+    channel_options,
+    make_channel,
+)
 from protos.moesplit.v1 import experts_pb2, experts_pb2_grpc
 
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", -1),
-    ("grpc.max_receive_message_length", -1),
-]
+log = logging.getLogger("moesplit.experts_client")
 _WIRE = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
@@ -44,6 +60,11 @@ class ShardError(ExpertsClientError):
         self.details = details
         code_name = code.name if code is not None else "ERROR"
         super().__init__(f"expert shard {address}: {code_name}: {details}")
+
+    @property
+    def unavailable(self) -> bool:
+        """The shard (every replica of it) is down or silent, not the request at fault: HTTP 503."""
+        return self.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class FingerprintError(ExpertsClientError):
@@ -143,12 +164,24 @@ def check_coverage(cfg: ModelConfig, shards: list[ShardDesc]) -> None:
     )
 
 
-# ---- one persistent stream per shard -----------------------------------------------------------
+# ---- one persistent stream per replica ---------------------------------------------------------
+RETRYABLE = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.ABORTED, grpc.StatusCode.UNKNOWN,
+})  # the replica (or the way to it) failed, not the request: another replica may answer
+
+
+def _retryable(e: BaseException) -> bool:
+    return isinstance(e, ShardError) and e.code in RETRYABLE
+
+
 class _ShardStream:
     """A bidi Forward stream fed by a queue; a reader thread resolves futures by seq.
 
     If the stream breaks (INVALID_ARGUMENT, UNAVAILABLE...), every pending future fails with a
-    ShardError naming the shard, and the next request opens a new stream."""
+    ShardError naming the shard, and the next request opens a new stream. `expire()` enforces
+    each request's deadline: a request past it fails every pending one with DEADLINE_EXCEEDED
+    and cancels the stream (a shard that stopped answering)."""
 
     _CLOSE = object()
 
@@ -156,7 +189,7 @@ class _ShardStream:
         self.address = address
         self.stub = stub
         self.lock = threading.Lock()
-        self.pending: dict[int, Future] = {}
+        self.pending: dict[int, tuple[Future, float]] = {}  # seq -> (future, monotonic deadline)
         self.queue: queue.Queue | None = None
         self.call = None
 
@@ -179,7 +212,7 @@ class _ShardStream:
         try:
             for resp in call:
                 with self.lock:
-                    fut = self.pending.pop(resp.seq, None)
+                    fut, _ = self.pending.pop(resp.seq, (None, 0.0))
                 if fut is not None and not fut.done():
                     fut.set_result(resp)
         except grpc.RpcError as e:
@@ -187,77 +220,215 @@ class _ShardStream:
         except Exception as e:  # noqa: BLE001 - surface anything on the waiting futures
             err = ShardError(self.address, None, repr(e))
         with self.lock:
-            if self.call is call:  # this stream is finished; the next send opens a new one
-                self.call, self.queue = None, None
+            if self.call is not call:  # already failed by expire() / close()
+                return
+            self.call, self.queue = None, None  # this stream is finished; the next send opens a new one
             q.put(self._CLOSE)
-            failed = list(self.pending.items())
+            failed = list(self.pending.values())
             self.pending.clear()
         if err is None:
             err = ShardError(self.address, grpc.StatusCode.UNAVAILABLE, "stream closed by the shard")
-        for _, fut in failed:
+        for fut, _ in failed:
             if not fut.done():
                 fut.set_exception(err)
 
-    def send(self, req: experts_pb2.LayerRequest) -> Future:
+    def send(self, req: experts_pb2.LayerRequest, timeout_s: float) -> Future:
         fut: Future = Future()
         with self.lock:
             if self.call is None:
                 self._open()
-            self.pending[req.seq] = fut
+            self.pending[req.seq] = (fut, time.monotonic() + timeout_s)
             self.queue.put(req)
         return fut
 
-    def close(self) -> None:
+    def expire(self, now: float) -> bool:
+        """Fail everything pending if a request is past its deadline; True if it did."""
+        with self.lock:
+            if not any(d <= now for _, d in self.pending.values()):
+                return False
+        self._fail_all(ShardError(self.address, grpc.StatusCode.DEADLINE_EXCEEDED, "no answer within the deadline"))
+        return True
+
+    def _fail_all(self, err: ShardError) -> None:
         with self.lock:
             q, call = self.queue, self.call
             self.queue = self.call = None
+            failed = list(self.pending.values())
+            self.pending.clear()
         if q is not None:
             q.put(self._CLOSE)
         if call is not None:
             call.cancel()
+        for fut, _ in failed:
+            if not fut.done():
+                fut.set_exception(err)
+
+    def close(self) -> None:
+        self._fail_all(ShardError(self.address, grpc.StatusCode.CANCELLED, "experts client closed"))
+
+
+# ---- replicas and groups -----------------------------------------------------------------------
+class _Replica:
+    """One shard address: its channel, stream, health and reconnect backoff."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self.channel: grpc.Channel | None = None
+        self.stream: _ShardStream | None = None
+        self.desc: ShardDesc | None = None  # None until a Describe answered
+        self.group: "_Group | None" = None
+        self.healthy = False
+        self.backoff_s = 0.0
+        self.next_try = 0.0  # monotonic time of the next reconnect attempt
+        self.probing = False
+        self.last_error = "not connected yet"
+        self.refused: str | None = None  # answered, but serves something we cannot use
+
+
+def _coverage_key(info: experts_pb2.ShardInfo) -> tuple:
+    return (tuple(sorted(int(l) for l in info.layers)), tuple(sorted(int(e) for e in info.experts)),
+            int(info.intermediate_start), int(info.intermediate_stop))
+
+
+class _Group:
+    """Replicas serving the same (layers, experts, intermediate slice); any one answers a call."""
+
+    def __init__(self, desc: ShardDesc, cfg: ModelConfig):
+        self.desc = desc
+        self.key = _coverage_key(desc.info)
+        self.replicas: list[_Replica] = []
+        self.rr = itertools.count()
+        what = f"experts {_ranges(desc.experts)}"
+        I = cfg.moe_intermediate_size
+        if (desc.info.intermediate_start, desc.info.intermediate_stop) != (0, I):
+            what += f" intermediate [{desc.info.intermediate_start}:{desc.info.intermediate_stop})"
+        self.name = what
+
+    @property
+    def addresses(self) -> str:
+        return ",".join(r.address for r in self.replicas)
+
+    def label(self) -> str:
+        return f"shard group {self.name} ({self.addresses})"
 
 
 class ExpertsClient:
-    """Routed experts of every MoE layer, served by CPU shards at `addresses` (host:port)."""
+    """Routed experts of every MoE layer, served by CPU shards at `addresses` (host:port).
 
-    def __init__(self, addresses: list[str], cfg: ModelConfig, timeout_s: float = 30.0, wire_dtype: str = "float32"):
+    Addresses with identical Describe coverage are replicas of one shard group; coverage is
+    checked over groups. A layer call goes to the group's healthy replicas round-robin; when a
+    replica fails (stream error, UNAVAILABLE, no answer within `timeout_s`), the call is re-sent to
+    another replica of the group (layer calls are idempotent). A group with no healthy replica
+    fails the call at once with ShardError(UNAVAILABLE) naming the group. A supervisor thread
+    enforces the deadlines and reconnects failed replicas (fresh channel, Describe) with capped
+    exponential backoff, so a shard that comes back at its address is used again by itself."""
+
+    def __init__(self, addresses: list[str], cfg: ModelConfig, timeout_s: float = 5.0, wire_dtype: str = "float32",
+                 tls: TLSFiles | None = None, connect_timeout_s: float | None = None,
+                 max_tokens: int = DEFAULT_MAX_TOKENS, tls_server_name: str | None = None,
+                 reconnect_max_s: float = 5.0):
         if not addresses:
             raise ValueError("ExpertsClient needs at least one shard address")
         if wire_dtype not in _WIRE:
             raise ValueError(f"wire_dtype {wire_dtype!r}: expected one of {list(_WIRE)}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.addresses = list(addresses)
         self.cfg = cfg
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = float(timeout_s)  # deadline of one layer call on one replica
+        self.connect_timeout_s = float(connect_timeout_s if connect_timeout_s is not None else max(timeout_s, 30.0))
         self.wire_dtype = wire_dtype
-        self.shards: list[ShardDesc] = []
-        self._channels: list[grpc.Channel] = []
-        self._streams: list[_ShardStream] = []
+        self.tls = tls
+        self.reconnect_max_s = float(reconnect_max_s)
+        self._options = channel_options(cfg, max_tokens, tls_server_name)
+        self._creds = channel_credentials(tls) if tls is not None else None
+        self.shards: list[ShardDesc] = []  # one per group (its first replica's Describe)
+        self.groups: list[_Group] = []
+        self.replicas: list[_Replica] = []
+        self._lock = threading.Lock()
         self._seq = itertools.count(1)
+        self._stop = threading.Event()
+        self._supervisor: threading.Thread | None = None
+        self.failovers = 0  # layer calls re-sent to another replica
+        # optional per-call hook (gpu_service.metrics.ExpertsObserver):
+        # observer(layer, replica address, rtt seconds, bytes sent, bytes received, ok)
+        self.observer = None
 
     # ---- set-up -------------------------------------------------------------------------------
+    def _channel(self, address: str) -> grpc.Channel:
+        return make_channel(address, self._options, creds=self._creds)
+
     def connect(self) -> "ExpertsClient":
+        """Describe every address (in parallel), group replicas, check fingerprint and coverage.
+        Unreachable addresses are fine if the reachable ones cover the model (replicas down)."""
         self.close()
-        shards, chans, streams = [], [], []
+        reps = [_Replica(a) for a in self.addresses]
+        pending = []
+        for r in reps:
+            r.channel = self._channel(r.address)
+            stub = experts_pb2_grpc.ExpertServiceStub(r.channel)
+            pending.append(stub.Describe.future(experts_pb2.DescribeRequest(), timeout=self.connect_timeout_s,
+                                                wait_for_ready=True))
         try:
-            for addr in self.addresses:
-                ch = grpc.insecure_channel(addr, options=GRPC_OPTIONS)
-                chans.append(ch)
-                stub = experts_pb2_grpc.ExpertServiceStub(ch)
+            down: list[ShardError] = []
+            for r, f in zip(reps, pending):
                 try:
-                    info = stub.Describe(experts_pb2.DescribeRequest(), timeout=self.timeout_s, wait_for_ready=True)
+                    info = f.result()
                 except grpc.RpcError as e:
-                    raise ShardError(addr, e.code(), f"Describe failed: {e.details()}") from None
-                self._check_shard(addr, info)
-                ex = np.array(sorted(info.experts), dtype=np.int64)
-                shards.append(ShardDesc(addr, info, ex, len(ex) == self.cfg.n_routed_experts))
-                streams.append(_ShardStream(addr, stub))
-            check_coverage(self.cfg, shards)
+                    err = ShardError(r.address, e.code(), f"Describe failed: {e.details()}")
+                    r.last_error, r.next_try = str(err), time.monotonic()
+                    r.channel.close()
+                    r.channel = None
+                    down.append(err)
+                    continue
+                self._check_shard(r.address, info)
+                self._attach(r, info, groups_fixed=False, groups=self.groups)
+            try:
+                if not self.groups:
+                    raise CoverageError("no expert shard answered", [], [])
+                check_coverage(self.cfg, [g.desc for g in self.groups])
+            except CoverageError as e:
+                if down:  # the gap is probably the unreachable shards': say so first
+                    first = down[0]
+                    raise ShardError(",".join(d.address for d in down), first.code,
+                                     f"{first.details}; the reachable shards do not cover the model: {e}") from None
+                raise
         except BaseException:
-            for ch in chans:
-                ch.close()
+            for r in reps:
+                if r.channel is not None:
+                    r.channel.close()
+            self.groups = []
             raise
-        self.shards, self._channels, self._streams = shards, chans, streams
+        self.replicas = reps
+        self.shards = [g.desc for g in self.groups]
+        self._stop = threading.Event()
+        self._supervisor = threading.Thread(target=self._supervise, args=(self._stop,), name="experts-supervisor",
+                                            daemon=True)
+        self._supervisor.start()
+        if down:
+            log.warning("expert shards %s unreachable at start; serving from their replicas, reconnecting",
+                        ", ".join(d.address for d in down))
         return self
+
+    def _attach(self, r: _Replica, info: experts_pb2.ShardInfo, groups_fixed: bool, groups: list[_Group]) -> None:
+        """Put a replica that answered Describe into its group (a new group only at connect)."""
+        ex = np.array(sorted(info.experts), dtype=np.int64)
+        desc = ShardDesc(r.address, info, ex, len(ex) == self.cfg.n_routed_experts)
+        key = _coverage_key(info)
+        g = next((g for g in groups if g.key == key), None)
+        if g is None:
+            if groups_fixed:
+                raise CoverageError(
+                    f"expert shard {r.address} serves experts {_ranges(ex)}, intermediate "
+                    f"[{info.intermediate_start}:{info.intermediate_stop}), which matches no shard group of this "
+                    "GPU service; it is not used", [], [])
+            g = _Group(desc, self.cfg)
+            groups.append(g)
+        r.desc, r.group = desc, g
+        if r not in g.replicas:
+            g.replicas.append(r)
+        r.stream = _ShardStream(r.address, experts_pb2_grpc.ExpertServiceStub(r.channel))
+        r.healthy, r.backoff_s, r.last_error = True, 0.0, ""
 
     def _check_shard(self, addr: str, info: experts_pb2.ShardInfo) -> None:
         want = self.cfg.fingerprint()
@@ -279,16 +450,165 @@ class ExpertsClient:
         self.close()
 
     def close(self) -> None:
-        for s in self._streams:
-            s.close()
-        for ch in self._channels:
-            ch.close()
-        self._streams, self._channels, self.shards = [], [], []
+        self._stop.set()
+        if self._supervisor is not None and self._supervisor is not threading.current_thread():
+            self._supervisor.join(2.0)
+        self._supervisor = None
+        for r in self.replicas:
+            if r.stream is not None:
+                r.stream.close()
+            if r.channel is not None:
+                r.channel.close()
+        self.replicas, self.groups, self.shards = [], [], []
+
+    # ---- health and reconnection --------------------------------------------------------------
+    def _mark_down(self, r: _Replica, err: BaseException) -> None:
+        with self._lock:
+            was = r.healthy
+            r.healthy = False
+            r.last_error = str(err)
+            if was:
+                r.backoff_s = 0.0
+                r.next_try = time.monotonic()  # first reconnect attempt right away, then back off
+        if was:
+            log.warning("expert shard %s failed (%s); using its replicas, reconnecting", r.address, err)
+
+    def _supervise(self, stop: threading.Event) -> None:
+        """Deadlines of in-flight calls (every ~50 ms) and reconnect attempts of failed replicas."""
+        tick = min(0.05, self.timeout_s / 10)
+        while not stop.wait(tick):
+            now = time.monotonic()
+            for r in list(self.replicas):
+                if r.healthy and r.stream is not None and r.stream.expire(now):
+                    self._mark_down(r, ShardError(r.address, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                                  f"no answer within {self.timeout_s}s"))
+                if not r.healthy and not r.probing and r.refused is None and now >= r.next_try:
+                    self._probe(r)
+
+    def _probe(self, r: _Replica) -> None:
+        """Reconnect attempt: a fresh channel (re-resolves the name) and a Describe, asynchronously."""
+        r.probing = True
+        ch = self._channel(r.address)
+        f = experts_pb2_grpc.ExpertServiceStub(ch).Describe.future(
+            experts_pb2.DescribeRequest(), timeout=min(2.0, self.timeout_s), wait_for_ready=True)
+
+        def done(f):
+            try:
+                info = f.result()
+                self._check_shard(r.address, info)
+                if r.desc is not None and _coverage_key(info) != _coverage_key(r.desc.info):
+                    raise CoverageError(f"expert shard {r.address} came back serving different experts", [], [])
+            except (grpc.RpcError, ExpertsClientError) as e:
+                ch.close()
+                if isinstance(e, (FingerprintError, CoverageError)):
+                    r.refused = str(e)
+                    log.error("%s", e)
+                with self._lock:
+                    r.backoff_s = min(self.reconnect_max_s, max(0.1, r.backoff_s * 2))
+                    r.next_try = time.monotonic() + r.backoff_s * random.uniform(0.8, 1.2)
+                    r.last_error = str(e) if not isinstance(e, grpc.RpcError) else f"{e.code().name}: {e.details()}"
+                    r.probing = False
+                return
+            old_ch, old_stream = r.channel, r.stream
+            with self._lock:
+                r.channel = ch
+                try:
+                    self._attach(r, info, groups_fixed=True, groups=self.groups)
+                except CoverageError as e:
+                    r.refused = str(e)
+                    log.error("%s", e)
+                r.probing = False
+            if old_stream is not None:
+                old_stream.close()
+            if old_ch is not None:
+                old_ch.close()
+            if r.refused is None:
+                log.info("expert shard %s is back", r.address)
+
+        f.add_done_callback(done)
+
+    def health(self, timeout_s: float = 1.0) -> tuple[bool, dict]:
+        """grpc.health.v1 of every replica (over its own, possibly TLS, channel). Healthy when every
+        shard group has a SERVING replica that the client also considers usable."""
+        out: dict[str, str] = {}
+        for r in self.replicas:
+            ch = r.channel
+            if ch is None:
+                out[r.address] = f"UNAVAILABLE: {r.last_error}"
+                continue
+            try:
+                resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+                status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+            except grpc.RpcError as e:
+                status = f"{e.code().name}: {e.details()}"
+            except ValueError as e:  # channel closed meanwhile (reconnect swapped it)
+                status = f"UNAVAILABLE: {e}"
+            if status == "SERVING" and not r.healthy:
+                status = f"RECONNECTING: {r.last_error}"
+            out[r.address] = status
+        ok = bool(self.groups) and all(any(out.get(r.address) == "SERVING" for r in g.replicas) for g in self.groups)
+        return ok, out
 
     # ---- compute ------------------------------------------------------------------------------
+    def _pick(self, g: _Group, tried: list[_Replica]) -> _Replica | None:
+        with self._lock:
+            live = [r for r in g.replicas if r.healthy and r not in tried]
+            if not live:
+                return None
+            return live[next(g.rr) % len(live)]
+
+    def _call_group(self, g: _Group, layer: int, x, i, ww) -> Future:
+        """One layer call on group g: a replica, then another one if it fails (same request)."""
+        out: Future = Future()
+        tensors = (_tensor(x, self.wire_dtype), _tensor(i, "int64"), _tensor(ww, "float32"))
+        tried: list[_Replica] = []
+        errors: list[str] = []
+
+        def attempt():
+            r = self._pick(g, tried)
+            if r is None:
+                why = "; ".join(errors) or "; ".join(f"{x.address}: {x.last_error}" for x in g.replicas)
+                out.set_exception(ShardError(g.addresses, grpc.StatusCode.UNAVAILABLE,
+                                             f"layer {layer}: no healthy replica of {g.label()} left ({why})"))
+                return
+            tried.append(r)
+            if len(tried) > 1:
+                self.failovers += 1
+            req = experts_pb2.LayerRequest(seq=next(self._seq), layer=layer, hidden=tensors[0],
+                                           topk_ids=tensors[1], topk_weights=tensors[2])
+            t_send = time.perf_counter()
+            try:
+                f = r.stream.send(req, self.timeout_s)
+            except Exception as e:  # noqa: BLE001 - e.g. the channel was closed under us
+                f = Future()
+                f.set_exception(ShardError(r.address, grpc.StatusCode.UNAVAILABLE, repr(e)))
+            if self.observer is not None:
+                _observe(self.observer, f, layer, r.address, req.ByteSize(), t_send)
+            f.add_done_callback(lambda f, r=r: finished(r, f))
+
+        def finished(r: _Replica, f: Future):
+            e = f.exception()
+            if e is None:
+                out.set_result(f.result())
+            elif _retryable(e) and not self._stop.is_set():
+                self._mark_down(r, e)
+                errors.append(f"{r.address}: {e.code.name}: {e.details}")
+                attempt()
+            else:
+                out.set_exception(e)
+
+        attempt()
+        return out
+
+    @property
+    def max_wait_s(self) -> float:
+        """Longest a layer call can take: every replica of a group tried, each up to the deadline."""
+        n = max((len(g.replicas) for g in self.groups), default=1)
+        return self.timeout_s * n + 1.0
+
     def forward_async(self, layer: int, hidden: np.ndarray, ids: np.ndarray, w: np.ndarray) -> Future:
         """Start the layer's routed experts on the shards; the future's result is [T, H] float32."""
-        if not self.shards:
+        if not self.groups:
             raise ExpertsClientError("ExpertsClient.forward before connect()")
         hidden = np.ascontiguousarray(hidden, dtype=np.float32)  # [T, H]
         ids = np.ascontiguousarray(ids, dtype=np.int64)  # [T, k]
@@ -303,8 +623,9 @@ class ExpertsClient:
             result.set_result(np.zeros_like(hidden))
             return result
         parts: list[tuple[np.ndarray | None, Future]] = []
-        sent: list[ShardDesc] = []
-        for shard, stream in zip(self.shards, self._streams):
+        sent: list[_Group] = []
+        for g in self.groups:
+            shard = g.desc
             if shard.all_experts:
                 rows = None  # every row
             else:
@@ -313,15 +634,8 @@ class ExpertsClient:
                     continue
                 rows = None if hit.all() else np.nonzero(hit)[0]
             x, i, ww = (hidden, ids, w) if rows is None else (hidden[rows], ids[rows], w[rows])
-            req = experts_pb2.LayerRequest(
-                seq=next(self._seq),
-                layer=layer,
-                hidden=_tensor(x, self.wire_dtype),
-                topk_ids=_tensor(i, "int64"),
-                topk_weights=_tensor(ww, "float32"),
-            )
-            parts.append((rows, stream.send(req)))
-            sent.append(shard)
+            parts.append((rows, self._call_group(g, layer, x, i, ww)))
+            sent.append(g)
         if not parts:
             result.set_result(np.zeros_like(hidden))
             return result
@@ -338,12 +652,12 @@ class ExpertsClient:
                 return
             out = np.zeros((T, hidden.shape[1]), dtype=np.float32)  # [T, H]
             try:
-                for (rows, f), shard in zip(parts, sent):
+                for (rows, f), g in zip(parts, sent):
                     resp = f.result()
                     y = _array(resp.output)  # [T_s, H]
                     want = (T if rows is None else len(rows), hidden.shape[1])
                     if y.shape != want:
-                        raise ShardError(shard.address, None, f"layer {layer}: output shape {y.shape} != {want}")
+                        raise ShardError(g.addresses, None, f"layer {layer}: output shape {y.shape} != {want}")
                     if rows is None:
                         out += y
                     else:
@@ -353,22 +667,51 @@ class ExpertsClient:
                 return
             result.set_result(out)
 
-        result.shard_futures = [(s.address, f) for s, (_, f) in zip(sent, parts)]
+        result.shard_futures = [(g.addresses, f) for g, (_, f) in zip(sent, parts)]
         for _, f in parts:
             f.add_done_callback(_done)
         return result
 
-    def forward(self, layer: int, hidden: np.ndarray, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
-        """Routed-expert output of MoE layer `layer`: [T, H] float32 (sum over the shards)."""
-        fut = self.forward_async(layer, hidden, ids, w)
+    def result(self, fut: Future, layer: int | None = None) -> np.ndarray:
+        """Wait for a `forward_async` future, bounded: never longer than `max_wait_s`."""
         try:
-            return fut.result(timeout=self.timeout_s)
+            return fut.result(timeout=self.max_wait_s)
         except FutureTimeout:
             late = [a for a, f in getattr(fut, "shard_futures", []) if not f.done()]
             raise ShardError(
-                ",".join(late) or ",".join(s.address for s in self.shards), grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"layer {layer}: no answer within {self.timeout_s}s",
+                ",".join(late) or ",".join(self.addresses), grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"layer {layer}: no answer within {self.max_wait_s:.1f}s",
             ) from None
+
+    def forward(self, layer: int, hidden: np.ndarray, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """Routed-expert output of MoE layer `layer`: [T, H] float32 (sum over the shards)."""
+        return self.result(self.forward_async(layer, hidden, ids, w), layer)
+
+
+def _observe(observer, fut: Future, layer: int, address: str, sent: int, t_send: float) -> None:
+    """Report one call to one replica to `observer` when its answer (or failure) arrives."""
+    def done(f: Future) -> None:
+        rtt = time.perf_counter() - t_send
+        ok = f.exception() is None
+        try:
+            observer(layer, address, rtt, sent, f.result().ByteSize() if ok else 0, ok)
+        except Exception:  # noqa: BLE001 - metrics never break a forward
+            pass
+
+    fut.add_done_callback(done)
+
+
+def add_expert_client_arguments(p: "argparse.ArgumentParser") -> None:
+    """Flags of the GPU side's experts client (serve, gpu-server, generate)."""
+    p.add_argument("--expert-timeout", type=float, default=5.0,
+                   help="deadline in seconds of one MoE layer call on one shard replica (default 5); a request "
+                        "whose shard has no replica left fails with 503 / UNAVAILABLE")
+    add_tls_arguments(p, "client")
+
+
+def expert_client_tls(args: "argparse.Namespace", prog: str):
+    """TLSFiles from --tls-* (None without them); ValueError when only some are given."""
+    return TLSFiles.from_args(args.tls_cert, args.tls_key, args.tls_ca, prog)
 
 
 def _tensor(a: np.ndarray, dtype: str) -> experts_pb2.Tensor:

@@ -10,6 +10,8 @@ import time
 
 import torch
 
+from gpu_service.placement import add_plan_arguments, placement_from_args
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory (config.json + *.safetensors)")
@@ -21,6 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shards", type=int, default=2, help="number of local expert shard processes")
     p.add_argument("--split", choices=["experts", "intermediate"], default="experts",
                    help="shard by expert subsets or by intermediate slices of every expert")
+    p.add_argument("--replicas", type=int, default=1, help="processes per local shard (failover replicas)")
     p.add_argument("--shard-addresses", default=None,
                    help="comma-separated host:port of running shards (skips starting local ones)")
     p.add_argument("--backend", default="auto", help="shard compute backend: auto|numpy|kernel")
@@ -31,6 +34,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda|cpu (default: cuda when available)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--kv-tokens", type=int, default=None, help="KV cache tokens (default: prompt + new tokens)")
+    add_plan_arguments(p)
+    from gpu_service.experts_client import add_expert_client_arguments  # --expert-timeout, --tls-*
+
+    add_expert_client_arguments(p)
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
@@ -64,20 +72,35 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device) if args.device else None
     dtype = getattr(torch, args.dtype) if args.dtype else None
 
+    # the memory plan comes first: a plan that cannot fit stops here, before anything is loaded
+    kv = args.kv_tokens or max(len(ids) + args.max_new_tokens, 64)
+    placement = placement_from_args(args, cfg, kv, device=device)
+
+    from gpu_service.experts_client import expert_client_tls
+
+    try:
+        tls = expert_client_tls(args, "moesplit generate")
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    # local shards use the same files: one certificate as server and client (its SANs must cover 127.0.0.1)
+    tls_args = ["--tls-cert", tls.cert, "--tls-key", tls.key, "--tls-ca", tls.ca] if tls else []
     t0 = time.perf_counter()
     shards = None
     try:
         if args.shard_addresses:
             addresses = [a.strip() for a in args.shard_addresses.split(",") if a.strip()]
         else:
-            shards = start_shards(args.model, args.shards, split=args.split, backend=args.backend)
+            shards = start_shards(args.model, args.shards, split=args.split, backend=args.backend,
+                                  replicas=args.replicas, extra_args=tls_args)
             addresses = shards.addresses
         t_shards = time.perf_counter() - t0
-        client = ExpertsClient(addresses, cfg)
+        client = ExpertsClient(addresses, cfg, timeout_s=args.expert_timeout, tls=tls,
+                               tls_server_name=args.tls_server_name)
         client.connect()
         try:
-            runner = ModelRunner(reader, RemoteExperts(client), device=device, dtype=dtype,
-                                 kv_tokens=max(len(ids) + args.max_new_tokens, 64))
+            runner = ModelRunner(reader, RemoteExperts(client), device=device, dtype=dtype, kv_tokens=kv,
+                                 placement=placement)
             res = runner.generate(ids, args.max_new_tokens, sampling,
                                   stop_ids=() if args.ignore_eos else cfg.eos_token_ids)
         finally:

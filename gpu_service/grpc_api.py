@@ -63,7 +63,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                     context.abort(grpc.StatusCode.UNAVAILABLE, "the request was cancelled (server stopping)")
                 return
             if out.finish_reason == "error":
-                context.abort(grpc.StatusCode.INTERNAL, out.error or "generation failed")
+                code = grpc.StatusCode.UNAVAILABLE if out.unavailable else grpc.StatusCode.INTERNAL
+                context.abort(code, out.error or "generation failed")
             resp = generate_pb2.GenerateResponse(token_ids=out.token_ids, text=out.text,
                                                  finish_reason=out.finish_reason or "")
             if out.finish_reason is not None:

@@ -4,6 +4,7 @@
     POST /v1/completions        text prompt, or token ids
     GET  /v1/models             the one served model
     GET  /health                200 when the engine and every expert shard serve, else 503
+    GET  /metrics               Prometheus metrics (gpu_service.metrics), unauthenticated like /health
 
 `stream: true` answers with server-sent events ending in `data: [DONE]`; `stream_options:
 {"include_usage": true}` adds a last chunk with usage. Extensions: `top_k`, `ignore_eos`,
@@ -26,7 +27,7 @@ from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpu_service.engine import Engine, EngineStopped, RequestError
@@ -161,7 +162,8 @@ def completion_prompt_ids(tokenizer, prompt) -> list[int]:
 
 # ---- the app -----------------------------------------------------------------------------------
 def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None = None,
-               health_fn: HealthFn | None = None) -> FastAPI:
+               health_fn: HealthFn | None = None, metrics=None) -> FastAPI:
+    """`metrics`: a gpu_service.metrics.GpuMetrics served at GET /metrics (no API key, like /health)."""
     app = FastAPI(title="moesplit", docs_url=None, redoc_url=None)
     created = int(time.time())
 
@@ -243,6 +245,9 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
             if not h.done:
                 h.cancel()
         if h.finish_reason == "error":
+            if h.unavailable:  # an expert shard has no replica left: retry later
+                raise APIError(503, h.error or "an expert shard is unavailable", "service_unavailable_error",
+                               code="expert_shard_unavailable")
             raise APIError(500, h.error or "generation failed", "server_error")
         return "".join(parts), ids
 
@@ -254,7 +259,10 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
                     yield _sse(first, include_usage)
                 async for out in h:
                     if out.finish_reason == "error":
-                        yield f"data: {json.dumps(error_body(out.error or 'generation failed', 'server_error'))}\n\n"
+                        err = (error_body(out.error or "an expert shard is unavailable", "service_unavailable_error",
+                                          code="expert_shard_unavailable") if out.unavailable
+                               else error_body(out.error or "generation failed", "server_error"))
+                        yield f"data: {json.dumps(err)}\n\n"
                         break
                     if out.finish_reason == "cancelled":
                         break
@@ -360,6 +368,12 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
         detail["status"] = "ok" if ok else "unavailable"
         detail.update({k: v for k, v in engine.stats().items() if k in ("running", "waiting", "pool_usage")})
         return JSONResponse(detail, status_code=200 if ok else 503)
+
+    if metrics is not None:
+        @app.get("/metrics")
+        def prometheus_metrics():  # sync: the scrape runs the shard health checks
+            body, content_type = metrics.exposition()
+            return Response(body, media_type=content_type)
 
     return app
 

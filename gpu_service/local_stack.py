@@ -6,6 +6,8 @@
 Each shard is `python -m cpu_expert_service.server` on 127.0.0.1, port 0, with a port file;
 `start_shards` returns once every shard is serving (or raises with the dead child's stderr).
 Expert split: contiguous even ranges of expert ids; intermediate split: `--slice i/n`.
+`replicas=R` starts R processes per shard; addresses are replica set 0 of every shard, then
+replica set 1, ... (the Helm chart's order). `kill(i)` / `restart(i)` (same port) are for tests.
 """
 from __future__ import annotations
 
@@ -41,6 +43,30 @@ class LocalShards:
     procs: list[subprocess.Popen]
     workdir: str
     logs: list[str] = field(default_factory=list)  # stderr log file of each shard
+    cmds: list[list[str]] = field(default_factory=list)  # command line of each process
+    env: dict = field(default_factory=dict)
+    groups: list[int] = field(default_factory=list)  # shard group of each process
+
+    def kill(self, i: int) -> None:
+        """SIGKILL process i (no goodbye to its clients) and reap it."""
+        p = self.procs[i]
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+    def restart(self, i: int, timeout_s: float = 120.0) -> None:
+        """Start process i again on the same port; returns once it serves."""
+        if self.procs[i].poll() is None:
+            raise RuntimeError(f"shard process {i} is still running")
+        port = self.addresses[i].rsplit(":", 1)[1]
+        cmd = list(self.cmds[i])
+        pf = cmd[cmd.index("--port-file") + 1]
+        cmd[cmd.index("--port") + 1] = port
+        if os.path.exists(pf):
+            os.remove(pf)
+        with open(self.logs[i], "ab") as err:
+            self.procs[i] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=self.env, cwd=ROOT)
+        _wait_ports([self.procs[i]], [pf], [self.logs[i]], [" ".join(cmd[-12:])], timeout_s)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM every shard, wait, SIGKILL stragglers, remove the work directory."""
@@ -71,6 +97,31 @@ def _tail(path: str, n: int = 4000) -> str:
         return ""
 
 
+def _wait_ports(procs, port_files, logs, what, timeout_s: float) -> list[int]:
+    ports: list[int | None] = [None] * len(procs)
+    deadline = time.monotonic() + timeout_s
+    while any(p is None for p in ports):
+        for i, p in enumerate(procs):
+            if ports[i] is not None:
+                continue
+            if p.poll() is not None:
+                raise ShardStartError(
+                    f"expert shard {i} ({what[i]}) exited with code {p.returncode} "
+                    f"before serving; its stderr:\n{_tail(logs[i])}"
+                )
+            if os.path.exists(port_files[i]):
+                with open(port_files[i]) as f:
+                    ports[i] = int(f.read().strip())
+        if time.monotonic() > deadline:
+            late = [i for i, p in enumerate(ports) if p is None]
+            raise ShardStartError(
+                f"expert shards {late} not ready after {timeout_s:.0f}s; stderr of shard {late[0]}:\n"
+                f"{_tail(logs[late[0]])}"
+            )
+        time.sleep(0.05)
+    return ports
+
+
 def start_shards(
     model_dir: str,
     n: int,
@@ -78,8 +129,15 @@ def start_shards(
     backend: str = "numpy",
     extra_args: tuple[str, ...] | list[str] = (),
     timeout_s: float = 120.0,
+    replicas: int = 1,
+    metrics_ports: list[int] | None = None,
 ) -> LocalShards:
-    """Launch n shard processes splitting the model's routed experts; wait until all serve."""
+    """Launch n shards (x `replicas` processes each) splitting the model's routed experts; wait
+    until all serve."""
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
+    if metrics_ports is not None and len(metrics_ports) != n * replicas:
+        raise ValueError(f"metrics_ports: {len(metrics_ports)} ports for {n * replicas} shard processes")
     cfg = load_config(model_dir)
     if split == "experts":
         shard_args = [["--experts", f"{a}-{b}"] for a, b in expert_ranges(cfg.n_routed_experts, n)]
@@ -92,40 +150,27 @@ def start_shards(
     workdir = tempfile.mkdtemp(prefix="moesplit-shards-")
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    procs, logs, port_files = [], [], []
-    shards = LocalShards([], procs, workdir, logs)
+    procs, logs, port_files, what = [], [], [], []
+    shards = LocalShards([], procs, workdir, logs, env=env)
     try:
-        for i, sa in enumerate(shard_args):
-            port_file = os.path.join(workdir, f"shard{i}.port")
-            log = os.path.join(workdir, f"shard{i}.log")
-            cmd = [sys.executable, "-m", "cpu_expert_service.server", "--model", os.fspath(model_dir), *sa,
-                   "--host", "127.0.0.1", "--port", "0", "--port-file", port_file,
-                   "--shard-id", f"shard{i}", "--backend", backend, *extra_args]
-            with open(log, "wb") as err:
-                procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=ROOT))
-            logs.append(log)
-            port_files.append(port_file)
-        ports: list[int | None] = [None] * len(procs)
-        deadline = time.monotonic() + timeout_s
-        while any(p is None for p in ports):
-            for i, p in enumerate(procs):
-                if ports[i] is not None:
-                    continue
-                if p.poll() is not None:
-                    raise ShardStartError(
-                        f"expert shard {i} ({' '.join(shard_args[i])}) exited with code {p.returncode} "
-                        f"before serving; its stderr:\n{_tail(logs[i])}"
-                    )
-                if os.path.exists(port_files[i]):
-                    with open(port_files[i]) as f:
-                        ports[i] = int(f.read().strip())
-            if time.monotonic() > deadline:
-                late = [i for i, p in enumerate(ports) if p is None]
-                raise ShardStartError(
-                    f"expert shards {late} not ready after {timeout_s:.0f}s; stderr of shard {late[0]}:\n"
-                    f"{_tail(logs[late[0]])}"
-                )
-            time.sleep(0.05)
+        for r in range(replicas):
+            for i, sa in enumerate(shard_args):
+                name = f"shard{i}" + (f"r{r}" if replicas > 1 else "")
+                port_file = os.path.join(workdir, f"{name}.port")
+                log = os.path.join(workdir, f"{name}.log")
+                cmd = [sys.executable, "-m", "cpu_expert_service.server", "--model", os.fspath(model_dir), *sa,
+                       "--host", "127.0.0.1", "--port", "0", "--port-file", port_file,
+                       "--shard-id", name, "--backend", backend, *extra_args]
+                if metrics_ports is not None:  # Prometheus /metrics of process k on 127.0.0.1:metrics_ports[k]
+                    cmd += ["--metrics-port", str(int(metrics_ports[len(procs)]))]
+                with open(log, "wb") as err:
+                    procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=ROOT))
+                logs.append(log)
+                port_files.append(port_file)
+                what.append(" ".join(sa))
+                shards.cmds.append(cmd)
+                shards.groups.append(i)
+        ports = _wait_ports(procs, port_files, logs, what, timeout_s)
         shards.addresses = [f"127.0.0.1:{p}" for p in ports]
         return shards
     except BaseException:

@@ -8,6 +8,8 @@ tokens to an `ExpertsFn` (the gRPC experts client, or an in-process backend in b
 The forward pass takes a flat token batch made of per-sequence chunks (continuous batching):
 each chunk writes its c_kv/k_pe into the paged `KVPool` and attends over its sequence's cache.
 A one-token chunk (decode) uses the weight-absorbed MLA path; longer chunks expand K/V.
+DeepSeek-V3.2 (DSA): each MLA also caches lightning-indexer keys (`KVPool.index_k`) and attends
+only to the top-`index_topk` positions its `Indexer` selects (gpu_service/indexer.py).
 """
 from __future__ import annotations
 
@@ -436,7 +438,7 @@ def build_model(cfg: ModelConfig, get: Callable[[str], "object"], dtype: torch.d
                     tuple(stored.shape)))
             elif fmt == "fp8" and stored is not None and stored.format == "fp8":
                 pair = (torch.from_numpy(stored.arrays["weight"].view(np.uint8).copy()).view(torch.float8_e4m3fn),
-                        torch.from_numpy(np.asarray(stored.arrays["weight_scale_inv"], dtype=np.float32)))
+                        torch.from_numpy(np.array(stored.arrays["weight_scale_inv"], dtype=np.float32)))
                 if tuple(pair[0].shape) != tuple(p.shape):
                     raise ValueError(f"tensor {src!r} has shape {tuple(pair[0].shape)}, expected {tuple(p.shape)}")
                 q = make_quantized(None, "fp8", dev, stored=pair)

@@ -101,9 +101,10 @@ def allocated_bytes_by_gpu(model: torch.nn.Module, placement: Placement, pool=No
         g = placement.gpu_index_of(name)
         out[g] = out.get(g, 0) + t.numel() * t.element_size()
     if pool is not None:
-        for layer, t in enumerate(pool.kv):
-            g = placement.layer_gpu[layer]
-            out[g] = out.get(g, 0) + t.numel() * t.element_size()
+        for per_layer in (pool.kv, getattr(pool, "index_k", None) or []):  # MLA cache, V3.2 index keys
+            for layer, t in enumerate(per_layer):
+                g = placement.layer_gpu[layer]
+                out[g] = out.get(g, 0) + t.numel() * t.element_size()
     return out
 
 
@@ -135,3 +136,48 @@ def preflight(plan, plan_kwargs: dict | None = None) -> None:
         for s in alt.suggestions or plan.suggestions:
             lines.append(f"would fit: {s.get('args') or s.get('change')}")
     raise PlanDoesNotFit("\n".join(lines))
+
+
+# ---- command-line wiring (generate / serve / gpu-server) ------------------------------------------
+def add_plan_arguments(p) -> None:
+    """The memory-plan options of the serving commands (see `moesplit plan`)."""
+    p.add_argument("--gpu", action="append", default=None, metavar="SIZE",
+                   help="plan for GPUs of these total sizes (repeat per GPU; default: the visible CUDA devices; "
+                        "on a CPU-only machine no plan is made unless given)")
+    p.add_argument("--attention-weights", choices=["auto", "checkpoint", "bf16", "fp8", "int8"], default="auto",
+                   help="precision of attention / shared-expert / dense linears on the GPU")
+    p.add_argument("--embeddings", choices=["auto", "gpu", "cpu"], default="auto")
+    p.add_argument("--gpu-experts", default="0", metavar="N|auto",
+                   help="hot routed experts per MoE layer kept and computed on the GPU (default 0)")
+    p.add_argument("--min-kv-tokens", type=int, default=None,
+                   help="never shrink the KV cache below this when auto-fitting (default: --kv-tokens)")
+
+
+def placement_from_args(args, cfg: ModelConfig, kv_tokens: int, chunk_tokens: int = 2048,
+                        max_batch: int = 16, device: torch.device | None = None) -> "Placement | None":
+    """Make the plan, refuse before loading if it cannot fit (SystemExit with the table and the
+    options that would fit), and return its placement; None when no plan applies (CPU, no --gpu)."""
+    from gpu_service import plan as P
+
+    cuda = torch.cuda.is_available() and (device is None or device.type == "cuda")
+    if not args.gpu and not cuda:
+        return None
+    caps = [P.parse_size(g) for g in args.gpu] if args.gpu else [
+        torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
+    gx = args.gpu_experts if args.gpu_experts == "auto" else int(args.gpu_experts)
+    kw = dict(kv_tokens=kv_tokens, min_kv_tokens=args.min_kv_tokens or kv_tokens,
+              chunk_tokens=max(chunk_tokens, max_batch), attention_weights=args.attention_weights,
+              embeddings=args.embeddings, gpu_experts=gx, max_batch=max_batch)
+    plan = P.make_plan(cfg, caps, **kw)
+    if not plan.fits:
+        raise SystemExit(plan.table() + f"\n\nmoesplit: the plan does not fit: {P.fmt_gib(plan.missing_bytes)} missing; "
+                         "nothing was loaded. Options that would fit are listed above.")
+    if cuda:
+        try:
+            preflight(plan, kw)
+        except PlanDoesNotFit as e:
+            raise SystemExit(f"{e}\n\nmoesplit: not enough free GPU memory right now; nothing was loaded.") from None
+        devices = None
+    else:  # a CPU-only machine given --gpu: execute the plan's layout on the CPU (for testing plans)
+        devices = [torch.device("cpu")] * len(plan.gpus)
+    return Placement.from_plan(plan, devices)

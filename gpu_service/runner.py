@@ -36,8 +36,8 @@ class RemoteExperts:
         fut = self.client.forward_async(
             layer, h.detach().float().cpu().numpy(), ids.cpu().numpy().astype(np.int32), w.float().cpu().numpy())
 
-        def wait() -> torch.Tensor:
-            return torch.from_numpy(fut.result()).to(device=h.device, dtype=h.dtype)
+        def wait() -> torch.Tensor:  # bounded: the client's deadline (ShardError when it passes)
+            return torch.from_numpy(self.client.result(fut, layer)).to(device=h.device, dtype=h.dtype)
 
         return wait
 
@@ -63,6 +63,16 @@ class GenerationResult:
     timings: dict = field(default_factory=dict)
 
 
+def verify_gpu_weights(reader) -> int:
+    """Headers of every non-routed-expert tensor the GPU service loads: present, inside its file, of
+    the shape config.json implies (`CheckpointReader.verify`); CheckpointError naming file and tensor."""
+    from checkpoint.names import expected_shapes
+
+    if not hasattr(reader, "verify"):
+        return 0
+    return reader.verify(list(expected_shapes(reader.config, routed=False)))
+
+
 class ModelRunner:
     def __init__(self, reader, experts, device: torch.device | None = None, dtype: torch.dtype | None = None,
                  kv_tokens: int = 4096, page_size: int = 64, placement: Placement | None = None):
@@ -71,6 +81,7 @@ class ModelRunner:
         self.dtype = dtype or default_dtype(self.device)
         self.experts = experts
         self.placement = placement or Placement.single(self.cfg, self.device, kv_tokens)
+        verify_gpu_weights(reader)  # a truncated / corrupt / mis-shaped file fails here, naming file and tensor
         t0 = time.perf_counter()
         self.model: DeepseekV3
         self.model, self.loaded = build_model(

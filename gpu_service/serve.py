@@ -15,18 +15,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", choices=["experts", "intermediate"], default="experts",
                    help="shard by expert subsets or by intermediate slices of every expert")
     p.add_argument("--backend", default="numpy", help="shard compute backend: numpy|kernels|auto")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="processes per shard (replicas with the same experts: load spread and failover)")
 
 
 def run(args: argparse.Namespace) -> int:
     from gpu_service.local_stack import ShardStartError, start_shards
 
     setup_logging(args.log_level)
-    err = check_serving_args(args) or (f"--shards must be >= 1, got {args.shards}" if args.shards < 1 else None)
+    err = (check_serving_args(args) or (f"--shards must be >= 1, got {args.shards}" if args.shards < 1 else None)
+           or (f"--replicas must be >= 1, got {args.replicas}" if args.replicas < 1 else None))
     if err:
         print(f"moesplit serve: {err}", file=sys.stderr)
         return 2
+    # with --tls-*, the local shards serve mutual TLS with the same files (SANs must cover 127.0.0.1)
+    tls_args = [a for f in ("cert", "key", "ca") for a in (f"--tls-{f}", getattr(args, f"tls_{f}"))] \
+        if args.tls_cert else []
     try:
-        shards = start_shards(args.model, args.shards, split=args.split, backend=args.backend)
+        shards = start_shards(args.model, args.shards, split=args.split, backend=args.backend,
+                              replicas=args.replicas, extra_args=tls_args)
     except (ShardStartError, ValueError) as e:
         print(f"moesplit serve: {e}", file=sys.stderr)
         return 1

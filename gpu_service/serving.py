@@ -20,8 +20,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gpu_service.engine import Engine
+from gpu_service.experts_client import add_expert_client_arguments, expert_client_tls
 from gpu_service.grpc_api import create_server as create_grpc_server
 from gpu_service.http_api import HTTPServer, create_app
+from gpu_service.metrics import GpuMetrics
 
 log = logging.getLogger("moesplit.serve")
 
@@ -43,6 +45,7 @@ def add_serving_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda|cpu (default: cuda when available)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    add_expert_client_arguments(p)
     p.add_argument("--log-level", default="INFO")
 
 
@@ -51,14 +54,24 @@ def check_serving_args(args: argparse.Namespace) -> str | None:
     for name in ("kv_tokens", "page_size", "max_batch", "chunk_tokens"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
+    if args.expert_timeout <= 0:
+        return f"--expert-timeout must be > 0, got {args.expert_timeout}"
+    try:
+        expert_client_tls(args, "")
+    except ValueError as e:
+        return str(e).lstrip(": ")
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         return f"{args.model}: no config.json; --model must be a checkpoint directory"
     return None
 
 
-def shard_health_fn(addresses: list[str], timeout_s: float = 1.0) -> Callable[[], tuple[bool, dict]]:
-    """A health check asking every shard's grpc.health.v1 service; keeps one channel per shard."""
-    stubs = {a: health_pb2_grpc.HealthStub(grpc.insecure_channel(a)) for a in addresses}
+def shard_health_fn(addresses: list[str], timeout_s: float = 1.0, tls=None) -> Callable[[], tuple[bool, dict]]:
+    """A health check asking every shard's grpc.health.v1 service; keeps one channel per shard.
+    (The serving stack uses `ExpertsClient.health`, which knows replicas: one SERVING replica per
+    shard group is enough.) `tls`: TLSFiles for shards that require mutual TLS."""
+    from cpu_expert_service.transport import make_channel
+
+    stubs = {a: health_pb2_grpc.HealthStub(make_channel(a, [], tls)) for a in addresses}
 
     def check() -> tuple[bool, dict]:
         out, ok = {}, True
@@ -76,9 +89,9 @@ def shard_health_fn(addresses: list[str], timeout_s: float = 1.0) -> Callable[[]
 
 
 def build_runner(model_dir: str, addresses: list[str], device=None, dtype=None, kv_tokens: int = 8192,
-                 page_size: int = 64):
-    """Connect to the shards (fingerprint + coverage checked) and load the GPU side.
-    Returns (runner, experts_client, tokenizer or None)."""
+                 page_size: int = 64, expert_timeout: float = 5.0, tls=None, tls_server_name: str | None = None):
+    """Connect to the shards (fingerprint + coverage checked) and load the GPU side (its tensors
+    verified first). Returns (runner, experts_client, tokenizer or None)."""
     import torch
 
     from checkpoint.reader import CheckpointReader
@@ -87,7 +100,8 @@ def build_runner(model_dir: str, addresses: list[str], device=None, dtype=None, 
     from gpu_service.tokenizer import Tokenizer, TokenizerError
 
     reader = CheckpointReader(model_dir)
-    client = ExpertsClient(addresses, reader.config).connect()
+    client = ExpertsClient(addresses, reader.config, timeout_s=expert_timeout, tls=tls,
+                           tls_server_name=tls_server_name).connect()
     try:
         runner = ModelRunner(reader, RemoteExperts(client), device=torch.device(device) if device else None,
                              dtype=getattr(torch, dtype) if dtype else None, kv_tokens=kv_tokens,
@@ -113,7 +127,9 @@ class ServingStack:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.host, self.port, self.grpc_port = host, port, grpc_port
-        self.app = create_app(self.engine, tokenizer, model_name, api_key=api_key, health_fn=health_fn)
+        self.metrics = GpuMetrics(self.engine, runner, health_fn=health_fn)  # GET /metrics; own registry
+        self.app = create_app(self.engine, tokenizer, model_name, api_key=api_key, health_fn=health_fn,
+                              metrics=self.metrics)
         self.closers = list(closers or [])
         self.http: HTTPServer | None = None
         self.grpc_server: grpc.Server | None = None
@@ -193,7 +209,8 @@ def run_stack(args: argparse.Namespace, prog: str, addresses: list[str], closers
     stack = None
     try:
         runner, client, tokenizer = build_runner(args.model, addresses, args.device, args.dtype,
-                                                 args.kv_tokens, args.page_size)
+                                                 args.kv_tokens, args.page_size, args.expert_timeout,
+                                                 expert_client_tls(args, prog), args.tls_server_name)
         closers.append(client.close)
         shard_max = min((int(s.info.max_tokens) for s in client.shards if s.info.max_tokens), default=None)
         chunk = args.chunk_tokens
@@ -204,7 +221,7 @@ def run_stack(args: argparse.Namespace, prog: str, addresses: list[str], closers
         name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
         stack = ServingStack(runner, tokenizer, name, host=args.host, port=args.port, grpc_port=args.grpc_port,
                              api_key=args.api_key, max_batch=args.max_batch, chunk_tokens=chunk,
-                             health_fn=shard_health_fn(addresses), closers=closers)
+                             health_fn=client.health, closers=closers)
         stack.start()  # on failure it stops itself, running the closers
     except BaseException as e:
         if stack is None:
@@ -213,9 +230,10 @@ def run_stack(args: argparse.Namespace, prog: str, addresses: list[str], closers
                     close()
                 except Exception:  # noqa: BLE001
                     log.exception("error while shutting down")
+        from checkpoint.reader import CheckpointError
         from gpu_service.experts_client import ExpertsClientError
 
-        if isinstance(e, (ExpertsClientError, OSError, ValueError)):  # shards, ports, checkpoint: say what
+        if isinstance(e, (ExpertsClientError, CheckpointError, OSError, ValueError)):  # shards, ports, checkpoint
             print(f"{prog}: {e}", file=sys.stderr)
             return 1
         raise

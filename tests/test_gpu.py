@@ -1,0 +1,69 @@
+"""Checks that need an NVIDIA GPU (marked `gpu`; skipped cleanly elsewhere), run by `make gpu-check`:
+the plan against torch.cuda.memory_allocated after load, and generation on CUDA equal to CPU."""
+import pytest
+import torch
+
+from checkpoint.reader import CheckpointReader
+from cpu_expert_service.server import load_shard
+from gpu_service import plan as P
+from gpu_service.placement import Placement
+from gpu_service.runner import LocalExperts, ModelRunner
+from gpu_service.tiny import make_tiny
+
+pytestmark = pytest.mark.gpu
+
+# big enough that the weights dominate the allocator's rounding (512-byte blocks)
+OVERRIDES = {"hidden_size": 1024, "intermediate_size": 2048, "vocab_size": 8192, "num_hidden_layers": 4,
+             "num_attention_heads": 8, "q_lora_rank": 256, "kv_lora_rank": 128, "qk_rope_head_dim": 32,
+             "qk_nope_head_dim": 64, "v_head_dim": 64, "moe_intermediate_size": 256}
+WEIGHTS = ("embeddings", "attention", "indexer", "dense_mlp", "shared_experts", "routers", "norms", "lm_head",
+           "kv_cache", "index_keys", "gpu_experts")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = make_tiny(str(tmp_path_factory.mktemp("gpu") / "fp8"), fmt="fp8", seed=3, overrides=OVERRIDES)
+    reader = CheckpointReader(d)
+    _, backend, _ = load_shard(d, None, None, "numpy")
+    return d, reader, LocalExperts(backend)
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(attention_weights="int8"), dict(embeddings="cpu"),
+                                  dict(gpu_experts=2)], ids=["checkpoint-fp8", "int8", "cpu-emb", "gpu-experts"])
+def test_plan_matches_cuda_memory_allocated(ckpt, opts):
+    _, reader, experts = ckpt
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated(0)
+    kw = dict(attention_weights="checkpoint", embeddings="gpu", gpu_experts=0)
+    kw.update(opts)
+    plan = P.make_plan(reader.config, ["40GiB"], kv_tokens=4096, min_kv_tokens=4096, chunk_tokens=256,
+                       max_batch=4, **kw)
+    runner = ModelRunner(reader, experts, dtype=torch.bfloat16, placement=Placement.from_plan(plan))
+    torch.cuda.synchronize()
+    got = torch.cuda.memory_allocated(0) - before
+    planned = sum(v for k, v in plan.gpus[0].items.items() if k in WEIGHTS)
+    print(f"{opts}: planned {planned} B, torch.cuda.memory_allocated {got} B ({got / planned - 1:+.2%})")
+    assert abs(got - planned) <= 0.05 * planned
+    del runner
+
+
+def test_generation_on_cuda_equals_cpu(ckpt):
+    _, reader, experts = ckpt
+    prompt = [0, 11, 22, 33, 44, 55, 66]
+    cpu = ModelRunner(reader, experts, device=torch.device("cpu"), dtype=torch.float32, kv_tokens=256)
+    gpu = ModelRunner(reader, experts, device=torch.device("cuda"), dtype=torch.float32, kv_tokens=256)
+    a, b = cpu.generate(prompt, 24), gpu.generate(prompt, 24)
+    diff = (a.last_logits - b.last_logits).abs().max().item()
+    print(f"cpu vs cuda fp32: tokens equal={a.token_ids == b.token_ids}, last logits max|diff| {diff:.2e}")
+    assert a.token_ids == b.token_ids and diff < 1e-3
+
+
+def test_layer_split_over_two_gpus_equals_one(ckpt):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    _, reader, experts = ckpt
+    plan = P.make_plan(reader.config, ["40GiB", "40GiB"], kv_tokens=256, min_kv_tokens=256, chunk_tokens=64,
+                       max_batch=4, attention_weights="checkpoint", embeddings="gpu", gpu_experts=0)
+    two = ModelRunner(reader, experts, dtype=torch.float32, placement=Placement.from_plan(plan))
+    one = ModelRunner(reader, experts, device=torch.device("cuda"), dtype=torch.float32, kv_tokens=256)
+    assert two.generate([0, 1, 2, 3], 16).token_ids == one.generate([0, 1, 2, 3], 16).token_ids

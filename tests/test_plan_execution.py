@@ -1,0 +1,177 @@
+"""The GPU service executes the memory plan: per-device bytes equal the plan, and the options
+(layer split, CPU embeddings, FP8/INT8 attention, GPU-resident hot experts) keep the outputs right.
+
+On this CPU-only machine each planned GPU is simulated by the CPU: the placement still decides
+which planned device holds every parameter and KV page, and that is what is compared."""
+import pytest
+import torch
+
+from checkpoint.reader import CheckpointReader
+from cpu_expert_service.server import load_shard
+from gpu_service import plan as P
+from gpu_service.model import Chunk
+from gpu_service.placement import Placement, allocated_bytes_by_gpu
+from gpu_service.runner import LocalExperts, ModelRunner
+from gpu_service.tiny import make_tiny
+from tests.hf_reference import load_reference
+
+KV = 512  # multiple of the page size, so the pool holds exactly the planned tokens
+WEIGHT_CATEGORIES = ("embeddings", "attention", "indexer", "dense_mlp", "shared_experts", "routers", "norms",
+                     "lm_head", "kv_cache", "index_keys", "gpu_experts")
+
+OPTIONS = {
+    "unsplit": dict(gpus=["1GiB"]),
+    "split": dict(gpus=["1GiB", "1GiB"]),
+    "cpu_embeddings": dict(gpus=["1GiB"], embeddings="cpu"),
+    "fp8": dict(gpus=["1GiB"], attention_weights="fp8"),
+    "int8": dict(gpus=["1GiB"], attention_weights="int8"),
+    "gpu_experts": dict(gpus=["1GiB"], gpu_experts=3),
+    "split_fp8_cpu_emb_experts": dict(gpus=["1GiB", "1GiB"], embeddings="cpu", attention_weights="fp8",
+                                      gpu_experts=2),
+}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = make_tiny(str(tmp_path_factory.mktemp("plan") / "bf16"), fmt="bf16", seed=7,
+                  overrides={"num_hidden_layers": 4, "first_k_dense_replace": 1})
+    reader = CheckpointReader(d)
+    _, backend, _ = load_shard(d, None, None, "numpy")
+    return d, reader, LocalExperts(backend)
+
+
+def _plan(reader, **kw):
+    kw.setdefault("embeddings", "gpu")
+    kw.setdefault("attention_weights", "bf16")
+    kw.setdefault("gpu_experts", 0)
+    gpus = kw.pop("gpus")
+    return P.make_plan(reader.config, gpus, kv_tokens=KV, min_kv_tokens=KV, chunk_tokens=64, max_batch=4, **kw)
+
+
+def _runner(reader, experts, plan, dtype):
+    placement = Placement.from_plan(plan, [torch.device("cpu")] * len(plan.gpus))
+    return ModelRunner(reader, experts, dtype=dtype, placement=placement, page_size=64), placement
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_planned_bytes_equal_allocated_bytes_per_device(ckpt, name):
+    _, reader, experts = ckpt
+    plan = _plan(reader, **OPTIONS[name])
+    assert plan.fits
+    runner, placement = _runner(reader, experts, plan, torch.bfloat16)
+    got = allocated_bytes_by_gpu(runner.model, placement, runner.pool)
+    for g, gp in enumerate(plan.gpus):
+        planned = sum(v for k, v in gp.items.items() if k in WEIGHT_CATEGORIES)
+        print(f"{name}: GPU {g} planned {planned} B, allocated {got.get(g, 0)} B")
+        assert abs(got.get(g, 0) - planned) <= 0.02 * planned, (name, g, planned, got)
+    if OPTIONS[name].get("embeddings") == "cpu":
+        assert got[-1] == reader.config.vocab_size * reader.config.hidden_size * 2  # bf16 embeddings on the CPU
+
+
+def _teacher_forced(runner, tokens):
+    seq = runner.new_seq()
+    try:
+        return runner.step(tokens, [Chunk(seq, 0, len(tokens))], all_logits=True)
+    finally:
+        seq.free()
+
+
+@pytest.fixture(scope="module")
+def reference_run(ckpt):
+    d, reader, _ = ckpt
+    hf = load_reference(d)
+    hf.generation_config.eos_token_id = None
+    prompt = [0, 5, 77, 300, 41, 9]
+    with torch.no_grad():
+        g = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False, output_logits=True,
+                        return_dict_in_generate=True)
+    gen = g.sequences[0, len(prompt):].tolist()
+    return prompt, gen, torch.stack([x[0] for x in g.logits])  # [64, V]
+
+
+def _agreement(reader, experts, reference, fmt):
+    prompt, gen, ref_logits = reference
+    runner, _ = _runner(reader, experts, _plan(reader, gpus=["1GiB"], attention_weights=fmt), torch.float32)
+    logits = _teacher_forced(runner, prompt + gen[:-1])[len(prompt) - 1:]  # [64, V]
+    agree = (logits.argmax(-1) == torch.tensor(gen)).float().mean().item()
+    cos = torch.nn.functional.cosine_similarity(logits[-1], ref_logits[-1], dim=0).item()
+    print(f"{fmt} attention: {agree:.1%} of 64 steps agree, last-step cosine {cos:.6f}")
+    return agree, cos
+
+
+def _reference(d):
+    hf = load_reference(d)
+    hf.generation_config.eos_token_id = None
+    prompt = [0, 5, 77, 300, 41, 9]
+    with torch.no_grad():
+        g = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False, output_logits=True,
+                        return_dict_in_generate=True)
+    return prompt, g.sequences[0, len(prompt):].tolist(), torch.stack([x[0] for x in g.logits])
+
+
+@pytest.fixture(scope="module")
+def dense_routing(tmp_path_factory):
+    """Every token uses every expert: no top-k knife edges, so weight noise is all that differs.
+    (On tiny random checkpoints with top-4 of 16 routing, near-ties in the router flip experts
+    under any perturbation; see the closing note of the plan issue for those numbers.)"""
+    d = make_tiny(str(tmp_path_factory.mktemp("dense") / "bf16"), fmt="bf16", seed=7,
+                  overrides={"num_hidden_layers": 4, "n_routed_experts": 4, "num_experts_per_tok": 4,
+                             "n_group": 1, "topk_group": 1})
+    reader = CheckpointReader(d)
+    _, backend, _ = load_shard(d, None, None, "numpy")
+    return d, reader, LocalExperts(backend), _reference(d)
+
+
+def test_int8_attention_is_faithful(dense_routing):
+    """Teacher-forced over the reference's 64 greedy steps: INT8 weight-only attention/shared/dense
+    linears (what the planner picks for BF16 checkpoints) agree on >= 90% of the argmaxes and the
+    last step's logits have cosine similarity >= 0.999."""
+    _, reader, experts, ref = dense_routing
+    agree, cos = _agreement(reader, experts, ref, "int8")
+    assert agree >= 0.9 and cos >= 0.999
+
+
+def test_fp8_attention_from_bf16_stays_close(dense_routing):
+    """FP8 re-quantised from BF16 (e4m3 keeps 3 mantissa bits, ~3% per weight) is lossier than
+    INT8 per channel; on tiny random weights it reaches ~80% agreement, cosine >= 0.99."""
+    _, reader, experts, ref = dense_routing
+    agree, cos = _agreement(reader, experts, ref, "fp8")
+    assert agree >= 0.75 and cos >= 0.99
+
+
+def test_fp8_attention_on_fp8_checkpoint_is_lossless(tmp_path):
+    """DeepSeek's own FP8 checkpoints: fp8 attention keeps the stored e4m3 blocks unchanged."""
+    d = make_tiny(str(tmp_path / "fp8"), fmt="fp8", seed=7, overrides={"num_hidden_layers": 4})
+    reader = CheckpointReader(d)
+    _, backend, _ = load_shard(d, None, None, "numpy")
+    prompt, gen, ref_logits = ref = _reference(d)
+    agree, cos = _agreement(reader, LocalExperts(backend), ref, "fp8")
+    assert agree == 1.0 and cos > 0.99999
+
+
+@pytest.mark.parametrize("name", ["split", "cpu_embeddings", "gpu_experts"])
+def test_lossless_options_give_the_reference_tokens(ckpt, reference_run, name):
+    _, reader, experts = ckpt
+    prompt, gen, ref_logits = reference_run
+    opts = dict(OPTIONS[name])
+    if name == "gpu_experts":
+        opts["expert_format"] = "bf16"  # hot experts at checkpoint precision: exact
+    runner, placement = _runner(reader, experts, _plan(reader, **opts), torch.float32)
+    if name == "gpu_experts":
+        assert placement.hot_experts and all(len(v) == 3 for v in placement.hot_experts.values())
+    res = runner.generate(prompt, 64)
+    assert res.token_ids == gen
+    assert (res.last_logits - ref_logits[-1]).abs().max().item() < 1e-4
+
+
+def test_plan_that_does_not_fit_stops_generate_before_loading(ckpt, tmp_path):
+    import subprocess
+    import sys
+
+    d, _, _ = ckpt
+    r = subprocess.run([sys.executable, "-m", "gpu_service.cli", "generate", "--model", d, "--prompt-ids", "1,2",
+                        "--max-new-tokens", "2", "--gpu", "1MiB", "--attention-weights", "bf16",
+                        "--embeddings", "gpu"], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    assert "does not fit" in r.stderr and "missing" in r.stderr
+    assert "nothing was loaded" in r.stderr
