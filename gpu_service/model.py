@@ -194,6 +194,7 @@ class MLA(nn.Module):
         self.o_proj = nn.Linear(nh * self.vdim, H, bias=cfg.attention_bias)
         self.scaling = cfg.qk_head_dim ** -0.5 * rope.softmax_mscale
         self.indexer = Indexer(cfg) if cfg.is_v32 else None  # DSA: attend to the top-k indexed tokens
+        self.key_block = 2048  # keys per block of the expanded prefill path (the plan's chunk size)
 
     def _q(self, x: torch.Tensor) -> torch.Tensor:
         if self.cfg.q_lora_rank is None:
@@ -253,16 +254,27 @@ class MLA(nn.Module):
             o_lat = torch.einsum("ths,sr->thr", p, c_kv)
             o = torch.einsum("thr,hvr->thv", o_lat, wkv[:, self.nope:].to(q_nope.dtype))  # [1,nh,v]
             return o.reshape(n, -1)
-        # expanded prefill: K/V from the cache through kv_b_proj
-        kvx = self.kv_b_proj(c_kv).view(S, self.nh, self.nope + self.vdim)
-        k = torch.cat([kvx[..., : self.nope], k_pe[:, None, :].expand(S, self.nh, self.rdim)], dim=-1)  # [S,nh,qk]
-        v = kvx[..., self.nope:]  # [S, nh, v]
+        # expanded prefill: K/V from the cache through kv_b_proj, one key block at a time with an
+        # online softmax, so the workspace is [nh, n, block] scores + one block of K/V, whatever S
         qq = torch.cat([q_nope, q_pe], dim=-1)  # [n, nh, qk]
-        scores = torch.einsum("thd,shd->hts", qq, k) * self.scaling  # [nh, n, S]
-        if mask is not None:
-            scores = scores.masked_fill(mask[None], float("-inf"))
-        p = torch.softmax(scores.float(), dim=-1).to(qq.dtype)
-        return torch.einsum("hts,shv->thv", p, v).reshape(n, -1)
+        m = torch.full((self.nh, n), float("-inf"), device=qq.device)  # running max
+        l = torch.zeros(self.nh, n, device=qq.device)  # running sum of exp
+        acc = torch.zeros(self.nh, n, self.vdim, device=qq.device)  # running sum of p @ v, fp32
+        for s0 in range(0, S, self.key_block):
+            s1 = min(S, s0 + self.key_block)
+            kvx = self.kv_b_proj(c_kv[s0:s1]).view(s1 - s0, self.nh, self.nope + self.vdim)
+            k = torch.cat([kvx[..., : self.nope], k_pe[s0:s1, None, :].expand(s1 - s0, self.nh, self.rdim)], dim=-1)
+            sc = torch.einsum("thd,shd->hts", qq, k).float() * self.scaling  # [nh, n, b]
+            if mask is not None:
+                sc = sc.masked_fill(mask[None, :, s0:s1], float("-inf"))
+            m_new = torch.maximum(m, sc.amax(-1))
+            m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows with nothing yet
+            p = torch.exp(sc - m_safe[..., None])
+            corr = torch.exp(m - m_safe)
+            l = l * corr + p.sum(-1)
+            acc = acc * corr[..., None] + torch.einsum("hts,shv->htv", p.to(qq.dtype), kvx[..., self.nope:]).float()
+            m = m_new
+        return (acc / l[..., None]).to(qq.dtype).transpose(0, 1).reshape(n, -1)
 
 
 # ------------------------------------------------------------------------------------------ MLP

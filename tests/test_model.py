@@ -107,3 +107,20 @@ def test_batched_sequences_equal_alone(setup):
     both = model(torch.tensor(pa + pb), [Chunk(sa, 0, len(pa)), Chunk(sb, 0, len(pb))], pool, experts)
     for got, want in zip(both, alone):
         assert float((got - want).abs().max()) < 1e-4
+
+
+def test_blocked_prefill_attention_equals_one_block(setup):
+    """The expanded prefill path attends over key blocks with an online softmax (bounded
+    workspace); many small blocks give the same result as one block."""
+    _, cfg, model, experts = setup
+    prompt = list(range(3, 40))
+    one = _greedy(model, cfg, experts, prompt, 6)
+    try:
+        for blk in model.model.layers:
+            blk.self_attn.key_block = 5
+        many = _greedy(model, cfg, experts, prompt, 6)
+    finally:
+        for blk in model.model.layers:
+            blk.self_attn.key_block = 2048
+    assert one[0] == many[0]
+    assert max(float((a - b).abs().max()) for a, b in zip(one[1], many[1])) < 1e-4
