@@ -331,24 +331,33 @@ class MoE(nn.Module):
         self.experts = nn.ModuleDict({str(e): MLP(cfg.hidden_size, cfg.moe_intermediate_size) for e in self.hot}) \
             if self.hot else None
 
-    def forward(self, x: torch.Tensor, experts: ExpertsFn) -> torch.Tensor:
+    def start(self, x: torch.Tensor, experts: ExpertsFn) -> Callable[[], torch.Tensor]:
+        """Route and send to the shards; returns `finish()` -> MoE output. Between the two, the
+        caller may compute something else (the other micro-batch's attention: ping-pong)."""
         ids, w = self.gate(x)  # [T, k], [T, k] float32
         w_remote = w
         if self.experts is not None:
             is_hot = (ids[..., None] == torch.tensor(self.hot, device=ids.device)).any(-1)  # [T, k]
             w_remote = w.masked_fill(is_hot, 0.0)
         wait = experts(self.layer, x, ids, w_remote)  # shards work while we compute the rest
-        shared = self.shared_experts(x) if self.shared_experts is not None else None
-        routed = wait()
-        if self.experts is not None:
-            hot_out = torch.zeros_like(routed)
-            for e in self.hot:
-                rows, cols = torch.where(ids == e)
-                if rows.numel():
-                    y = self.experts[str(e)](x[rows]) * w[rows, cols, None].to(x.dtype)
-                    hot_out.index_add_(0, rows, y.to(hot_out.dtype))
-            routed = routed + hot_out
-        return routed if shared is None else routed + shared
+
+        def finish() -> torch.Tensor:
+            shared = self.shared_experts(x) if self.shared_experts is not None else None
+            routed = wait()
+            if self.experts is not None:
+                hot_out = torch.zeros_like(routed)
+                for e in self.hot:
+                    rows, cols = torch.where(ids == e)
+                    if rows.numel():
+                        y = self.experts[str(e)](x[rows]) * w[rows, cols, None].to(x.dtype)
+                        hot_out.index_add_(0, rows, y.to(hot_out.dtype))
+                routed = routed + hot_out
+            return routed if shared is None else routed + shared
+
+        return finish
+
+    def forward(self, x: torch.Tensor, experts: ExpertsFn) -> torch.Tensor:
+        return self.start(x, experts)()
 
 
 class Block(nn.Module):
@@ -359,10 +368,54 @@ class Block(nn.Module):
         self.self_attn = MLA(cfg, rope)
         self.mlp = MoE(cfg, layer, hot) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, kv, chunks, experts: ExpertsFn, ik=None):
+    def steps(self, x, cos, sin, kv, chunks, experts: ExpertsFn, ik=None):
+        """Generator: attention, then (MoE layers) send to the shards and yield once while they
+        work, then finish. Returns the layer output (StopIteration.value)."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, chunks, ik)
         h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, experts) if isinstance(self.mlp, MoE) else self.mlp(h))
+        if not isinstance(self.mlp, MoE):
+            return x + self.mlp(h)
+        finish = self.mlp.start(h, experts)
+        yield
+        return x + finish()
+
+    def forward(self, x, cos, sin, kv, chunks, experts: ExpertsFn, ik=None):
+        return _run(self.steps(x, cos, sin, kv, chunks, experts, ik))
+
+
+def _run(gen):
+    """Run a `steps` generator to completion; returns its value."""
+    try:
+        while True:
+            next(gen)
+    except StopIteration as e:
+        return e.value
+
+
+def _round_robin(gens: list) -> list:
+    """Advance generators in turn until all finish: while one micro-batch's experts are on the
+    shards, the next micro-batch computes its attention (ping-pong). Returns their values."""
+    out, active = [None] * len(gens), list(range(len(gens)))
+    while active:
+        for j in list(active):
+            try:
+                next(gens[j])
+            except StopIteration as e:
+                out[j] = e.value
+                active.remove(j)
+    return out
+
+
+def split_micro_batches(chunks: list[Chunk]) -> list[list[Chunk]]:
+    """Two micro-batches of whole sequences with about half the tokens each (one if < 2 chunks)."""
+    if len(chunks) < 2:
+        return [chunks]
+    total, acc = sum(c.n for c in chunks), 0
+    for i, c in enumerate(chunks[:-1]):
+        acc += c.n
+        if acc * 2 >= total:
+            return [chunks[: i + 1], chunks[i + 1:]]
+    return [chunks[:-1], chunks[-1:]]
 
 
 # ---------------------------------------------------------------------------------------- model
@@ -374,6 +427,7 @@ class DeepseekV3(nn.Module):
         self.cfg = cfg
         self.rope = Rope(cfg)
         hot_experts = hot_experts or {}
+        self.ping_pong = True  # two micro-batches overlap attention with remote experts
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.model.layers = nn.ModuleList(Block(cfg, i, self.rope, hot_experts.get(i, ()))
@@ -385,6 +439,19 @@ class DeepseekV3(nn.Module):
     def layer_devices(self) -> list[torch.device]:
         return [blk.input_layernorm.weight.device for blk in self.model.layers]
 
+    def _layers(self, x: torch.Tensor, positions: torch.Tensor, chunks: list[Chunk], pool: KVPool,
+                experts: ExpertsFn):
+        """Generator over all layers for one micro-batch; yields while its experts are remote."""
+        cos_sin: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i, blk in enumerate(self.model.layers):
+            dev = pool.kv[i].device
+            x = x.to(dev)
+            if dev not in cos_sin:
+                cos_sin[dev] = self.rope.cos_sin(positions.to(dev), x.dtype)
+            x = yield from blk.steps(x, *cos_sin[dev], pool.kv[i], chunks, experts,
+                                     pool.index_k[i] if pool.index_k is not None else None)
+        return x
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, chunks: list[Chunk], pool: KVPool, experts: ExpertsFn,
                 all_logits: bool = False) -> torch.Tensor:
@@ -395,14 +462,11 @@ class DeepseekV3(nn.Module):
         positions = torch.cat([torch.arange(c.start, c.start + c.n) for c in chunks])
         for c in chunks:
             c.seq.reserve(c.start + c.n)
-        cos_sin: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        for i, blk in enumerate(self.model.layers):
-            dev = pool.kv[i].device
-            x = x.to(dev)
-            if dev not in cos_sin:
-                cos_sin[dev] = self.rope.cos_sin(positions.to(dev), x.dtype)
-            x = blk(x, *cos_sin[dev], pool.kv[i], chunks, experts,
-                    pool.index_k[i] if pool.index_k is not None else None)
+        groups = split_micro_batches(chunks) if self.ping_pong else [chunks]
+        bounds = torch.tensor([0] + [sum(c.n for c in g) for g in groups]).cumsum(0).tolist()
+        gens = [self._layers(x[a:b], positions[a:b], g, pool, experts)
+                for g, a, b in zip(groups, bounds[:-1], bounds[1:])]
+        x = torch.cat(_round_robin(gens)) if len(gens) > 1 else _run(gens[0])
         for c in chunks:
             c.seq.length = max(c.seq.length, c.start + c.n)
         x = x.to(self.lm_head.weight.device)

@@ -49,6 +49,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="hot routed experts per MoE layer held on the GPU")
     p.add_argument("--expert-format", choices=P.EXPERT_FORMATS, default="auto")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--helm-values", metavar="FILE", default=None,
+                   help="write Helm values encoding the plan (GPU count and memory, shard pods, layout)")
+    p.add_argument("--model-path", default="/models/model",
+                   help="where the chart mounts the checkpoint (for --helm-values; default %(default)s)")
+    p.add_argument("--kernel-isa", choices=["auto", "amx", "avx512", "avx2"], default="auto",
+                   help="CPU feature the expert pods require (for --helm-values / --cluster)")
+    p.add_argument("--cluster", action="store_true",
+                   help="list the current cluster's nodes (kubeconfig) that can run the plan, and why others cannot")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,4 +71,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"moesplit plan: {e}", file=sys.stderr)
         return 2
     print(json.dumps(plan.to_json(), indent=2) if args.json else plan.table())
+    if args.helm_values:
+        if not plan.fits:
+            print(f"moesplit plan: not writing {args.helm_values}: the plan does not fit", file=sys.stderr)
+            return 3
+        from gpu_service.helm_values import write_helm_values
+
+        write_helm_values(plan.to_json(), args.helm_values, args.model_path, kernel_isa=args.kernel_isa)
+        print(f"wrote Helm values to {args.helm_values}", file=sys.stderr)
+    if args.cluster:
+        from gpu_service.cluster import check_cluster
+
+        try:
+            verdicts = check_cluster(plan.to_json(), kernel_isa=args.kernel_isa)
+        except Exception as e:  # no kubeconfig, API server unreachable, ...
+            print(f"moesplit plan --cluster: cannot list nodes: {e}", file=sys.stderr)
+            return 2
+        for v in verdicts:
+            print(v, file=sys.stderr if args.json else sys.stdout)
     return 0 if plan.fits else 3

@@ -124,3 +124,36 @@ def test_blocked_prefill_attention_equals_one_block(setup):
             blk.self_attn.key_block = 2048
     assert one[0] == many[0]
     assert max(float((a - b).abs().max()) for a, b in zip(one[1], many[1])) < 1e-4
+
+
+def test_ping_pong_micro_batches_overlap_and_match(setup):
+    """With two sequences the batch runs as two micro-batches: micro-batch 1's attention and
+    send happen while micro-batch 0's experts are remote; outputs equal the single batch."""
+    _, cfg, model, experts = setup
+    events = []
+
+    def recording(layer, h, ids, w):
+        events.append(("send", layer, h.shape[0]))
+        wait = experts(layer, h, ids, w)
+
+        def done():
+            events.append(("wait", layer, h.shape[0]))
+            return wait()
+
+        return done
+
+    pa, pb = list(range(5, 17)), list(range(40, 49))
+    outs = {}
+    for pp in (False, True):
+        model.ping_pong = pp
+        pool = KVPool(cfg, 16, 8, torch.float32, [torch.device("cpu")] * cfg.num_hidden_layers)
+        events.clear()
+        outs[pp] = model(torch.tensor(pa + pb), [Chunk(SeqKV(pool), 0, len(pa)), Chunk(SeqKV(pool), 0, len(pb))],
+                         pool, recording)
+        if pp:
+            first = cfg.moe_layers[0]
+            assert events[:3] == [("send", first, len(pa)), ("send", first, len(pb)), ("wait", first, len(pa))]
+        else:
+            assert events[:2] == [("send", cfg.moe_layers[0], len(pa) + len(pb)), ("wait", cfg.moe_layers[0], len(pa) + len(pb))]
+    model.ping_pong = True
+    assert float((outs[True] - outs[False]).abs().max()) < 1e-5
