@@ -5,7 +5,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-test protos build test demo bench bench-kernels gpu-check chart-check clean
+.PHONY: setup setup-test protos build test soak demo bench bench-kernels gpu-check chart-check clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,10 @@ build: setup
 
 test: setup-test
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# 32 concurrent streams for 2 minutes against the local stack (`make test` runs a 15 s form).
+soak: setup
+	MOESPLIT_SOAK_S=120 $(PY) -m pytest -q -s tests/test_soak.py
 
 demo: setup
 	$(PY) -m gpu_service.demo

@@ -1,6 +1,28 @@
 """Build hooks that pyproject.toml cannot express: the Cython kernel extension.
 
-The kernel extension is added by cpu_expert_service/kernels (see its build.py)."""
-from setuptools import setup
+cpu_expert_service.kernels._moe is one extension built from the Cython binding and one C file per
+ISA. No -march flag: every ISA file selects its own target with `#pragma GCC target`, so the .so
+loads on any x86-64 and the dispatcher (moe_cpu_has, decided once per backend) picks what runs.
+Built by `pip install -e .` (make setup) and `setup.py build_ext --inplace` (make build)."""
+import platform
 
-setup()
+from setuptools import Extension, setup
+
+KDIR = "cpu_expert_service/kernels"
+ISA_FILES = ["moe_core.c", "moe_avx2.c", "moe_avx512.c", "moe_amx.c"]
+
+ext_modules = []
+if platform.machine().lower() in ("x86_64", "amd64"):
+    from Cython.Build import cythonize
+
+    ext = Extension(
+        "cpu_expert_service.kernels._moe",
+        sources=[f"{KDIR}/_moe.pyx"] + [f"{KDIR}/{f}" for f in ISA_FILES],
+        include_dirs=[KDIR],
+        depends=[f"{KDIR}/moe.h"],
+        extra_compile_args=["-O3", "-std=gnu11", "-pthread", "-fno-math-errno", "-Wno-unused-function"],
+        extra_link_args=["-pthread"],
+    )
+    ext_modules = cythonize([ext], language_level=3, quiet=True)
+
+setup(ext_modules=ext_modules)

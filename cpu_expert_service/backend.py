@@ -125,11 +125,11 @@ class NumpyExperts:
 def _kernels_factory():
     """The Cython kernels' backend constructor, or None when they are not built.
 
-    Looked up in cpu_expert_service.kernels.kernel_backend (then the kernels package): a
-    `make_backend(weight_format=...)` function, else the `KernelExperts` class."""
+    Looked up in cpu_expert_service.kernel_backend: a `make_backend(weight_format=...)`
+    function, else the `KernelExperts` class; None when the extension is not built."""
     import importlib
 
-    for mod_name in ("cpu_expert_service.kernels.kernel_backend", "cpu_expert_service.kernels"):
+    for mod_name in ("cpu_expert_service.kernel_backend",):
         try:
             mod = importlib.import_module(mod_name)
         except ImportError:

@@ -7,11 +7,20 @@ tensor by tensor, through `CheckpointReader.get`, so its memory is its share of 
 
     moesplit expert-server --model DIR (--experts 0-7,9 | --slice 1/2) [--host H] [--port P]
                            [--port-file F] [--shard-id NAME] [--backend auto|kernels|numpy]
+                           [--tls-cert F --tls-key F --tls-ca F] [--metrics-port N] [--shm-dir DIR]
     python -m cpu_expert_service.server ...   (same arguments)
 
 After binding it prints `READY port=<port>` on stdout and writes the port file; it serves until
 SIGTERM/SIGINT. Every request is validated; a bad one gets INVALID_ARGUMENT naming the problem
 (on the bidi stream that aborts the stream only) and the shard keeps serving.
+
+Before serving, the checkpoint tensors this shard serves are verified (`CheckpointReader.verify`:
+present, inside their file, of the shape config.json implies) and every loaded weight must be
+finite; a truncated or corrupt file stops the start-up with an error naming file and tensor.
+With --tls-cert/--tls-key/--tls-ca the port speaks mutual TLS: clients need a certificate signed
+by the CA. Message-size limits and keepalive come from cpu_expert_service.transport.
+A co-located GPU service may move its layer calls to shared memory inside --shm-dir (AttachShm;
+cpu_expert_service.shm_transport): same validation, same backend, same errors.
 """
 from __future__ import annotations
 
@@ -30,18 +39,15 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from checkpoint.config import ModelConfig, load_config
+from cpu_expert_service import transport
 from cpu_expert_service.backend import ExpertBackend, make_backend
 from protos.moesplit.v1 import experts_pb2, experts_pb2_grpc
 
 log = logging.getLogger("moesplit.expert_server")
 
 SERVICE_NAME = "moesplit.v1.ExpertService"
-DEFAULT_MAX_TOKENS = 16384
+DEFAULT_MAX_TOKENS = transport.DEFAULT_MAX_TOKENS
 DEFAULT_MAX_WORKERS = 32  # each open Forward stream holds one worker thread for its lifetime
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", -1),
-    ("grpc.max_receive_message_length", -1),
-]
 
 # wire dtype name -> numpy dtype
 WIRE_DTYPES: dict[str, np.dtype] = {
@@ -151,7 +157,7 @@ def load_shard(
 ) -> tuple[ModelConfig, ExpertBackend, dict]:
     """Read this shard's expert weights (only those) into a backend. Returns (cfg, backend, info)."""
     from checkpoint.names import expert_weight  # numpy-only package
-    from checkpoint.reader import CheckpointReader
+    from checkpoint.reader import CheckpointError, CheckpointReader
 
     reader = CheckpointReader(model_dir)
     cfg: ModelConfig = reader.config
@@ -167,15 +173,42 @@ def load_shard(
     if i1 <= i0:
         raise ValueError(f"slice {s_idx}/{s_cnt} of moe_intermediate_size={I} is empty; use fewer slices")
     layers = list(cfg.moe_layers)
+    # headers only: every tensor served is present, inside its file and of the right shape
+    reader.verify([expert_weight(layer, e, p) for layer in layers for e in experts for p in ("gate", "up", "down")])
     fmt = _weight_format(reader, expert_weight(layers[0], experts[0], "gate"), cfg) if layers else "f32"
     be = make_backend(backend, weight_format=fmt)
     t0 = time.perf_counter()
     whole = (i0, i1) == (0, I)
+    # INT4 checkpoints load into INT4 kernels as stored (re-quantising dequantised INT4 is lossy)
+    native_int4 = fmt == "int4" and hasattr(be, "add_expert_int4")
+    if native_int4 and (i0 % 32 or (i1 % 32 and i1 != I)):
+        raise ValueError(f"slice {s_idx}/{s_cnt} = intermediate [{i0}:{i1}) does not align to the INT4 group of 32; "
+                         f"use a slice count that divides {I // 32}, or --backend numpy")
     for layer in layers:
         for e in experts:
+            if native_int4:
+                st = [reader.get_stored(expert_weight(layer, e, p)).arrays for p in ("gate", "up", "down")]
+                for proj, a in zip(("gate", "up", "down"), st):
+                    if not np.isfinite(np.asarray(a["weight_scale"], dtype=np.float32)).all():
+                        name = expert_weight(layer, e, proj)
+                        raise CheckpointError(f"{reader.file_of(name)}: tensor {name!r}: weight_scale holds NaN/Inf; "
+                                              "the file is corrupt: re-download or re-write it")
+                g0, g1 = i0 // 32, -(-i1 // 32)
+                be.add_expert_int4(layer, e,
+                                   st[0]["weight_packed"][i0:i1], st[0]["weight_scale"][i0:i1],
+                                   st[1]["weight_packed"][i0:i1], st[1]["weight_scale"][i0:i1],
+                                   st[2]["weight_packed"][:, i0 // 8:-(-i1 // 8)], st[2]["weight_scale"][:, g0:g1],
+                                   (i1 - i0, cfg.hidden_size))
+                continue
             gate = reader.get(expert_weight(layer, e, "gate"))  # [I, H]
             up = reader.get(expert_weight(layer, e, "up"))  # [I, H]
             down = reader.get(expert_weight(layer, e, "down"))  # [H, I]
+            for proj, t in (("gate", gate), ("up", up), ("down", down)):
+                if not np.isfinite(t).all():  # corrupt data bytes decode to NaN / Inf
+                    name = expert_weight(layer, e, proj)
+                    raise CheckpointError(
+                        f"{reader.file_of(name)}: tensor {name!r} holds {int((~np.isfinite(t)).sum())} NaN/Inf "
+                        "values; the file is corrupt: re-download or re-write it")
             if not whole:  # copy so the full tensors are freed right away
                 gate, up, down = gate[i0:i1].copy(), up[i0:i1].copy(), down[:, i0:i1].copy()
             be.add_expert(layer, e, gate, up, down)
@@ -210,41 +243,11 @@ class ExpertServicer(experts_pb2_grpc.ExpertServiceServicer):
     # request -> response; raises RequestError for anything invalid
     def _compute(self, req: experts_pb2.LayerRequest) -> experts_pb2.LayerResponse:
         t_start = time.perf_counter()
-        cfg = self.cfg
-        if req.layer not in self.layers:
-            raise RequestError(
-                f"layer {req.layer} is not an MoE layer served by shard {self.shard_id} "
-                f"(serves layers {compact_ranges(self.layers) or 'none'})"
-            )
-        x = from_tensor(req.hidden, "hidden", FLOAT_WIRE)  # [T, H]
+        self._check_layer(req.layer)
+        x = from_tensor(req.hidden, "hidden", FLOAT_WIRE)  # [T, H], a view of the message bytes
         ids = from_tensor(req.topk_ids, "topk_ids", INT_WIRE)  # [T, k]
         w = from_tensor(req.topk_weights, "topk_weights", FLOAT_WIRE)  # [T, k]
-        T, H = x.shape
-        if H != cfg.hidden_size:
-            raise RequestError(f"hidden: size {H} != model hidden_size {cfg.hidden_size}")
-        if T > self.max_tokens:
-            raise RequestError(f"hidden: {T} tokens exceed this shard's maximum of {self.max_tokens} per request")
-        if ids.shape[0] != T:
-            raise RequestError(f"topk_ids: {ids.shape[0]} rows but hidden has {T} tokens")
-        if w.shape != ids.shape:
-            raise RequestError(f"topk_weights shape {list(w.shape)} != topk_ids shape {list(ids.shape)}")
-        if T and not 1 <= ids.shape[1] <= cfg.n_routed_experts:
-            raise RequestError(f"topk_ids: k={ids.shape[1]} must be in [1, {cfg.n_routed_experts}]")
-        ids64 = ids.astype(np.int64)
-        if ids64.size and (ids64.min() < 0 or ids64.max() >= cfg.n_routed_experts):
-            bad = ids64[(ids64 < 0) | (ids64 >= cfg.n_routed_experts)]
-            raise RequestError(
-                f"topk_ids: expert id {int(bad[0])} outside [0, {cfg.n_routed_experts})"
-            )
-        x32 = x.astype(np.float32)
-        w32 = w.astype(np.float32)
-        if not np.isfinite(x32).all():
-            raise RequestError("hidden contains NaN or Inf")
-        if not np.isfinite(w32).all():
-            raise RequestError("topk_weights contain NaN or Inf")
-        t0 = time.perf_counter()
-        out = self.backend.forward(req.layer, x32, ids64, w32)  # [T, H] f32
-        compute_us = int((time.perf_counter() - t0) * 1e6)
+        out, compute_us = self.check_and_forward(req.layer, x, ids, w)  # [T, H] f32
         resp = experts_pb2.LayerResponse(
             seq=req.seq,
             layer=req.layer,
@@ -254,7 +257,53 @@ class ExpertServicer(experts_pb2_grpc.ExpertServiceServicer):
         resp.server_us = int((time.perf_counter() - t_start) * 1e6)
         return resp
 
-    def _compute_or_abort(self, req: experts_pb2.LayerRequest, context) -> experts_pb2.LayerResponse:
+    def _check_layer(self, layer: int) -> None:
+        if layer not in self.layers:
+            raise RequestError(
+                f"layer {layer} is not an MoE layer served by shard {self.shard_id} "
+                f"(serves layers {compact_ranges(self.layers) or 'none'})"
+            )
+
+    def check_and_forward(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, int]:
+        """Validate one decoded layer call and run the backend: ([T, H] f32, compute µs).
+        Shared by gRPC and the shared-memory fast path (cpu_expert_service.shm_transport); raises
+        RequestError for anything invalid. x: [T, H] float, ids: [T, k] int, w: [T, k] float."""
+        cfg = self.cfg
+        self._check_layer(layer)
+        T, H = x.shape
+        if H != cfg.hidden_size:
+            raise RequestError(f"hidden: size {H} != model hidden_size {cfg.hidden_size}")
+        if T > self.max_tokens:
+            raise RequestError(f"hidden: {T} tokens exceed this shard's maximum of {self.max_tokens} per request")
+        if ids.shape[0] != T:
+            raise RequestError(f"topk_ids: {ids.shape[0]} rows but hidden has {T} tokens")
+        if w.shape != ids.shape:
+            raise RequestError(f"topk_weights shape {list(w.shape)} != topk_ids shape {list(ids.shape)}")
+        if not 1 <= ids.shape[1] <= cfg.n_routed_experts:  # also for T = 0 (a [0, 2**62] shape is no data)
+            raise RequestError(f"topk_ids: k={ids.shape[1]} must be in [1, {cfg.n_routed_experts}]")
+        ids64 = np.asarray(ids, dtype=np.int64)  # no copy when already int64 (zero-copy views in)
+        if ids64.size and (ids64.min() < 0 or ids64.max() >= cfg.n_routed_experts):
+            bad = ids64[(ids64 < 0) | (ids64 >= cfg.n_routed_experts)]
+            raise RequestError(
+                f"topk_ids: expert id {int(bad[0])} outside [0, {cfg.n_routed_experts})"
+            )
+        x32 = np.asarray(x, dtype=np.float32)  # backends only read their inputs
+        w32 = np.asarray(w, dtype=np.float32)
+        if not np.isfinite(x32).all():
+            raise RequestError("hidden contains NaN or Inf")
+        if not np.isfinite(w32).all():
+            raise RequestError("topk_weights contain NaN or Inf")
+        t0 = time.perf_counter()
+        out = self.backend.forward(layer, x32, ids64, w32)  # [T, H] f32
+        return out, int((time.perf_counter() - t0) * 1e6)
+
+    def _compute_or_abort(self, req: "experts_pb2.LayerRequest | bytes", context) -> experts_pb2.LayerResponse:
+        if isinstance(req, bytes):  # registered raw (see add_servicer): parse here, refuse garbage cleanly
+            try:
+                req = experts_pb2.LayerRequest.FromString(req)
+            except Exception as e:  # noqa: BLE001 - protobuf's DecodeError and friends
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"shard {self.shard_id}: not a LayerRequest message ({type(e).__name__}: {e})")
         try:
             return self._compute(req)
         except RequestError as e:
@@ -269,6 +318,19 @@ class ExpertServicer(experts_pb2_grpc.ExpertServiceServicer):
 
     def ForwardOne(self, request, context):
         return self._compute_or_abort(request, context)
+
+    shm_dir: str | None = None  # shared directory of the co-located fast path (None: refused)
+
+    def AttachShm(self, request, context):
+        from cpu_expert_service import shm_transport
+
+        try:
+            thread = shm_transport.attach(self, request.path, request.token, request.socket_path, self.shm_dir)
+        except shm_transport.Refused as e:
+            log.info("shard %s: shared-memory fast path refused: %s", self.shard_id, e)
+            return experts_pb2.AttachShmResponse(accepted=False, reason=str(e))
+        log.info("shard %s: shared-memory fast path %s attached", self.shard_id, thread)
+        return experts_pb2.AttachShmResponse(accepted=True)
 
     def Describe(self, request, context):
         i = self.info
@@ -315,6 +377,30 @@ def compact_ranges(values) -> str:
     return ",".join(out)
 
 
+RAW_METHODS = ("Forward", "ForwardOne")  # requests parsed by the servicer, not by gRPC
+
+
+def add_servicer(servicer: ExpertServicer, server: grpc.Server) -> None:
+    """Register every ExpertService method (like the generated add_ExpertServiceServicer_to_server),
+    except that Forward / ForwardOne receive raw bytes: a message that does not even parse gets
+    INVALID_ARGUMENT from the servicer instead of gRPC's INTERNAL deserialization failure (whose
+    error path also leaked memory per call under fuzzing)."""
+    from google.protobuf import symbol_database
+
+    db = symbol_database.Default()
+    handlers = {}
+    for m in experts_pb2.DESCRIPTOR.services_by_name["ExpertService"].methods:
+        req_cls = db.GetSymbol(m.input_type.full_name)
+        resp_cls = db.GetSymbol(m.output_type.full_name)
+        kind = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+                (True, False): grpc.stream_unary_rpc_method_handler,
+                (True, True): grpc.stream_stream_rpc_method_handler}[(m.client_streaming, m.server_streaming)]
+        handlers[m.name] = kind(getattr(servicer, m.name),
+                                request_deserializer=None if m.name in RAW_METHODS else req_cls.FromString,
+                                response_serializer=resp_cls.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
 def create_server(
     model_dir: str,
     experts: list[int] | None = None,
@@ -325,16 +411,30 @@ def create_server(
     max_workers: int = DEFAULT_MAX_WORKERS,
     max_tokens: int = DEFAULT_MAX_TOKENS,
     shard_id: str | None = None,
+    tls: "transport.TLSFiles | None" = None,
+    metrics_registry=None,
+    shm_dir: str | None = None,
 ) -> tuple[grpc.Server, int]:
-    """Load this shard's experts and return a started server and its bound port."""
+    """Load this shard's experts and return a started server and its bound port.
+    With `tls`, the port requires a client certificate signed by `tls.ca` (mutual TLS)."""
+    creds = transport.server_credentials(tls) if tls is not None else None  # bad files: fail before loading
     cfg, be, info = load_shard(model_dir, experts, slice_spec, backend)
     shard_id = shard_id or _default_shard_id(experts, slice_spec)
+    interceptors = []
+    if metrics_registry is not None:  # Prometheus: metered backend + arrival-stamping interceptor
+        from cpu_expert_service.metrics import ShardMetrics
+
+        sm = ShardMetrics(metrics_registry, info, shard_id, be, cfg.n_routed_experts)
+        be, interceptors = sm.wrap(be), [sm.interceptor()]
     servicer = ExpertServicer(cfg, be, info, shard_id, max_tokens)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
-    experts_pb2_grpc.add_ExpertServiceServicer_to_server(servicer, server)
+    servicer.shm_dir = shm_dir or None  # co-located clients may attach shared memory inside it
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=interceptors,
+                         options=transport.server_options(cfg, max_tokens))
+    add_servicer(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    addr = f"{host}:{port}"
+    bound = server.add_secure_port(addr, creds) if creds is not None else server.add_insecure_port(addr)
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     server.start()
@@ -365,6 +465,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-workers", type=int, default=DEFAULT_MAX_WORKERS,
                    help="gRPC worker threads (each open stream holds one)")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="largest T accepted per request")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="serve Prometheus /metrics on this port of --host (default 0: off)")
+    transport.add_tls_arguments(p, "server")
+    p.add_argument("--shm-dir", default=None,
+                   help="shared directory for the co-located shared-memory fast path (default $MOESPLIT_SHM_DIR "
+                        "or /dev/shm; '' disables it, as does MOESPLIT_SHM=0)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -375,14 +481,36 @@ def run(args: argparse.Namespace) -> int:
         cfg = load_config(args.model)
         experts = parse_experts(args.experts, cfg.n_routed_experts) if args.experts else None
         slice_spec = parse_slice(args.slice_spec) if args.slice_spec else None
+        tls = transport.TLSFiles.from_args(args.tls_cert, args.tls_key, args.tls_ca, "moesplit expert-server")
     except ValueError as e:
         print(f"moesplit expert-server: {e}", file=sys.stderr)
         return 2
-    server, port = create_server(
-        args.model, experts=experts, slice_spec=slice_spec, host=args.host, port=args.port,
-        backend=args.backend, max_workers=args.max_workers, max_tokens=args.max_tokens,
-        shard_id=args.shard_id,
-    )
+    from checkpoint.reader import CheckpointError
+
+    registry = None
+    if args.metrics_port:
+        from prometheus_client import CollectorRegistry
+
+        registry = CollectorRegistry(auto_describe=False)
+    try:
+        server, port = create_server(
+            args.model, experts=experts, slice_spec=slice_spec, host=args.host, port=args.port,
+            backend=args.backend, max_workers=args.max_workers, max_tokens=args.max_tokens,
+            shard_id=args.shard_id, tls=tls, metrics_registry=registry,
+            shm_dir=_shm_dir(args.shm_dir),
+        )
+    except (CheckpointError, KeyError, ValueError, OSError) as e:  # never reported ready
+        print(f"moesplit expert-server: {e}", file=sys.stderr)
+        return 1
+    if registry is not None:
+        from cpu_expert_service.metrics import serve_metrics
+
+        try:
+            serve_metrics(registry, args.host, args.metrics_port)
+        except OSError as e:
+            print(f"moesplit expert-server: {e}", file=sys.stderr)
+            server.stop(None)
+            return 1
     stop = threading.Event()
 
     def _on_signal(signum, frame):
@@ -403,6 +531,13 @@ def run(args: argparse.Namespace) -> int:
     server.stop(grace=2.0).wait()
     log.info("stopped")
     return 0
+
+
+def _shm_dir(arg: str | None) -> str | None:
+    from cpu_expert_service import shm_transport
+
+    d = shm_transport.default_dir() if arg is None else arg
+    return d if d and shm_transport.enabled() else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,10 @@ layer call has a deadline (`timeout_s`, `--expert-timeout`); a group with no rep
 fast with ShardError(UNAVAILABLE); failed replicas are reconnected with capped exponential
 backoff. Channels use model-sized message limits, keepalive pings and optional mutual TLS
 (cpu_expert_service.transport).
+
+Co-located shards: with `transport="auto"` (default) each replica is offered the shared-memory
+fast path at connect (gpu_service.shm_transport); calls to a replica that accepted it go through
+shared memory, everything else (and every call after a fast-path failure) over the stream.
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ from cpu_expert_service.transport import (
     channel_options,
     make_channel,
 )
+from gpu_service.shm_transport import FastPaths
 from protos.moesplit.v1 import experts_pb2, experts_pb2_grpc
 
 log = logging.getLogger("moesplit.experts_client")
@@ -326,7 +331,7 @@ class ExpertsClient:
     def __init__(self, addresses: list[str], cfg: ModelConfig, timeout_s: float = 5.0, wire_dtype: str = "float32",
                  tls: TLSFiles | None = None, connect_timeout_s: float | None = None,
                  max_tokens: int = DEFAULT_MAX_TOKENS, tls_server_name: str | None = None,
-                 reconnect_max_s: float = 5.0):
+                 reconnect_max_s: float = 5.0, transport: str = "auto", shm_dir: str | None = None):
         if not addresses:
             raise ValueError("ExpertsClient needs at least one shard address")
         if wire_dtype not in _WIRE:
@@ -353,6 +358,9 @@ class ExpertsClient:
         # optional per-call hook (gpu_service.metrics.ExpertsObserver):
         # observer(layer, replica address, rtt seconds, bytes sent, bytes received, ok)
         self.observer = None
+        # co-located shards: layer calls through shared memory (gpu_service.shm_transport);
+        # transport "auto" (fast path where a shard accepts it), "grpc" (never), "shm" (required)
+        self.fast = FastPaths(transport, shm_dir, wire_dtype)
 
     # ---- set-up -------------------------------------------------------------------------------
     def _channel(self, address: str) -> grpc.Channel:
@@ -405,6 +413,7 @@ class ExpertsClient:
         self._supervisor = threading.Thread(target=self._supervise, args=(self._stop,), name="experts-supervisor",
                                             daemon=True)
         self._supervisor.start()
+        self.fast.attach_all(self.replicas, self.cfg)
         if down:
             log.warning("expert shards %s unreachable at start; serving from their replicas, reconnecting",
                         ", ".join(d.address for d in down))
@@ -454,6 +463,7 @@ class ExpertsClient:
         if self._supervisor is not None and self._supervisor is not threading.current_thread():
             self._supervisor.join(2.0)
         self._supervisor = None
+        self.fast.close()
         for r in self.replicas:
             if r.stream is not None:
                 r.stream.close()
@@ -488,11 +498,15 @@ class ExpertsClient:
     def _probe(self, r: _Replica) -> None:
         """Reconnect attempt: a fresh channel (re-resolves the name) and a Describe, asynchronously."""
         r.probing = True
+        stop = self._stop
         ch = self._channel(r.address)
         f = experts_pb2_grpc.ExpertServiceStub(ch).Describe.future(
             experts_pb2.DescribeRequest(), timeout=min(2.0, self.timeout_s), wait_for_ready=True)
 
         def done(f):
+            if stop.is_set():  # the client closed meanwhile
+                ch.close()
+                return
             try:
                 info = f.result()
                 self._check_shard(r.address, info)
@@ -560,8 +574,22 @@ class ExpertsClient:
     def _call_group(self, g: _Group, layer: int, x, i, ww) -> Future:
         """One layer call on group g: a replica, then another one if it fails (same request)."""
         out: Future = Future()
-        tensors = (_tensor(x, self.wire_dtype), _tensor(i, "int64"), _tensor(ww, "float32"))
+        tensors: list = []  # encoded on the first gRPC send (the fast path does not need them)
+        src = [x, i, ww]  # after a fast-path send: its copies in shared memory (the caller may reuse x)
         tried: list[_Replica] = []
+
+        def send_grpc(r: _Replica) -> tuple[Future, int]:
+            if not tensors:
+                tensors.extend((_tensor(src[0], self.wire_dtype), _tensor(src[1], "int64"),
+                                _tensor(src[2], "float32")))
+            req = experts_pb2.LayerRequest(seq=next(self._seq), layer=layer, hidden=tensors[0],
+                                           topk_ids=tensors[1], topk_weights=tensors[2])
+            try:
+                f = r.stream.send(req, self.timeout_s)
+            except Exception as e:  # noqa: BLE001 - e.g. the channel was closed under us
+                f = Future()
+                f.set_exception(ShardError(r.address, grpc.StatusCode.UNAVAILABLE, repr(e)))
+            return f, req.ByteSize()
         errors: list[str] = []
 
         def attempt():
@@ -574,16 +602,16 @@ class ExpertsClient:
             tried.append(r)
             if len(tried) > 1:
                 self.failovers += 1
-            req = experts_pb2.LayerRequest(seq=next(self._seq), layer=layer, hidden=tensors[0],
-                                           topk_ids=tensors[1], topk_weights=tensors[2])
             t_send = time.perf_counter()
-            try:
-                f = r.stream.send(req, self.timeout_s)
-            except Exception as e:  # noqa: BLE001 - e.g. the channel was closed under us
-                f = Future()
-                f.set_exception(ShardError(r.address, grpc.StatusCode.UNAVAILABLE, repr(e)))
+            f = self.fast.send(r, self.cfg, layer, *src, self.timeout_s, lambda r=r: send_grpc(r)[0])
+            if f is not None:  # shared-memory fast path; falls back to the stream if it breaks
+                sent = x.nbytes + i.nbytes + ww.nbytes
+                if not tensors:
+                    src[:] = f.inputs
+            else:
+                f, sent = send_grpc(r)
             if self.observer is not None:
-                _observe(self.observer, f, layer, r.address, req.ByteSize(), t_send)
+                _observe(self.observer, f, layer, r.address, sent, t_send)
             f.add_done_callback(lambda f, r=r: finished(r, f))
 
         def finished(r: _Replica, f: Future):
@@ -618,7 +646,7 @@ class ExpertsClient:
                 f"forward: expected hidden [T, H], ids [T, k], w [T, k]; got {hidden.shape}, {ids.shape}, {w.shape}"
             )
         T = hidden.shape[0]
-        result: Future = Future()
+        result: Future = self.fast.future()  # waiting on it receives shared-memory answers in place
         if T == 0:
             result.set_result(np.zeros_like(hidden))
             return result
@@ -629,7 +657,7 @@ class ExpertsClient:
             if shard.all_experts:
                 rows = None  # every row
             else:
-                hit = np.isin(ids, shard.experts).any(axis=1)  # [T]
+                hit = _holds(shard, ids, self.cfg.n_routed_experts).any(axis=1)  # [T]
                 if not hit.any():
                     continue
                 rows = None if hit.all() else np.nonzero(hit)[0]
@@ -688,6 +716,18 @@ class ExpertsClient:
         return self.result(self.forward_async(layer, hidden, ids, w), layer)
 
 
+def _holds(shard: ShardDesc, ids: np.ndarray, n_experts: int) -> np.ndarray:
+    """[T, k] bool: which routed ids this shard holds (a table lookup; np.isin costs ~50 µs a call)."""
+    mask = getattr(shard, "_mask", None)
+    if mask is None:
+        mask = np.zeros(n_experts, dtype=bool)
+        mask[shard.experts] = True
+        shard._mask = mask
+    if ids.size and (ids.min() < 0 or ids.max() >= n_experts):
+        return np.isin(ids, shard.experts)
+    return mask[ids]
+
+
 def _observe(observer, fut: Future, layer: int, address: str, sent: int, t_send: float) -> None:
     """Report one call to one replica to `observer` when its answer (or failure) arrives."""
     def done(f: Future) -> None:
@@ -720,8 +760,11 @@ def _tensor(a: np.ndarray, dtype: str) -> experts_pb2.Tensor:
     return experts_pb2.Tensor(dtype=dtype, shape=list(arr.shape), data=arr.tobytes())
 
 
-def _array(t: experts_pb2.Tensor) -> np.ndarray:
+def _array(t: experts_pb2.Tensor | np.ndarray) -> np.ndarray:
+    if isinstance(t, np.ndarray):  # shared-memory fast path: already a private float32 copy
+        return t
     dt = _WIRE.get(t.dtype)
     if dt is None:
         raise ExpertsClientError(f"shard answered with dtype {t.dtype!r}")
-    return np.frombuffer(t.data, dtype=dt).reshape(tuple(t.shape)).astype(np.float32)
+    # a read-only view of the message bytes when float32 (no copy: it is only added into the sum)
+    return np.asarray(np.frombuffer(t.data, dtype=dt).reshape(tuple(t.shape)), dtype=np.float32)

@@ -85,8 +85,8 @@ def _sampling(body: dict) -> tuple[SamplingParams, list[str], bool]:
     try:
         params = SamplingParams(temperature, top_p, top_k, seed)
     except ValueError as e:
-        raise APIError(400, str(e), param="temperature" if "temperature" in str(e) else
-                       "top_p" if "top_p" in str(e) else "top_k") from None
+        raise APIError(400, str(e), param=next((k for k in ("temperature", "top_p", "top_k", "seed") if k in str(e)),
+                                               None)) from None
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -388,6 +388,9 @@ class HTTPServer:
         fam = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(fam, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # accepted connections inherit it: asyncio's own TCP_NODELAY skips this pre-bound socket (proto 0), and
+        # Nagle + delayed ACK would hold every response's body 40 ms behind its headers
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             self.sock.bind((host, port))
         except OSError as e:

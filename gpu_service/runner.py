@@ -27,14 +27,44 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 
 class RemoteExperts:
-    """ExpertsFn over the gRPC experts client: tensors go to the shards as numpy arrays."""
+    """ExpertsFn over the gRPC experts client: tensors go to the shards as numpy arrays.
+
+    On CUDA, hidden / ids / weights are copied device->host with non_blocking=True into pinned
+    host buffers (a few sets used in turn, grown as needed) and synchronised once per call; the
+    client encodes or copies them before forward_async returns, so a set is free again by its turn."""
+
+    PINNED_SETS = 4  # > calls in flight at once (micro-batch ping-pong: 2)
 
     def __init__(self, client):
         self.client = client
+        self._pinned: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * self.PINNED_SETS
+        self._turn = 0
+
+    def _to_host_cuda(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor):
+        T, H = h.shape
+        k = ids.shape[1]
+        i = self._turn % self.PINNED_SETS
+        self._turn += 1
+        bufs = self._pinned[i]
+        if bufs is None or bufs[0].shape[0] < T or bufs[0].shape[1] != H or bufs[1].shape[1] != k:
+            cap = max(T, 2 * bufs[0].shape[0] if bufs is not None else 16)
+            bufs = (torch.empty((cap, H), dtype=torch.float32, pin_memory=True),  # [cap, H]
+                    torch.empty((cap, k), dtype=torch.int64, pin_memory=True),  # [cap, k]
+                    torch.empty((cap, k), dtype=torch.float32, pin_memory=True))  # [cap, k]
+            self._pinned[i] = bufs
+        hb, ib, wb = bufs[0][:T], bufs[1][:T], bufs[2][:T]
+        hb.copy_(h.detach().float(), non_blocking=True)
+        ib.copy_(ids, non_blocking=True)
+        wb.copy_(w.detach().float(), non_blocking=True)
+        torch.cuda.current_stream(h.device).synchronize()
+        return hb.numpy(), ib.numpy(), wb.numpy()
 
     def __call__(self, layer: int, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> Callable[[], torch.Tensor]:
-        fut = self.client.forward_async(
-            layer, h.detach().float().cpu().numpy(), ids.cpu().numpy().astype(np.int32), w.float().cpu().numpy())
+        if h.device.type == "cuda":
+            fut = self.client.forward_async(layer, *self._to_host_cuda(h, ids, w))
+        else:
+            fut = self.client.forward_async(
+                layer, h.detach().float().cpu().numpy(), ids.cpu().numpy().astype(np.int32), w.float().cpu().numpy())
 
         def wait() -> torch.Tensor:  # bounded: the client's deadline (ShardError when it passes)
             return torch.from_numpy(self.client.result(fut, layer)).to(device=h.device, dtype=h.dtype)

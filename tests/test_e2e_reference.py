@@ -93,3 +93,20 @@ def test_text_prompt_uses_tokenizer(ckpts):
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert isinstance(out["text"], str) and len(out["token_ids"]) >= 1
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_cython_kernels_end_to_end(ckpts, fmt):
+    """The shards on the Cython kernels (what `--backend auto` runs): the same greedy tokens as
+    the reference. The BF16 kernel's 1-token path rounds activations to bf16 (as the bf16 wire
+    of a real deployment does), so logits agree to ~1e-3 rather than fp32's 1e-6."""
+    from cpu_expert_service.backend import available_backends
+
+    assert "kernels" in available_backends(), "the Cython kernels are not built: run `make setup`"
+    d = ckpts[("grouped", fmt)]
+    got = generate(d, PROMPTS["long"], backend="kernels")
+    ref_toks, ref_last = reference(d, PROMPTS["long"])
+    diff = (torch.tensor(got["last_logits"]) - ref_last).abs().max().item()
+    print(f"kernels {fmt}: last-logits max|diff| {diff:.2e}")
+    assert got["token_ids"] == ref_toks
+    assert diff < 2e-2

@@ -85,3 +85,21 @@ class ShardInfo(_message.Message):
     pid: int
     loaded_modules: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, shard_id: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., experts: _Optional[_Iterable[int]] = ..., slice_index: _Optional[int] = ..., slice_count: _Optional[int] = ..., intermediate_start: _Optional[int] = ..., intermediate_stop: _Optional[int] = ..., weight_format: _Optional[str] = ..., kernel: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., hidden_size: _Optional[int] = ..., n_routed_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., max_tokens: _Optional[int] = ..., pid: _Optional[int] = ..., loaded_modules: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class AttachShmRequest(_message.Message):
+    __slots__ = ("path", "token", "socket_path")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    token: bytes
+    socket_path: str
+    def __init__(self, path: _Optional[str] = ..., token: _Optional[bytes] = ..., socket_path: _Optional[str] = ...) -> None: ...
+
+class AttachShmResponse(_message.Message):
+    __slots__ = ("accepted", "reason")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...

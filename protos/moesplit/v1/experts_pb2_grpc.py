@@ -49,6 +49,11 @@ class ExpertServiceStub:
                 request_serializer=protos_dot_moesplit_dot_v1_dot_experts__pb2.DescribeRequest.SerializeToString,
                 response_deserializer=protos_dot_moesplit_dot_v1_dot_experts__pb2.ShardInfo.FromString,
                 _registered_method=True)
+        self.AttachShm = channel.unary_unary(
+                '/moesplit.v1.ExpertService/AttachShm',
+                request_serializer=protos_dot_moesplit_dot_v1_dot_experts__pb2.AttachShmRequest.SerializeToString,
+                response_deserializer=protos_dot_moesplit_dot_v1_dot_experts__pb2.AttachShmResponse.FromString,
+                _registered_method=True)
 
 
 class ExpertServiceServicer:
@@ -75,6 +80,13 @@ class ExpertServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AttachShm(self, request, context):
+        """Offer the shared-memory fast path (same host only); refused with a reason otherwise.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExpertServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +104,11 @@ def add_ExpertServiceServicer_to_server(servicer, server):
                     servicer.Describe,
                     request_deserializer=protos_dot_moesplit_dot_v1_dot_experts__pb2.DescribeRequest.FromString,
                     response_serializer=protos_dot_moesplit_dot_v1_dot_experts__pb2.ShardInfo.SerializeToString,
+            ),
+            'AttachShm': grpc.unary_unary_rpc_method_handler(
+                    servicer.AttachShm,
+                    request_deserializer=protos_dot_moesplit_dot_v1_dot_experts__pb2.AttachShmRequest.FromString,
+                    response_serializer=protos_dot_moesplit_dot_v1_dot_experts__pb2.AttachShmResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +192,33 @@ class ExpertService:
             '/moesplit.v1.ExpertService/Describe',
             protos_dot_moesplit_dot_v1_dot_experts__pb2.DescribeRequest.SerializeToString,
             protos_dot_moesplit_dot_v1_dot_experts__pb2.ShardInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttachShm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moesplit.v1.ExpertService/AttachShm',
+            protos_dot_moesplit_dot_v1_dot_experts__pb2.AttachShmRequest.SerializeToString,
+            protos_dot_moesplit_dot_v1_dot_experts__pb2.AttachShmResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,343 @@
+"""Benchmark the CPU MoE kernels on DeepSeek-V3 layer shapes against this machine's ceilings
+and, where it installs, kt-kernel's MoE op on identical data.
+
+H 7168, I 2048, E = 32 experts, top-8, 1 / 8 / 64 / 256 tokens per call, bf16 / int8 / int4,
+2 threads. Writes bench/results/kernels.json (records + ceilings + kt-kernel status/ratios) and
+bench/results/kernels.png. kt-kernel is looked for in a separate venv ($KT_KERNEL_VENV, default
+/tmp/ktvenv, made with `pip install --no-deps kt-kernel`) and run in a subprocess per format, so
+its worker threads never overlap our measurements.
+
+    python bench/bench_kernels.py [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+H, I, E, TOPK = 7168, 2048, 32, 8
+TOKENS = (1, 8, 64, 256)
+FORMATS = ("bf16", "int8", "int4")
+THREADS = 2
+RESULTS = os.path.join(ROOT, "bench", "results")
+KT_METHOD = {"bf16": "AMXBF16_MOE", "int8": "AMXInt8_MOE", "int4": "AMXInt4_MOE"}
+
+
+# ----------------------------------------------------------------------------- shared data
+def bf16():
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def base_weights(seed: int = 0):
+    """Three random bf16 matrices; expert e is these rolled by e * 7919 (distinct memory, cheap)."""
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal(s, dtype=np.float32) * 0.02).astype(bf16()) for s in ((I, H), (I, H), (H, I))]
+
+
+def expert_weights_into(base, e: int, out) -> None:
+    """out[i] = base[i] rolled by e * 7919 (flat), cast to out's dtype; no new allocations (fresh
+    pages are slow to fault in on this VM)."""
+    for src, dst in zip(base, out):
+        sf, df, n = src.reshape(-1), dst.reshape(-1), src.size
+        s = (e * 7919) % n
+        df[s:] = sf[: n - s]
+        df[:s] = sf[n - s:]
+
+
+def routing(T: int, seed: int):
+    rng = np.random.default_rng(1000 + seed)
+    x = rng.standard_normal((T, H), dtype=np.float32)
+    ids = np.stack([rng.choice(E, TOPK, replace=False) for _ in range(T)]).astype(np.int64)
+    w = rng.random((T, TOPK), dtype=np.float32)
+    return x, ids, w
+
+
+def reps_for(T: int) -> int:
+    return 5 if T <= 8 else 2
+
+
+def timed(fn, reps: int):
+    fn()  # warm-up
+    ms, cpu = [], []
+    for _ in range(reps):
+        c, t = time.process_time(), time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t
+        ms.append(dt * 1e3)
+        cpu.append((time.process_time() - c) / dt)
+    return float(np.median(ms)), float(np.median(cpu))
+
+
+def record(impl, fmt, T, ms, cpu, touched_bytes, extra=None):
+    flops = 2.0 * 3 * H * I * T * TOPK
+    r = {"impl": impl, "format": fmt, "tokens": T, "ms": round(ms, 3),
+         "gbps": round(touched_bytes / (ms * 1e-3) / 1e9, 2), "gflops": round(flops / (ms * 1e-3) / 1e9, 2),
+         "cpu_util": round(cpu, 2),
+         # per CPU-second of this process: what the kernels do on the core time they actually got
+         "gbps_per_core": round(touched_bytes / (ms * 1e-3 * max(cpu, 1e-3)) / 1e9, 2),
+         "gflops_per_core": round(flops / (ms * 1e-3 * max(cpu, 1e-3)) / 1e9, 2)}
+    r.update(extra or {})
+    return r
+
+
+# ----------------------------------------------------------------------------- ceilings
+def read_bandwidth_gbps() -> float:
+    buf = np.ones(2 << 30 >> 2, dtype=np.float32)  # 2 GiB
+    best = 0.0
+    for _ in range(3):
+        t = time.perf_counter()
+        buf.sum()
+        best = max(best, buf.nbytes / (time.perf_counter() - t) / 1e9)
+    del buf
+    return best
+
+
+def torch_bf16_gflops() -> float | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    torch.set_num_threads(THREADS)
+    a = torch.randn(256, H, dtype=torch.bfloat16)
+    b = torch.randn(H, 2 * I, dtype=torch.bfloat16)
+    a @ b
+    t = time.perf_counter()
+    n = 3
+    for _ in range(n):
+        a @ b
+    return 2.0 * 256 * H * 2 * I * n / (time.perf_counter() - t) / 1e9
+
+
+# ----------------------------------------------------------------------------- ours
+def bench_ours(fmt: str):
+    from cpu_expert_service.kernel_backend import KernelExperts
+
+    base = base_weights()
+    be = KernelExperts(fmt, num_threads=THREADS)
+    t = time.perf_counter()
+    g, u, d = (np.empty(b.shape, np.float32) for b in base)
+    for e in range(E):
+        expert_weights_into(base, e, (g, u, d))
+        be.add_expert(0, e, g, u, d)
+    del g, u, d
+    be.finalize()
+    pack_s = time.perf_counter() - t
+    del base
+    gc.collect()
+    ebytes = be.expert_bytes(0, 0)
+    out = []
+    for T in TOKENS:
+        x, ids, w = routing(T, T)
+        ms, cpu = timed(lambda: be.forward(0, x, ids, w), reps_for(T))
+        out.append(record("moesplit", fmt, T, ms, cpu, len(np.unique(ids)) * ebytes, {"isa": be.isa}))
+        print(f"  moesplit  {fmt:5s} T={T:4d} {ms:9.2f} ms  {out[-1]['gbps']:7.2f} GB/s  "
+              f"{out[-1]['gflops']:7.1f} GFLOP/s  cpu {cpu:.2f}", flush=True)
+    name = be.name
+    del be
+    gc.collect()
+    return out, {"name": name, "pack_s_per_expert": round(pack_s / E, 3), "expert_bytes": ebytes}
+
+
+# ----------------------------------------------------------------------------- kt-kernel
+def kt_extension_path() -> str | None:
+    venv = os.environ.get("KT_KERNEL_VENV", "/tmp/ktvenv")
+    hits = glob.glob(os.path.join(venv, "lib", "python3*", "site-packages", "kt_kernel", "_kt_kernel_ext_avx512_bf16*.so"))
+    return hits[0] if hits else None
+
+
+def kt_worker(fmt: str, so_path: str) -> None:
+    """Runs in a subprocess: load kt-kernel's extension (no torch needed), same data, print JSON."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kt_kernel_ext", so_path)
+    k = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(k)
+    wc = k.WorkerPoolConfig()
+    wc.subpool_count, wc.subpool_numa_map, wc.subpool_thread_count = 1, [0], [THREADS]
+    cpu = k.CPUInfer(wc)
+    base = base_weights()
+    g = np.empty((E, I, H), dtype=bf16())  # gate [E, I, H]
+    u = np.empty((E, I, H), dtype=bf16())
+    d = np.empty((E, H, I), dtype=bf16())  # down [E, H, I]
+    for e in range(E):
+        expert_weights_into(base, e, (g[e], u[e], d[e]))
+    del base
+    mask = np.zeros(E, dtype=np.bool_)
+    cfg = k.moe.MOEConfig(E, TOPK, H, I, mask.ctypes.data)
+    cfg.layer_idx, cfg.pool, cfg.max_len = 0, cpu.backend_, max(TOKENS)
+    if fmt == "bf16":
+        cfg.gate_projs = [[g[e].ctypes.data for e in range(E)]]
+        cfg.up_projs = [[u[e].ctypes.data for e in range(E)]]
+        cfg.down_projs = [[d[e].ctypes.data for e in range(E)]]
+        cfg.gate_scales = cfg.up_scales = cfg.down_scales = [[0] * E]
+    else:  # online quantisation from the bf16 tensors, in memory
+        cfg.save, cfg.load = False, False
+        cfg.gate_proj, cfg.up_proj, cfg.down_proj = g.ctypes.data, u.ctypes.data, d.ctypes.data
+        cfg.path = "/tmp/kt_bench_unused"
+    moe = getattr(k.moe, KT_METHOD[fmt])(cfg)
+    p2l = np.arange(E, dtype=np.int64)
+    cpu.submit(moe.load_weights_task(p2l.ctypes.data))
+    cpu.sync()
+    if fmt != "bf16":
+        del g, u, d  # quantised copies are kt's own
+        gc.collect()
+    ebytes = {"bf16": 2.0, "int8": 1.0, "int4": 0.5}[fmt] * 3 * H * I
+    out = []
+    for T in TOKENS:
+        x, ids, w = routing(T, T)
+        xb = x.astype(bf16())
+        o = np.zeros((T, H), dtype=bf16())
+        bsz = np.array([T], dtype=np.int32)
+
+        def run():
+            cpu.submit(moe.forward_task(bsz.ctypes.data, TOPK, ids.ctypes.data, w.ctypes.data, xb.ctypes.data,
+                                        o.ctypes.data, False))
+            cpu.sync()
+
+        ms, cpu_u = timed(run, reps_for(T))
+        out.append(record("kt-kernel", fmt, T, ms, cpu_u, len(np.unique(ids)) * ebytes,
+                          {"kt_class": KT_METHOD[fmt], "kt_variant": getattr(k, "__cpu_variant__", "?")}))
+    print("KTJSON " + json.dumps(out), flush=True)
+
+
+def bench_kt(fmt: str, so_path: str, timeout_s: float):
+    cmd = [sys.executable, os.path.abspath(__file__), "--kt-worker", fmt, "--kt-so", so_path]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    for line in r.stdout.splitlines():
+        if line.startswith("KTJSON "):
+            recs = json.loads(line[len("KTJSON "):])
+            for rec in recs:
+                print(f"  kt-kernel {fmt:5s} T={rec['tokens']:4d} {rec['ms']:9.2f} ms  {rec['gbps']:7.2f} GB/s  "
+                      f"{rec['gflops']:7.1f} GFLOP/s  cpu {rec['cpu_util']:.2f}", flush=True)
+            return recs, None
+    tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
+    return [], f"kt-kernel {fmt} run failed (rc {r.returncode}): {' | '.join(tail)}"
+
+
+# ----------------------------------------------------------------------------- plot
+def plot(records, ceilings, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), sharey=True)
+    for ax, fmt in zip(axes, FORMATS):
+        for impl, style in (("moesplit", "o-"), ("kt-kernel", "s--")):
+            rs = sorted((r for r in records if r["impl"] == impl and r["format"] == fmt), key=lambda r: r["tokens"])
+            if rs:
+                ax.plot([r["tokens"] for r in rs], [r["ms"] for r in rs], style, label=impl)
+        rs = sorted((r for r in records if r["impl"] == "moesplit" and r["format"] == fmt), key=lambda r: r["tokens"])
+        if rs:
+            toks = [r["tokens"] for r in rs]
+            touched = [r["gbps"] * r["ms"] * 1e-3 * 1e9 for r in rs]  # bytes
+            ax.plot(toks, [b / (ceilings["read_gbps"] * 1e9) * 1e3 for b in touched], ":", color="gray",
+                    label=f"read-bandwidth floor ({ceilings['read_gbps']:.1f} GB/s)")
+            if ceilings.get("torch_bf16_gflops"):
+                fl = [2.0 * 3 * H * I * t * TOPK for t in toks]
+                ax.plot(toks, [f / (ceilings["torch_bf16_gflops"] * 1e9) * 1e3 for f in fl], "-.", color="gray",
+                        label=f"torch bf16 GEMM ({ceilings['torch_bf16_gflops']:.0f} GFLOP/s)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{fmt}: H={H} I={I} E={E} top-{TOPK}, {THREADS} threads")
+        ax.set_xlabel("tokens per call")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("ms per call")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# ----------------------------------------------------------------------------- main
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kt-worker", help=argparse.SUPPRESS)
+    ap.add_argument("--kt-so", help=argparse.SUPPRESS)
+    ap.add_argument("--no-kt", action="store_true", help="skip kt-kernel")
+    args = ap.parse_args()
+    if args.kt_worker:
+        kt_worker(args.kt_worker, args.kt_so)
+        return 0
+
+    os.makedirs(RESULTS, exist_ok=True)
+    t0 = time.time()
+    ceilings = {"read_gbps": round(read_bandwidth_gbps(), 2)}
+    tg = torch_bf16_gflops()
+    ceilings["torch_bf16_gflops"] = round(tg, 1) if tg else None
+    ceilings["read_gbps_method"] = "numpy float32 sum over a 2 GiB buffer, one thread, best of 3"
+    ceilings["torch_bf16_gflops_method"] = f"torch bf16 [256,{H}]x[{H},{2 * I}] matmul, {THREADS} threads"
+    print(f"ceilings: {ceilings}", flush=True)
+
+    so = None if args.no_kt else kt_extension_path()
+    kt_status = "skipped (--no-kt)" if args.no_kt else ("ok" if so else
+                "unavailable: no kt-kernel venv with _kt_kernel_ext_avx512_bf16 at $KT_KERNEL_VENV (default /tmp/ktvenv); "
+                "create it with `python3 -m venv /tmp/ktvenv && /tmp/ktvenv/bin/pip install --no-deps kt-kernel`")
+    records, ours_info, kt_errors = [], {}, []
+    for fmt in FORMATS:
+        recs, info = bench_ours(fmt)
+        records += recs
+        ours_info[fmt] = info
+        if so:
+            try:
+                recs, err = bench_kt(fmt, so, timeout_s=150)
+            except subprocess.TimeoutExpired:
+                recs, err = [], f"kt-kernel {fmt}: timed out"
+            records += recs
+            if err:
+                kt_errors.append(err)
+    if so and kt_errors:
+        kt_status = "partial: " + "; ".join(kt_errors)
+
+    ratios = []
+    for r in records:
+        if r["impl"] != "moesplit":
+            continue
+        kt = next((q for q in records if q["impl"] == "kt-kernel" and q["format"] == r["format"]
+                   and q["tokens"] == r["tokens"]), None)
+        if kt:
+            ratios.append({"format": r["format"], "tokens": r["tokens"],
+                           "speedup_vs_kt": round(kt["ms"] / r["ms"], 2)})
+    for r in records:
+        if r["impl"] == "moesplit" and r["tokens"] == 1:
+            r["frac_of_read_bw"] = round(r["gbps"] / ceilings["read_gbps"], 2)
+    result = {
+        "shape": {"H": H, "I": I, "experts": E, "top_k": TOPK, "threads": THREADS},
+        "ceilings": ceilings,
+        "records": records,
+        "kt_kernel": kt_status,
+        "kt_kernel_notes": ("kt-kernel 0.7.2 _kt_kernel_ext_avx512_bf16 (no AMX here, so its AMX* classes run "
+                            "their AVX-512 paths); INT8/INT4 quantised online from the same bf16 weights by kt "
+                            "(AMXInt4_MOE is kt's own int4 layout, not compressed-tensors group-32); its output "
+                            "is bf16, ours f32."),
+        "ratios": ratios,
+        "ours": ours_info,
+        "notes": ("cpu_util = process CPU seconds / wall seconds during a call (2.0 = both cores ours); the "
+                  "machine is shared, so lower values mean other processes held the cores. *_per_core divide by "
+                  "CPU seconds instead of wall seconds. Our pool sleeps when idle (no spinning), so under "
+                  "contention it yields cores that a spinning pool (kt-kernel shows cpu_util ~2.0) keeps."),
+        "wall_s": round(time.time() - t0, 1),
+    }
+    with open(os.path.join(RESULTS, "kernels.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    try:
+        plot(records, ceilings, os.path.join(RESULTS, "kernels.png"))
+    except Exception as e:  # plotting is a convenience; the JSON is the result
+        print(f"plot failed: {e}")
+    print(f"wrote {RESULTS}/kernels.json, kernels.png in {result['wall_s']} s; kt-kernel: {kt_status}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

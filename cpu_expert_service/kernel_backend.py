@@ -1,0 +1,149 @@
+"""KernelExperts: the ExpertBackend (docs/interfaces.md) on the Cython/C MoE kernels.
+
+Weights are packed at add time into the kernels' layout (bf16, int8 per-output-channel, or int4
+symmetric group-32) by the pool threads that will later stream them (first touch). `forward`
+runs the whole fused MoE op without the GIL on a pinned pthread pool where the calling thread
+is thread 0.
+
+The instruction set is decided once, when a backend is made: the best of amx > avx512 > avx2 >
+generic that this CPU and OS support, or the one named by MOESPLIT_KERNEL_ISA (tests, debugging);
+naming one the CPU lacks is an error, never a silent fallback.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from cpu_expert_service.kernels import _moe
+
+ISA_ENV = "MOESPLIT_KERNEL_ISA"
+ISA_ORDER = ("amx", "avx512", "avx2", "generic")  # best first
+FORMATS = ("bf16", "int8", "int4")
+
+# decided once at import: what this machine can run (amx also asks the OS for tile permission)
+AVAILABLE_ISAS: tuple[str, ...] = tuple(isa for isa in ISA_ORDER if _moe.cpu_has(isa))
+
+
+def select_isa(requested: str | None = None) -> str:
+    """The ISA a backend uses: `requested`, else $MOESPLIT_KERNEL_ISA, else the best available."""
+    name = requested or os.environ.get(ISA_ENV) or AVAILABLE_ISAS[0]
+    name = name.strip().lower()
+    if name not in ISA_ORDER:
+        raise ValueError(f"{ISA_ENV}={name!r} is not a kernel ISA; choose one of {', '.join(ISA_ORDER)}")
+    if name not in AVAILABLE_ISAS:
+        raise RuntimeError(
+            f"kernel ISA {name!r} was requested (argument or {ISA_ENV}) but this CPU/OS does not support it "
+            f"(available here: {', '.join(AVAILABLE_ISAS)}); unset {ISA_ENV} or pick an available one"
+        )
+    return name
+
+
+def allowed_cpus() -> list[int]:
+    """CPUs this process may run on, in order (pool thread i is pinned to cpus[i % n])."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+
+
+class KernelExperts:
+    """Routed experts on the CPU kernels; implements cpu_expert_service.backend.ExpertBackend.
+
+    weight_format: "bf16" | "int8" | "int4" (how the kernels store the weights); num_threads:
+    default one per allowed CPU; isa: override the dispatch (default select_isa())."""
+
+    def __init__(self, weight_format: str = "bf16", num_threads: int | None = None, isa: str | None = None) -> None:
+        if weight_format not in FORMATS:
+            raise ValueError(f"weight_format {weight_format!r} is not supported; choose one of {', '.join(FORMATS)}")
+        self.isa = select_isa(isa)
+        cpus = allowed_cpus()
+        self.num_threads = int(num_threads) if num_threads else len(cpus)
+        if self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        self.weight_format = weight_format
+        self.name = f"kernel-{self.isa}-{weight_format}"
+        self._engine = _moe.Engine(weight_format, self.isa, self.num_threads, cpus)
+        self._finalized = False
+
+    # -- loading ---------------------------------------------------------------------------
+    def add_expert(self, layer: int, expert: int, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> None:
+        """gate, up: [I, H] f32; down: [H, I] f32 (dequantised); quantised here to weight_format."""
+        self._check_open()
+        gate = np.ascontiguousarray(gate, dtype=np.float32)
+        up = np.ascontiguousarray(up, dtype=np.float32)
+        down = np.ascontiguousarray(down, dtype=np.float32)
+        if gate.ndim != 2 or up.shape != gate.shape or down.shape != gate.shape[::-1]:
+            raise ValueError(
+                f"layer {layer} expert {expert}: inconsistent shapes gate {gate.shape}, up {up.shape}, "
+                f"down {down.shape}; expected gate/up [I, H] and down [H, I]"
+            )
+        self._engine.add_float(int(layer), int(expert), gate, up, down)
+
+    def add_expert_int4(self, layer, expert, gate_packed, gate_scale, up_packed, up_scale,
+                        down_packed, down_scale, shapes) -> None:
+        """Load compressed-tensors pack-quantized INT4 (symmetric, group 32, q+8 nibbles, eight per
+        int32 least significant first) without re-quantising. *_packed: int32 [out, ceil(in/8)];
+        *_scale: bf16 (ml_dtypes or raw uint16) [out, ceil(in/32)]; shapes: (I, H), or the three
+        weight_shape arrays (gate [I, H], up [I, H], down [H, I])."""
+        self._check_open()
+        if self.weight_format != "int4":
+            raise ValueError(f"add_expert_int4 needs weight_format='int4', this backend is {self.weight_format!r}")
+        if np.ndim(shapes[0]) == 0:  # (I, H)
+            shapes = [(int(shapes[0]), int(shapes[1]))]
+        else:  # three weight_shape arrays
+            shapes = [tuple(int(v) for v in np.asarray(s).reshape(-1)[:2]) for s in shapes]
+        I, H = shapes[0]
+        if len(shapes) == 3 and (shapes[1] != (I, H) or shapes[2] != (H, I)):
+            raise ValueError(f"layer {layer} expert {expert}: weight_shapes {shapes} are not gate/up [I, H], down [H, I]")
+        args = []
+        for nm, packed, scale, (o, i) in (("gate", gate_packed, gate_scale, (I, H)), ("up", up_packed, up_scale, (I, H)),
+                                         ("down", down_packed, down_scale, (H, I))):
+            packed = np.ascontiguousarray(packed)
+            scale = np.ascontiguousarray(scale)
+            if packed.dtype != np.int32 or packed.shape != (o, -(-i // 8)):
+                raise ValueError(f"layer {layer} expert {expert}: {nm} weight_packed must be int32 {(o, -(-i // 8))}, "
+                                 f"got {packed.dtype} {packed.shape}")
+            if scale.dtype.itemsize != 2 or scale.shape != (o, -(-i // 32)):
+                raise ValueError(f"layer {layer} expert {expert}: {nm} weight_scale must be bf16 {(o, -(-i // 32))} "
+                                 f"(group 32), got {scale.dtype} {scale.shape}")
+            args += [packed, scale.view(np.uint16)]
+        self._engine.add_int4(int(layer), int(expert), H, I, *args)
+
+    def finalize(self) -> None:
+        self._finalized = True
+
+    def _check_open(self) -> None:
+        if self._finalized:
+            raise RuntimeError("add_expert after finalize()")
+
+    # -- compute ---------------------------------------------------------------------------
+    def forward(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """x [T, H] f32, ids [T, k] int64 global ids, w [T, k] f32 -> [T, H] f32 (ids not held add nothing)."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        if x.ndim != 2 or ids.ndim != 2 or w.shape != ids.shape or ids.shape[0] != x.shape[0]:
+            raise ValueError(f"forward: expected x [T, H], ids [T, k], w [T, k]; got {x.shape}, {ids.shape}, {w.shape}")
+        # pairs with weight 0 (experts the GPU service computes itself) are skipped, like NumpyExperts
+        ids = np.where(w != 0, ids, -1)
+        return self._engine.forward(int(layer), x, ids, w)
+
+    # -- introspection ---------------------------------------------------------------------
+    def weight_bytes(self) -> int:
+        return int(self._engine.weight_bytes())
+
+    def expert_bytes(self, layer: int, expert: int) -> int:
+        """Packed bytes of one expert (weights + scales), what one call streams for it."""
+        return int(self._engine.expert_bytes(int(layer), int(expert)))
+
+    def dequantised(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(gate [I, H], up [I, H], down [H, I]) f32 exactly as the kernels see them (for checks)."""
+        return tuple(self._engine.unpack(int(layer), int(expert), w) for w in ("gate", "up", "down"))
+
+
+def make_backend(weight_format: str = "bf16", num_threads: int | None = None) -> KernelExperts:
+    """Backend for a checkpoint storage format: int4 and int8 keep their width, everything else
+    (bf16, fp8, f16, f32) runs as bf16."""
+    fmt = weight_format if weight_format in ("int4", "int8") else "bf16"
+    return KernelExperts(weight_format=fmt, num_threads=num_threads)

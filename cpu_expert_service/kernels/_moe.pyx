@@ -1,0 +1,225 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""Cython binding of the C MoE kernels (moe.h): one `Engine` per backend, holding its thread
+pool, its kernel table (fixed at construction) and the packed experts of every layer.
+
+Use cpu_expert_service.kernel_backend.KernelExperts, not this module directly."""
+from libc.stdint cimport int32_t, int64_t, uint16_t
+from libc.stdlib cimport calloc, free, realloc
+
+import numpy as np
+
+cdef extern from "moe.h" nogil:
+    int MOE_FMT_BF16, MOE_FMT_INT8, MOE_FMT_INT4
+    int MOE_ISA_GENERIC, MOE_ISA_AVX2, MOE_ISA_AVX512, MOE_ISA_AMX
+    ctypedef struct MoePool:
+        pass
+    ctypedef struct MoeKernels:
+        int isa
+    ctypedef struct MoeMat:
+        int Np, Kp
+    ctypedef struct MoeExpert:
+        int H, I
+        MoeMat gu, dn
+    void moe_kernels_generic(MoeKernels *k)
+    void moe_kernels_avx2(MoeKernels *k)
+    void moe_kernels_avx512(MoeKernels *k)
+    void moe_kernels_amx(MoeKernels *k)
+    int moe_cpu_has(int isa)
+    MoePool *moe_pool_create(int nthreads, const int *cpus, int ncpus)
+    void moe_pool_destroy(MoePool *pool)
+    int moe_expert_pack_float(MoePool *pool, MoeExpert *e, int fmt, int H, int I,
+                              const float *gate, const float *up, const float *down)
+    int moe_expert_pack_int4(MoePool *pool, MoeExpert *e, int H, int I,
+                             const int32_t *gp, const uint16_t *gs, const int32_t *upk,
+                             const uint16_t *us, const int32_t *dp, const uint16_t *ds)
+    void moe_expert_free(MoeExpert *e)
+    size_t moe_expert_bytes(const MoeExpert *e)
+    void moe_expert_unpack(const MoeExpert *e, int which, float *out)
+    int moe_forward(MoePool *pool, const MoeKernels *kern, MoeExpert *const *experts, int n_experts,
+                    int fmt, int H, int I, const float *x, int T, const int64_t *ids, const float *w,
+                    int k, float *out)
+
+ISAS = {"generic": MOE_ISA_GENERIC, "avx2": MOE_ISA_AVX2, "avx512": MOE_ISA_AVX512, "amx": MOE_ISA_AMX}
+FORMATS = {"bf16": MOE_FMT_BF16, "int8": MOE_FMT_INT8, "int4": MOE_FMT_INT4}
+
+
+def cpu_has(str isa):
+    """True if this CPU and OS can run the kernels of `isa` (for amx: also asks the kernel for
+    XTILEDATA permission, which is what makes it usable)."""
+    return bool(moe_cpu_has(ISAS[isa]))
+
+
+cdef class _Layer:
+    """Packed experts of one layer, indexed by global expert id."""
+    cdef MoeExpert **by_id
+    cdef int cap
+    cdef public int H, I
+
+    def __cinit__(self):
+        self.by_id = NULL
+        self.cap = 0
+        self.H = -1
+        self.I = -1
+
+    cdef MoeExpert *slot(self, int expert) except NULL:
+        cdef int newcap, i
+        if expert >= self.cap:
+            newcap = max(expert + 1, 2 * self.cap, 16)
+            p = <MoeExpert **>realloc(self.by_id, newcap * sizeof(MoeExpert *))
+            if p == NULL:
+                raise MemoryError()
+            self.by_id = p
+            for i in range(self.cap, newcap):
+                self.by_id[i] = NULL
+            self.cap = newcap
+        if self.by_id[expert] == NULL:
+            self.by_id[expert] = <MoeExpert *>calloc(1, sizeof(MoeExpert))
+            if self.by_id[expert] == NULL:
+                raise MemoryError()
+        else:
+            moe_expert_free(self.by_id[expert])
+        return self.by_id[expert]
+
+    cdef MoeExpert *get(self, int expert):
+        if expert < 0 or expert >= self.cap:
+            return NULL
+        return self.by_id[expert]
+
+    def __dealloc__(self):
+        cdef int i
+        if self.by_id != NULL:
+            for i in range(self.cap):
+                if self.by_id[i] != NULL:
+                    moe_expert_free(self.by_id[i])
+                    free(self.by_id[i])
+            free(self.by_id)
+
+
+cdef class Engine:
+    """Thread pool + kernel table + packed experts. fmt: bf16|int8|int4; isa: a key of ISAS that
+    cpu_has() accepted; cpus: the CPUs to pin thread i to (cpus[i % len])."""
+    cdef MoePool *pool
+    cdef MoeKernels kern
+    cdef int fmt
+    cdef dict layers
+    cdef readonly int num_threads
+    cdef readonly str isa, format
+
+    def __cinit__(self, str fmt, str isa, int num_threads, cpus):
+        self.pool = NULL
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown weight format {fmt!r}; expected one of {sorted(FORMATS)}")
+        if isa not in ISAS:
+            raise ValueError(f"unknown ISA {isa!r}; expected one of {sorted(ISAS)}")
+        if not moe_cpu_has(ISAS[isa]):
+            raise RuntimeError(f"this CPU/OS cannot run the {isa} kernels")
+        self.fmt = FORMATS[fmt]
+        self.format = fmt
+        self.isa = isa
+        if isa == "amx":
+            moe_kernels_amx(&self.kern)
+        elif isa == "avx512":
+            moe_kernels_avx512(&self.kern)
+        elif isa == "avx2":
+            moe_kernels_avx2(&self.kern)
+        else:
+            moe_kernels_generic(&self.kern)
+        cdef int[::1] cpuv = np.ascontiguousarray(np.asarray(list(cpus), dtype=np.int32))
+        self.num_threads = max(1, num_threads)
+        self.pool = moe_pool_create(self.num_threads, &cpuv[0] if cpuv.shape[0] else NULL, cpuv.shape[0])
+        if self.pool == NULL:
+            raise MemoryError()
+        self.layers = {}
+
+    def __dealloc__(self):
+        self.layers = None  # free experts before the pool
+        if self.pool != NULL:
+            moe_pool_destroy(self.pool)
+
+    cdef _Layer _layer(self, int layer, int H, int I):
+        cdef _Layer L = self.layers.get(layer)
+        if L is None:
+            L = _Layer()
+            L.H, L.I = H, I
+            self.layers[layer] = L
+        elif (L.H, L.I) != (H, I):
+            raise ValueError(f"layer {layer}: expert shape H={H}, I={I} differs from the layer's "
+                             f"H={L.H}, I={L.I}; all experts of a layer must share one shape")
+        return L
+
+    def add_float(self, int layer, int expert, const float[:, ::1] gate, const float[:, ::1] up,
+                  const float[:, ::1] down):
+        cdef int I = gate.shape[0], H = gate.shape[1], rc
+        cdef _Layer L = self._layer(layer, H, I)
+        cdef MoeExpert *e = L.slot(expert)
+        with nogil:
+            rc = moe_expert_pack_float(self.pool, e, self.fmt, H, I, &gate[0, 0], &up[0, 0], &down[0, 0])
+        if rc != 0:
+            raise MemoryError(f"packing layer {layer} expert {expert} failed ({rc})")
+
+    def add_int4(self, int layer, int expert, int H, int I,
+                 const int32_t[:, ::1] gp, const uint16_t[:, ::1] gs,
+                 const int32_t[:, ::1] upk, const uint16_t[:, ::1] us,
+                 const int32_t[:, ::1] dp, const uint16_t[:, ::1] ds):
+        if self.fmt != MOE_FMT_INT4:
+            raise ValueError("add_int4 needs an int4 engine")
+        cdef int rc
+        cdef _Layer L = self._layer(layer, H, I)
+        cdef MoeExpert *e = L.slot(expert)
+        with nogil:
+            rc = moe_expert_pack_int4(self.pool, e, H, I, &gp[0, 0], &gs[0, 0], &upk[0, 0], &us[0, 0],
+                                      &dp[0, 0], &ds[0, 0])
+        if rc != 0:
+            raise MemoryError(f"packing layer {layer} expert {expert} failed ({rc})")
+
+    def has_layer(self, int layer):
+        return layer in self.layers
+
+    def layer_shape(self, int layer):
+        cdef _Layer L = self.layers[layer]
+        return L.H, L.I
+
+    def forward(self, int layer, const float[:, ::1] x, const int64_t[:, ::1] ids, const float[:, ::1] w):
+        cdef int T = x.shape[0], H = x.shape[1], k = ids.shape[1], rc = 0
+        out = np.zeros((T, H), dtype=np.float32)
+        cdef float[:, ::1] ov = out
+        cdef _Layer L = self.layers.get(layer)
+        if L is None or T == 0 or k == 0:
+            return out
+        if H != L.H:
+            raise ValueError(f"layer {layer}: x has hidden size {H}, the experts have {L.H}")
+        with nogil:
+            rc = moe_forward(self.pool, &self.kern, L.by_id, L.cap, self.fmt, H, L.I, &x[0, 0], T,
+                             &ids[0, 0], &w[0, 0], k, &ov[0, 0])
+        if rc != 0:
+            raise MemoryError(f"moe_forward failed ({rc})")
+        return out
+
+    def unpack(self, int layer, int expert, str which):
+        """The dequantised weight the kernels use: gate/up [I, H], down [H, I] f32."""
+        cdef _Layer L = self.layers[layer]
+        cdef MoeExpert *e = L.get(expert)
+        if e == NULL:
+            raise KeyError(f"layer {layer} has no expert {expert}")
+        idx = {"gate": 0, "up": 1, "down": 2}[which]
+        out = np.empty((L.I, L.H) if idx < 2 else (L.H, L.I), dtype=np.float32)
+        cdef float[:, ::1] ov = out
+        moe_expert_unpack(e, idx, &ov[0, 0])
+        return out
+
+    def weight_bytes(self, layer=None):
+        cdef size_t total = 0
+        cdef _Layer L
+        cdef int i
+        for lid, L in self.layers.items():
+            if layer is not None and lid != layer:
+                continue
+            for i in range(L.cap):
+                if L.by_id[i] != NULL:
+                    total += moe_expert_bytes(L.by_id[i])
+        return total
+
+    def expert_bytes(self, int layer, int expert):
+        cdef _Layer L = self.layers[layer]
+        cdef MoeExpert *e = L.get(expert)
+        return 0 if e == NULL else moe_expert_bytes(e)

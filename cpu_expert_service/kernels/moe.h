@@ -1,0 +1,148 @@
+/* moesplit CPU MoE kernels: shared declarations.
+ *
+ * Packed weight layouts (the same for every ISA, chosen at load time):
+ *
+ *   A weight matrix W [N out, K in] is padded to Np x Kp (Kp = K rounded up to 32) and cut
+ *   into panels of NP output
+ *   channels; panels are stored one after another, each a single contiguous stream, so a
+ *   thread that owns panels [p0, p1) streams one contiguous range.
+ *
+ *   bf16 (NP = 64):  panel = [Kp/2][64 ch][2] bf16          (vdpbf16ps / AMX B-tile layout)
+ *   int8 (NP = 32):  panel = [Kp/32 groups][8 quads][32 ch][4] u8 (w + 128)  (vpdpbusd layout)
+ *                    + per-channel f32 scales in a separate array [Np]
+ *   int4 (NP = 32):  panel = [Kp/32 groups] of { [4 octets][32 ch][4] u8, [32 ch] bf16 scale }
+ *                    byte j of channel c in octet o: low nibble  = q+8 of k = 8o + j,
+ *                                                    high nibble = q+8 of k = 8o + 4 + j
+ *
+ *   gate and up are fused into one matrix whose panel holds NP/2 gate channels followed by
+ *   the same NP/2 up channels, so silu(gate) * up is finished per panel.
+ *
+ * Activations: bf16 rows [Kp] (and the same rows in f32) for bf16; for int8/int4, two-level int8 rows [2*Kp]: per group g
+ * of 32, 32 bytes q1 then 32 bytes q2 with x ~= (254*q1 + q2) * xs[g], and a correction
+ * xc[g] = offset * xs[g] * sum(254*q1 + q2) (offset 128 for int8, 8 for int4), so kernels that
+ * multiply unsigned weights (vpdpbusd, tdpbsud) subtract it.
+ */
+#ifndef MOESPLIT_MOE_H
+#define MOESPLIT_MOE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define MOE_FMT_BF16 0
+#define MOE_FMT_INT8 1
+#define MOE_FMT_INT4 2
+
+#define MOE_ISA_GENERIC 0
+#define MOE_ISA_AVX2 1
+#define MOE_ISA_AVX512 2
+#define MOE_ISA_AMX 3
+
+#define MOE_GROUP 32
+#define MOE_NP_BF16 64
+#define MOE_NP_INT 32
+#define MOE_INT4_GROUP_BYTES (4 * 32 * 4 + 32 * 2) /* weights + bf16 scales = 576 */
+
+/* One packed matrix. */
+typedef struct {
+    int fmt;
+    int N, K;   /* logical */
+    int Np, Kp; /* padded: Np multiple of NP, Kp multiple of 32 */
+    int NP;     /* channels per panel */
+    size_t panel_bytes;
+    uint8_t *data;  /* n_panels * panel_bytes */
+    float *chscale; /* int8: [Np] per-channel scale; else NULL */
+} MoeMat;
+
+/* Activation rows handed to a kernel: n rows, each Kp long. */
+typedef struct {
+    int n;
+    const uint16_t *const *b;  /* bf16 rows */
+    const float *const *f;     /* the same rows in f32 (bf16 format only) */
+    const int8_t *const *q;    /* two-level int8 rows [2*Kp] */
+    const float *const *xs;    /* [Kp/32] group scales per row */
+    const float *const *xc;    /* [Kp/32] corrections per row */
+} MoeRows;
+
+/* Kernel: C[m][c] (m < rows->n, c < NP, row stride NP) = sum_k x[m][k] * W[panel*NP + c][k]
+ * for panel p of W.  scratch: per-thread, 64-byte aligned, at least moe_scratch_bytes(Kp). */
+typedef void (*moe_panel_fn)(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch);
+
+static inline size_t moe_scratch_bytes(int Kp) { return (size_t)16 * Kp * 2 + 65536; }
+
+/* out[i] = silu(g[i]) * u[i] for i < n; if outb, also its bf16 (round to nearest even) */
+typedef void (*moe_act_fn)(const float *g, const float *u, int n, float *out, uint16_t *outb);
+
+typedef struct {
+    int isa;
+    moe_panel_fn panel[3]; /* by format */
+    moe_act_fn act;
+} MoeKernels;
+
+void moe_act_generic(const float *g, const float *u, int n, float *out, uint16_t *outb);
+
+/* per-ISA tables (each defined in its own file, compiled for its own target) */
+void moe_kernels_generic(MoeKernels *k);
+void moe_kernels_avx2(MoeKernels *k);
+void moe_kernels_avx512(MoeKernels *k);
+void moe_kernels_amx(MoeKernels *k);
+
+/* generic panels, used by the others for odd cases */
+void moe_panel_bf16_generic(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch);
+void moe_panel_int8_generic(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch);
+void moe_panel_int4_generic(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch);
+
+/* bf16 helpers */
+static inline float moe_bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)h << 16;
+    return v.f;
+}
+static inline uint16_t moe_f32_to_bf16(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40); /* NaN */
+    uint32_t r = 0x7fffu + ((v.u >> 16) & 1u);
+    return (uint16_t)((v.u + r) >> 16);
+}
+
+/* CPU features */
+int moe_cpu_has(int isa);          /* 1 if the CPU and OS support the ISA path */
+int moe_amx_request_permission(void); /* 0 on success */
+
+/* ---------------- thread pool ---------------- */
+typedef struct MoePool MoePool;
+typedef void (*moe_job_fn)(void *arg, int tid, int nt);
+MoePool *moe_pool_create(int nthreads, const int *cpus, int ncpus);
+void moe_pool_destroy(MoePool *pool);
+int moe_pool_size(const MoePool *pool);
+void moe_pool_run(MoePool *pool, moe_job_fn fn, void *arg); /* caller is thread 0 */
+void moe_pool_barrier(MoePool *pool);
+
+/* ---------------- experts ---------------- */
+typedef struct {
+    int H, I;
+    MoeMat gu; /* [2I -> fused panels, H] */
+    MoeMat dn; /* [H, I] */
+} MoeExpert;
+
+/* Allocate (untouched) and pack in parallel with the compute partitioning.
+ * Float sources: gate/up [I][H], down [H][I] f32 row-major.  Returns 0 or -errno. */
+int moe_expert_pack_float(MoePool *pool, MoeExpert *e, int fmt, int H, int I,
+                          const float *gate, const float *up, const float *down);
+/* INT4 compressed-tensors sources: packed int32 [out][ceil(in/8)], scale bf16 [out][ceil(in/32)] */
+int moe_expert_pack_int4(MoePool *pool, MoeExpert *e, int H, int I,
+                         const int32_t *gp, const uint16_t *gs, const int32_t *upk,
+                         const uint16_t *us, const int32_t *dp, const uint16_t *ds);
+void moe_expert_free(MoeExpert *e);
+size_t moe_expert_bytes(const MoeExpert *e);
+/* Dequantised weight as the kernels see it: which 0 gate, 1 up, 2 down; out [N][K] f32 */
+void moe_expert_unpack(const MoeExpert *e, int which, float *out);
+
+/* The fused MoE op.  experts[j] for j < n_experts are indexed by global id (NULL = not held).
+ * x [T][H] f32, ids [T][k], w [T][k]; out [T][H] f32 is accumulated into (caller zeroes).
+ * Returns 0, or -ENOMEM. */
+int moe_forward(MoePool *pool, const MoeKernels *kern, MoeExpert *const *experts, int n_experts,
+                int fmt, int H, int I, const float *x, int T, const int64_t *ids, const float *w,
+                int k, float *out);
+
+#endif

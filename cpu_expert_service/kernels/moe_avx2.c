@@ -1,0 +1,137 @@
+/* moesplit CPU MoE: AVX2 + FMA kernels (any x86-64 from Haswell / Zen 1 on).
+ * bf16 weights are widened to f32 (shift) and FMA'd; int8 uses the sign trick with
+ * vpmaddubsw (|w| x sign(x, w), no saturation for |w|, |x| <= 127); int4 nibbles (0..15)
+ * go straight into vpmaddubsw. One token at a time over an L1-resident k-block. */
+#pragma GCC target("avx2,fma,f16c")
+#include <immintrin.h>
+
+#include "moe.h"
+
+#define KC_BF 128 /* k-pairs per block */
+#define GC_INT 16 /* groups per block */
+
+void moe_panel_bf16_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {
+    (void)scratch;
+    const uint16_t *wp = (const uint16_t *)(W->data + W->panel_bytes * (size_t)p);
+    int nkp = W->Kp / 2, n = rows->n;
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+    for (int k0 = 0; k0 < nkp; k0 += KC_BF) {
+        int k1 = k0 + KC_BF < nkp ? k0 + KC_BF : nkp;
+        for (int m = 0; m < n; m++) {
+            const uint16_t *xr = rows->b[m];
+            for (int half = 0; half < 2; half++) { /* 32 channels = 4 ymm accumulators */
+                float *c = C + (size_t)m * 64 + half * 32;
+                __m256 a0, a1, a2, a3;
+                if (k0 > 0) {
+                    a0 = _mm256_loadu_ps(c); a1 = _mm256_loadu_ps(c + 8);
+                    a2 = _mm256_loadu_ps(c + 16); a3 = _mm256_loadu_ps(c + 24);
+                } else a0 = a1 = a2 = a3 = _mm256_setzero_ps();
+                for (int kp = k0; kp < k1; kp++) {
+                    const uint16_t *wr = wp + (size_t)kp * 128 + half * 64;
+                    __m256 x0 = _mm256_set1_ps(moe_bf16_to_f32(xr[2 * kp]));
+                    __m256 x1 = _mm256_set1_ps(moe_bf16_to_f32(xr[2 * kp + 1]));
+#define BFSTEP(A, OFF)                                                                      \
+    {                                                                                       \
+        __m256i v = _mm256_loadu_si256((const __m256i *)(wr + OFF));                        \
+        A = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), x0, A);          \
+        A = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v, hi)), x1, A);           \
+    }
+                    BFSTEP(a0, 0) BFSTEP(a1, 16) BFSTEP(a2, 32) BFSTEP(a3, 48)
+#undef BFSTEP
+                }
+                _mm256_storeu_ps(c, a0); _mm256_storeu_ps(c + 8, a1);
+                _mm256_storeu_ps(c + 16, a2); _mm256_storeu_ps(c + 24, a3);
+            }
+        }
+    }
+}
+
+static inline __m256 bf16x8_to_ps(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static void panel_int_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, int int4) {
+    const uint8_t *wp = W->data + W->panel_bytes * (size_t)p;
+    int G = W->Kp / MOE_GROUP, n = rows->n;
+    const __m256i ones = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0f), x80 = _mm256_set1_epi8((char)0x80);
+    for (int g0 = 0; g0 < G; g0 += GC_INT) {
+        int g1 = g0 + GC_INT < G ? g0 + GC_INT : G;
+        for (int m = 0; m < n; m++) {
+            const int8_t *xr = rows->q[m];
+            float *c = C + (size_t)m * 32;
+            __m256 acc[4];
+            for (int v = 0; v < 4; v++) acc[v] = g0 > 0 ? _mm256_loadu_ps(c + 8 * v) : _mm256_setzero_ps();
+            for (int g = g0; g < g1; g++) {
+                __m256i ia[4], il[4]; /* q1 and q2 halves of the two-level activations */
+                for (int v = 0; v < 4; v++) ia[v] = il[v] = _mm256_setzero_si256();
+                if (!int4) {
+                    const uint8_t *gb = wp + (size_t)g * 8 * 128;
+                    for (int qd = 0; qd < 8; qd++) {
+                        __m256i bh = _mm256_set1_epi32(*(const int32_t *)(xr + g * 64 + qd * 4));
+                        __m256i bl = _mm256_set1_epi32(*(const int32_t *)(xr + g * 64 + 32 + qd * 4));
+                        for (int v = 0; v < 4; v++) {
+                            __m256i ws = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(gb + qd * 128 + 32 * v)), x80);
+                            __m256i aw = _mm256_abs_epi8(ws);
+                            __m256i ph = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(bh, ws));
+                            __m256i pl = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(bl, ws));
+                            ia[v] = _mm256_add_epi32(ia[v], _mm256_madd_epi16(ph, ones));
+                            il[v] = _mm256_add_epi32(il[v], _mm256_madd_epi16(pl, ones));
+                        }
+                    }
+                } else {
+                    const uint8_t *gb = wp + (size_t)g * MOE_INT4_GROUP_BYTES;
+                    for (int o = 0; o < 4; o++) {
+                        const int8_t *xq = xr + g * 64 + 8 * o;
+                        __m256i a = _mm256_set1_epi32(*(const int32_t *)xq), b = _mm256_set1_epi32(*(const int32_t *)(xq + 4));
+                        __m256i c = _mm256_set1_epi32(*(const int32_t *)(xq + 32)), d = _mm256_set1_epi32(*(const int32_t *)(xq + 36));
+                        for (int v = 0; v < 4; v++) {
+                            __m256i pk = _mm256_loadu_si256((const __m256i *)(gb + o * 128 + 32 * v));
+                            __m256i l = _mm256_and_si256(pk, lo4), h = _mm256_and_si256(_mm256_srli_epi16(pk, 4), lo4);
+                            __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(l, a), _mm256_maddubs_epi16(h, b));
+                            __m256i pl = _mm256_add_epi16(_mm256_maddubs_epi16(l, c), _mm256_maddubs_epi16(h, d));
+                            ia[v] = _mm256_add_epi32(ia[v], _mm256_madd_epi16(ph, ones));
+                            il[v] = _mm256_add_epi32(il[v], _mm256_madd_epi16(pl, ones));
+                        }
+                    }
+                }
+                __m256 xs = _mm256_set1_ps(rows->xs[m][g]), k254 = _mm256_set1_ps(254.f);
+                for (int v = 0; v < 4; v++) /* reuse ia as the float-exact 16-bit sum */
+                    ia[v] = _mm256_castps_si256(_mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[v]), k254, _mm256_cvtepi32_ps(il[v])));
+#define SUM16(v) _mm256_castsi256_ps(ia[v])
+                if (!int4) {
+                    for (int v = 0; v < 4; v++) acc[v] = _mm256_fmadd_ps(SUM16(v), xs, acc[v]);
+                } else {
+                    __m256 xc = _mm256_set1_ps(rows->xc[m][g]);
+                    const uint16_t *sp = (const uint16_t *)(wp + (size_t)g * MOE_INT4_GROUP_BYTES + 512);
+                    for (int v = 0; v < 4; v++)
+                        acc[v] = _mm256_fmadd_ps(bf16x8_to_ps(sp + 8 * v),
+                                                 _mm256_fmsub_ps(SUM16(v), xs, xc), acc[v]);
+                }
+            }
+            for (int v = 0; v < 4; v++) _mm256_storeu_ps(c + 8 * v, acc[v]);
+        }
+    }
+    if (!int4) {
+        const float *chs = W->chscale + p * 32;
+        for (int m = 0; m < n; m++)
+            for (int v = 0; v < 4; v++)
+                _mm256_storeu_ps(C + m * 32 + 8 * v, _mm256_mul_ps(_mm256_loadu_ps(C + m * 32 + 8 * v), _mm256_loadu_ps(chs + 8 * v)));
+    }
+}
+
+void moe_panel_int8_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {
+    (void)scratch;
+    panel_int_avx2(W, p, rows, C, 0);
+}
+void moe_panel_int4_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {
+    (void)scratch;
+    panel_int_avx2(W, p, rows, C, 1);
+}
+
+void moe_kernels_avx2(MoeKernels *k) {
+    k->isa = MOE_ISA_AVX2;
+    k->act = moe_act_generic;
+    k->panel[MOE_FMT_BF16] = moe_panel_bf16_avx2;
+    k->panel[MOE_FMT_INT8] = moe_panel_int8_avx2;
+    k->panel[MOE_FMT_INT4] = moe_panel_int4_avx2;
+}

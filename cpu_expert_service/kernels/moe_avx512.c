@@ -1,0 +1,293 @@
+/* moesplit CPU MoE: AVX-512 kernels (F/BW/VL/DQ + BF16 vdpbf16ps + VNNI vpdpbusd).
+ * This whole file is compiled for that target (pragma below); nothing here runs unless the
+ * dispatcher has checked the CPU with moe_cpu_has(MOE_ISA_AVX512). */
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni")
+#include <immintrin.h>
+
+#include "moe.h"
+
+#define AI static inline __attribute__((always_inline))
+
+/* ---------------- bf16: panel [Kp/2][64][2] ----------------
+ * 1 token: vdpbf16ps GEMV (a pure weight stream). 2+ tokens: the bf16 weights of a k-pair are
+ * widened to f32 once (shift / mask) and reused by MR tokens with f32 FMAs on f32 activations.
+ * Measured on the development CPU (AVX512_BF16, no AMX): vdpbf16ps ~80 GFLOP/s per core however
+ * many accumulators, f32 FMA ~165 GFLOP/s per core; widening costs 4 uops per 48 FMAs of a
+ * 12 x 2 micro-tile, so this is ~1.6x the vdpbf16ps GEMM (130 vs 80 GFLOP/s per core). */
+
+#ifndef BF_MR
+#define BF_MR 12 /* tokens per micro-tile */
+#endif
+#ifndef BF_NV
+#define BF_NV 2 /* 16-channel vectors per micro-tile: 12 x 2 = 24 accumulators, 4 widened weights */
+#endif
+#define BF_KC 128 /* k-pairs per block: 64 ch x 256 k x 2 B = 32 KiB of weights, L1-resident */
+
+/* C[m][0..16*BF_NV) of channel offset c0 (+)= x[m] . W[c0 ..] over k-pairs [kp0, kp0 + nkp) */
+AI void mk_bf16(const int MR, const uint16_t *w, int nkp, const float *const *x, int kp0, float *C, int load,
+                const char *pf, int npf) {
+    __m512 acc[BF_MR][BF_NV];
+    for (int m = 0; m < MR; m++)
+        for (int v = 0; v < BF_NV; v++) acc[m][v] = load ? _mm512_loadu_ps(C + m * 64 + 16 * v) : _mm512_setzero_ps();
+    const float *xr[BF_MR];
+    for (int m = 0; m < MR; m++) xr[m] = x[m] + 2 * kp0;
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    for (int kp = 0; kp < nkp; kp++) {
+        const uint16_t *wr = w + (size_t)kp * 128;
+        if (kp < npf) _mm_prefetch(pf + (size_t)kp * 64, _MM_HINT_T1); /* this tile's share of the next k-block */
+        if (kp + nkp < npf) _mm_prefetch(pf + (size_t)(kp + nkp) * 64, _MM_HINT_T1);
+        __m512 we[BF_NV], wo[BF_NV];
+        for (int v = 0; v < BF_NV; v++) {
+            __m512i t = _mm512_loadu_si512(wr + 32 * v);
+            we[v] = _mm512_castsi512_ps(_mm512_slli_epi32(t, 16));
+            wo[v] = _mm512_castsi512_ps(_mm512_and_si512(t, hi));
+        }
+        for (int m = 0; m < MR; m++) {
+            __m512 xe = _mm512_set1_ps(xr[m][2 * kp]), xo = _mm512_set1_ps(xr[m][2 * kp + 1]);
+            for (int v = 0; v < BF_NV; v++) acc[m][v] = _mm512_fmadd_ps(we[v], xe, acc[m][v]);
+            for (int v = 0; v < BF_NV; v++) acc[m][v] = _mm512_fmadd_ps(wo[v], xo, acc[m][v]);
+        }
+    }
+    for (int m = 0; m < MR; m++)
+        for (int v = 0; v < BF_NV; v++) _mm512_storeu_ps(C + m * 64 + 16 * v, acc[m][v]);
+}
+
+#ifndef GEMV_PF
+#define GEMV_PF 2048 /* bf16 elements ahead (4 KiB) */
+#endif
+#ifndef GEMV_HINT
+#define GEMV_HINT _MM_HINT_T0
+#endif
+
+/* 1 token: a pure weight stream, 4 independent chains x 2 to cover the dpbf16 latency */
+static void gemv_bf16(const uint16_t *w, int nkp, const uint16_t *x, float *C) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    const int32_t *xr = (const int32_t *)x;
+    int kp = 0;
+    for (; kp + 2 <= nkp; kp += 2) {
+        const uint16_t *wr = w + (size_t)kp * 128;
+#if GEMV_PF > 0
+        _mm_prefetch((const char *)(wr + GEMV_PF), GEMV_HINT);
+        _mm_prefetch((const char *)(wr + GEMV_PF + 64), GEMV_HINT);
+        _mm_prefetch((const char *)(wr + GEMV_PF + 128), GEMV_HINT);
+        _mm_prefetch((const char *)(wr + GEMV_PF + 192), GEMV_HINT);
+#endif
+        __m512bh x0 = (__m512bh)_mm512_set1_epi32(xr[kp]), x1 = (__m512bh)_mm512_set1_epi32(xr[kp + 1]);
+        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(wr), x0);
+        a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(wr + 32), x0);
+        a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(wr + 64), x0);
+        a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(wr + 96), x0);
+        b0 = _mm512_dpbf16_ps(b0, (__m512bh)_mm512_loadu_si512(wr + 128), x1);
+        b1 = _mm512_dpbf16_ps(b1, (__m512bh)_mm512_loadu_si512(wr + 160), x1);
+        b2 = _mm512_dpbf16_ps(b2, (__m512bh)_mm512_loadu_si512(wr + 192), x1);
+        b3 = _mm512_dpbf16_ps(b3, (__m512bh)_mm512_loadu_si512(wr + 224), x1);
+    }
+    for (; kp < nkp; kp++) {
+        const uint16_t *wr = w + (size_t)kp * 128;
+        __m512bh x0 = (__m512bh)_mm512_set1_epi32(xr[kp]);
+        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(wr), x0);
+        a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(wr + 32), x0);
+        a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(wr + 64), x0);
+        a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(wr + 96), x0);
+    }
+    _mm512_storeu_ps(C, _mm512_add_ps(a0, b0));
+    _mm512_storeu_ps(C + 16, _mm512_add_ps(a1, b1));
+    _mm512_storeu_ps(C + 32, _mm512_add_ps(a2, b2));
+    _mm512_storeu_ps(C + 48, _mm512_add_ps(a3, b3));
+}
+
+#define MKB(R) \
+    case R: mk_bf16((R) < BF_MR ? (R) : BF_MR, w, nkp, x, kp0, C, load, pf, npf); break;
+static void mk_bf16_n(int mr, const uint16_t *w, int nkp, const float *const *x, int kp0, float *C, int load,
+                      const char *pf, int npf) {
+    switch (mr) {
+    MKB(1) MKB(2) MKB(3) MKB(4) MKB(5) MKB(6) MKB(7) MKB(8) MKB(9) MKB(10) MKB(11)
+    default: mk_bf16(BF_MR, w, nkp, x, kp0, C, load, pf, npf); break;
+    }
+}
+#undef MKB
+
+void moe_panel_bf16_avx512(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {
+    (void)scratch;
+    const uint16_t *wp = (const uint16_t *)(W->data + W->panel_bytes * (size_t)p);
+    int nkp = W->Kp / 2, n = rows->n;
+    if (n == 1) {
+        gemv_bf16(wp, nkp, rows->b[0], C);
+        return;
+    }
+    for (int k0 = 0; k0 < nkp; k0 += BF_KC) {
+        int kc = nkp - k0 < BF_KC ? nkp - k0 : BF_KC;
+        int nb = (n + BF_MR - 1) / BF_MR; /* balanced m-blocks: 16 tokens = 8 + 8, not 12 + 4 */
+        int ntile = nb * (64 / (16 * BF_NV)), tile = 0;
+        /* every micro-tile of this k-block prefetches its share of the next k-block into L2, so the
+         * weight stream overlaps the FMAs instead of stalling at each k-block start */
+        int next = k0 + kc < nkp ? (nkp - k0 - kc < BF_KC ? nkp - k0 - kc : BF_KC) : 0;
+        int lines = next * 4, share = (lines + ntile - 1) / ntile; /* 256 B = 4 lines per k-pair */
+        const char *nb_base = (const char *)(wp + (size_t)(k0 + kc) * 128);
+        for (int c0 = 0; c0 < 64; c0 += 16 * BF_NV) /* channel slices of the panel */
+            for (int b = 0, m0 = 0; b < nb; b++, tile++) {
+                int mr = n / nb + (b < n % nb);
+                int l0 = tile * share, npf = lines - l0 < share ? lines - l0 : share;
+                mk_bf16_n(mr, wp + (size_t)k0 * 128 + 2 * c0, kc, rows->f + m0, k0, C + (size_t)m0 * 64 + c0, k0 > 0,
+                          nb_base + (size_t)l0 * 64, npf > 0 ? (npf < 2 * kc ? npf : 2 * kc) : 0);
+                m0 += mr;
+            }
+    }
+}
+
+/* ---------------- int8 / int4: panel of 32 channels, group-32 activation scales ---------------- */
+
+#define IN_MR 3
+#define IN_GC 16 /* groups per k-block */
+
+AI __m512 bf16x16_to_ps(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* acc[m][v] (+)= sum over groups [g0, g0+ng) of the group partial products. Activations are
+ * two-level int8 (q1 at 64g, q2 at 64g + 32): two vpdpbusd chains per weight vector. */
+AI void mk_int(const int MR, const int INT4, const uint8_t *wp, int g0, int ng, const MoeRows *rows, int m0,
+               float *C, int load) {
+    __m512 acc[IN_MR][2];
+    for (int m = 0; m < MR; m++)
+        for (int v = 0; v < 2; v++) acc[m][v] = load ? _mm512_loadu_ps(C + m * 32 + 16 * v) : _mm512_setzero_ps();
+    const __m512i lo4 = _mm512_set1_epi8(0x0f);
+    const __m512 k254 = _mm512_set1_ps(254.f);
+    for (int g = g0; g < g0 + ng; g++) {
+        __m512i ih[IN_MR][2], il[IN_MR][2];
+        for (int m = 0; m < MR; m++) ih[m][0] = ih[m][1] = il[m][0] = il[m][1] = _mm512_setzero_si512();
+        if (!INT4) {
+            const uint8_t *gb = wp + (size_t)g * 8 * 128;
+            for (int qd = 0; qd < 8; qd++) {
+                __m512i w0 = _mm512_loadu_si512(gb + qd * 128), w1 = _mm512_loadu_si512(gb + qd * 128 + 64);
+                for (int m = 0; m < MR; m++) {
+                    const int8_t *xq = rows->q[m0 + m] + g * 64 + qd * 4;
+                    __m512i bh = _mm512_set1_epi32(*(const int32_t *)xq), bl = _mm512_set1_epi32(*(const int32_t *)(xq + 32));
+                    ih[m][0] = _mm512_dpbusd_epi32(ih[m][0], w0, bh);
+                    ih[m][1] = _mm512_dpbusd_epi32(ih[m][1], w1, bh);
+                    il[m][0] = _mm512_dpbusd_epi32(il[m][0], w0, bl);
+                    il[m][1] = _mm512_dpbusd_epi32(il[m][1], w1, bl);
+                }
+            }
+        } else {
+            const uint8_t *gb = wp + (size_t)g * MOE_INT4_GROUP_BYTES;
+            for (int o = 0; o < 4; o++) {
+                __m512i p0 = _mm512_loadu_si512(gb + o * 128), p1 = _mm512_loadu_si512(gb + o * 128 + 64);
+                __m512i l0 = _mm512_and_si512(p0, lo4), h0 = _mm512_and_si512(_mm512_srli_epi16(p0, 4), lo4);
+                __m512i l1 = _mm512_and_si512(p1, lo4), h1 = _mm512_and_si512(_mm512_srli_epi16(p1, 4), lo4);
+                for (int m = 0; m < MR; m++) {
+                    const int8_t *xq = rows->q[m0 + m] + g * 64 + 8 * o;
+                    __m512i a = _mm512_set1_epi32(*(const int32_t *)xq), b = _mm512_set1_epi32(*(const int32_t *)(xq + 4));
+                    __m512i c = _mm512_set1_epi32(*(const int32_t *)(xq + 32)), d = _mm512_set1_epi32(*(const int32_t *)(xq + 36));
+                    ih[m][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ih[m][0], l0, a), h0, b);
+                    ih[m][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ih[m][1], l1, a), h1, b);
+                    il[m][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(il[m][0], l0, c), h0, d);
+                    il[m][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(il[m][1], l1, c), h1, d);
+                }
+            }
+        }
+        __m512 ws0 = _mm512_setzero_ps(), ws1 = ws0;
+        if (INT4) {
+            const uint16_t *sp = (const uint16_t *)(wp + (size_t)g * MOE_INT4_GROUP_BYTES + 512);
+            ws0 = bf16x16_to_ps(sp);
+            ws1 = bf16x16_to_ps(sp + 16);
+        }
+        for (int m = 0; m < MR; m++) {
+            __m512 xs = _mm512_set1_ps(rows->xs[m0 + m][g]), xc = _mm512_set1_ps(rows->xc[m0 + m][g]);
+            __m512 s0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih[m][0]), k254, _mm512_cvtepi32_ps(il[m][0]));
+            __m512 s1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih[m][1]), k254, _mm512_cvtepi32_ps(il[m][1]));
+            __m512 f0 = _mm512_fmsub_ps(s0, xs, xc), f1 = _mm512_fmsub_ps(s1, xs, xc);
+            if (INT4) {
+                acc[m][0] = _mm512_fmadd_ps(ws0, f0, acc[m][0]);
+                acc[m][1] = _mm512_fmadd_ps(ws1, f1, acc[m][1]);
+            } else {
+                acc[m][0] = _mm512_add_ps(acc[m][0], f0);
+                acc[m][1] = _mm512_add_ps(acc[m][1], f1);
+            }
+        }
+    }
+    for (int m = 0; m < MR; m++)
+        for (int v = 0; v < 2; v++) _mm512_storeu_ps(C + m * 32 + 16 * v, acc[m][v]);
+}
+
+#define MK_INT_SWITCH(INT4)                                                                   \
+    switch (mr) {                                                                             \
+    case 1: mk_int(1, INT4, wp, g0, ng, rows, m0, C + (size_t)m0 * 32, load); break;          \
+    case 2: mk_int(2, INT4, wp, g0, ng, rows, m0, C + (size_t)m0 * 32, load); break;          \
+    default: mk_int(3, INT4, wp, g0, ng, rows, m0, C + (size_t)m0 * 32, load); break;          \
+    }
+
+static void mk_int8_n(int mr, const uint8_t *wp, int g0, int ng, const MoeRows *rows, int m0, float *C, int load) {
+    MK_INT_SWITCH(0)
+}
+static void mk_int4_n(int mr, const uint8_t *wp, int g0, int ng, const MoeRows *rows, int m0, float *C, int load) {
+    MK_INT_SWITCH(1)
+}
+
+static void panel_int(const MoeMat *W, int p, const MoeRows *rows, float *C, int int4) {
+    const uint8_t *wp = W->data + W->panel_bytes * (size_t)p;
+    int G = W->Kp / MOE_GROUP, n = rows->n;
+    for (int g0 = 0; g0 < G; g0 += (n <= IN_MR ? G : IN_GC)) {
+        int ng = n <= IN_MR ? G : (G - g0 < IN_GC ? G - g0 : IN_GC);
+        for (int m0 = 0; m0 < n; m0 += IN_MR) {
+            int mr = n - m0 < IN_MR ? n - m0 : IN_MR;
+            if (int4) mk_int4_n(mr, wp, g0, ng, rows, m0, C, g0 > 0);
+            else mk_int8_n(mr, wp, g0, ng, rows, m0, C, g0 > 0);
+        }
+    }
+    if (!int4) {
+        const float *chs = W->chscale + p * 32;
+        __m512 s0 = _mm512_loadu_ps(chs), s1 = _mm512_loadu_ps(chs + 16);
+        for (int m = 0; m < n; m++) {
+            _mm512_storeu_ps(C + m * 32, _mm512_mul_ps(_mm512_loadu_ps(C + m * 32), s0));
+            _mm512_storeu_ps(C + m * 32 + 16, _mm512_mul_ps(_mm512_loadu_ps(C + m * 32 + 16), s1));
+        }
+    }
+}
+
+void moe_panel_int8_avx512(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {
+    (void)scratch;
+    panel_int(W, p, rows, C, 0);
+}
+
+void moe_panel_int4_avx512(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {
+    (void)scratch;
+    panel_int(W, p, rows, C, 1);
+}
+
+/* ---------------- silu(g) * u: exp by range reduction + degree-6 polynomial + vscalefps ---------------- */
+
+AI __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-88.f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static void act_avx512(const float *g, const float *u, int n, float *out, uint16_t *outb) {
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 gv = _mm512_loadu_ps(g + i);
+        __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+        __m512 a = _mm512_mul_ps(s, _mm512_loadu_ps(u + i));
+        _mm512_storeu_ps(out + i, a);
+        if (outb) _mm256_storeu_si256((__m256i *)(outb + i), (__m256i)_mm512_cvtneps_pbh(a));
+    }
+    if (i < n) moe_act_generic(g + i, u + i, n - i, out + i, outb ? outb + i : NULL);
+}
+
+void moe_kernels_avx512(MoeKernels *k) {
+    k->isa = MOE_ISA_AVX512;
+    k->act = act_avx512;
+    k->panel[MOE_FMT_BF16] = moe_panel_bf16_avx512;
+    k->panel[MOE_FMT_INT8] = moe_panel_int8_avx512;
+    k->panel[MOE_FMT_INT4] = moe_panel_int4_avx512;
+}

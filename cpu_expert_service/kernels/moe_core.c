@@ -1,0 +1,855 @@
+/* moesplit CPU MoE: ISA-independent parts, compiled for baseline x86-64.
+ *
+ * - CPU feature detection (cpuid + xgetbv, AMX tile permission via arch_prctl)
+ * - a small pthread pool: workers pinned one per allowed CPU, the calling thread is thread 0,
+ *   idle workers sleep on a condition variable (no spinning dispatcher), barriers are
+ *   pthread_barrier (futex, passive)
+ * - weight quantisation + packing, run in parallel with the partitioning the compute uses so
+ *   each packed panel is first touched by the thread that will stream it
+ * - the fused MoE op: bucket tokens per expert, gate+up panels -> silu(gate)*up, down panels
+ *   -> weighted accumulation into the output (each thread owns whole output columns)
+ */
+#define _GNU_SOURCE
+#include "moe.h"
+
+#include <cpuid.h>
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* ------------------------------------------------------------------ CPU features */
+
+static uint64_t xgetbv0(void) {
+    uint32_t lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return ((uint64_t)hi << 32) | lo;
+}
+
+#define ARCH_GET_XCOMP_PERM 0x1022
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+int moe_amx_request_permission(void) {
+    unsigned long bitmask = 0;
+    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return -errno;
+    if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &bitmask) != 0) return -errno;
+    return (bitmask & (1ul << XFEATURE_XTILEDATA)) ? 0 : -EPERM;
+}
+
+int moe_cpu_has(int isa) {
+    unsigned a, b, c, d;
+    if (isa == MOE_ISA_GENERIC) return 1;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    int osxsave = (c >> 27) & 1, fma = (c >> 12) & 1;
+    if (!osxsave) return 0;
+    uint64_t xcr0 = xgetbv0();
+    if ((xcr0 & 0x6) != 0x6) return 0; /* SSE + AVX state */
+    unsigned b7, c7, d7, a71 = 0, b71, c71, d71;
+    if (!__get_cpuid_count(7, 0, &a, &b7, &c7, &d7)) return 0;
+    int avx2 = (b7 >> 5) & 1;
+    if (isa == MOE_ISA_AVX2) return avx2 && fma;
+    __get_cpuid_count(7, 1, &a71, &b71, &c71, &d71);
+    int avx512 = ((b7 >> 16) & 1) /*F*/ && ((b7 >> 17) & 1) /*DQ*/ && ((b7 >> 30) & 1) /*BW*/ &&
+                 ((b7 >> 31) & 1) /*VL*/ && ((c7 >> 11) & 1) /*VNNI*/ && ((a71 >> 5) & 1) /*BF16*/;
+    int os512 = (xcr0 & 0xe0) == 0xe0; /* opmask, ZMM_Hi256, Hi16_ZMM */
+    if (isa == MOE_ISA_AVX512) return avx2 && fma && avx512 && os512;
+    if (isa == MOE_ISA_AMX) {
+        int amx = ((d7 >> 22) & 1) /*AMX-BF16*/ && ((d7 >> 24) & 1) /*TILE*/ && ((d7 >> 25) & 1) /*INT8*/;
+        if (!(avx2 && fma && avx512 && os512 && amx)) return 0;
+        /* the OS must enable XTILECFG + XTILEDATA in XCR0 (Linux >= 5.16), and each process must
+         * still ask for XTILEDATA permission before touching the tiles */
+        if ((xcr0 & (3ull << 17)) != (3ull << 17)) return 0;
+        return moe_amx_request_permission() == 0;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ thread pool */
+
+struct MoePool {
+    int n;
+    int *cpus; /* cpu of thread i (i < n), -1 = unpinned */
+    pthread_t *th;
+    pthread_mutex_t mu;
+    pthread_cond_t cv_start, cv_done;
+    pthread_mutex_t run_mu; /* one op at a time */
+    pthread_barrier_t bar;
+    unsigned gen;
+    int remaining, stop;
+    /* per-call activation buffers, kept between calls (fresh pages fault at every call otherwise) */
+    pthread_mutex_t ws_mu;
+    uint8_t *ws;
+    size_t ws_cap;
+    moe_job_fn fn;
+    void *arg;
+};
+
+typedef struct {
+    MoePool *pool;
+    int tid;
+} WorkerArg;
+
+static void pin_self(int cpu) {
+    if (cpu < 0) return;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+}
+
+static void *worker_main(void *p) {
+    WorkerArg wa = *(WorkerArg *)p;
+    free(p);
+    MoePool *pool = wa.pool;
+    pin_self(pool->cpus[wa.tid]);
+    unsigned seen = 0;
+    for (;;) {
+        pthread_mutex_lock(&pool->mu);
+        while (pool->gen == seen && !pool->stop) pthread_cond_wait(&pool->cv_start, &pool->mu);
+        if (pool->stop) {
+            pthread_mutex_unlock(&pool->mu);
+            break;
+        }
+        seen = pool->gen;
+        moe_job_fn fn = pool->fn;
+        void *arg = pool->arg;
+        pthread_mutex_unlock(&pool->mu);
+        fn(arg, wa.tid, pool->n);
+        pthread_mutex_lock(&pool->mu);
+        if (--pool->remaining == 0) pthread_cond_signal(&pool->cv_done);
+        pthread_mutex_unlock(&pool->mu);
+    }
+    return NULL;
+}
+
+MoePool *moe_pool_create(int nthreads, const int *cpus, int ncpus) {
+    if (nthreads < 1) nthreads = 1;
+    MoePool *pool = calloc(1, sizeof(MoePool));
+    if (!pool) return NULL;
+    pool->n = nthreads;
+    pool->cpus = malloc(sizeof(int) * nthreads);
+    pool->th = calloc(nthreads, sizeof(pthread_t));
+    for (int i = 0; i < nthreads; i++) pool->cpus[i] = ncpus > 0 ? cpus[i % ncpus] : -1;
+    pthread_mutex_init(&pool->mu, NULL);
+    pthread_mutex_init(&pool->run_mu, NULL);
+    pthread_mutex_init(&pool->ws_mu, NULL);
+    pthread_cond_init(&pool->cv_start, NULL);
+    pthread_cond_init(&pool->cv_done, NULL);
+    pthread_barrier_init(&pool->bar, NULL, nthreads);
+    for (int i = 1; i < nthreads; i++) {
+        WorkerArg *wa = malloc(sizeof(WorkerArg));
+        wa->pool = pool;
+        wa->tid = i;
+        pthread_create(&pool->th[i], NULL, worker_main, wa);
+    }
+    return pool;
+}
+
+void moe_pool_destroy(MoePool *pool) {
+    if (!pool) return;
+    pthread_mutex_lock(&pool->mu);
+    pool->stop = 1;
+    pthread_cond_broadcast(&pool->cv_start);
+    pthread_mutex_unlock(&pool->mu);
+    for (int i = 1; i < pool->n; i++) pthread_join(pool->th[i], NULL);
+    pthread_barrier_destroy(&pool->bar);
+    free(pool->ws);
+    free(pool->cpus);
+    free(pool->th);
+    free(pool);
+}
+
+int moe_pool_size(const MoePool *pool) { return pool->n; }
+
+void moe_pool_barrier(MoePool *pool) {
+    if (pool->n > 1) pthread_barrier_wait(&pool->bar);
+}
+
+void moe_pool_run(MoePool *pool, moe_job_fn fn, void *arg) {
+    pthread_mutex_lock(&pool->run_mu);
+    if (pool->n == 1) {
+        fn(arg, 0, 1);
+        pthread_mutex_unlock(&pool->run_mu);
+        return;
+    }
+    pthread_mutex_lock(&pool->mu);
+    pool->fn = fn;
+    pool->arg = arg;
+    pool->remaining = pool->n - 1;
+    pool->gen++;
+    pthread_cond_broadcast(&pool->cv_start);
+    pthread_mutex_unlock(&pool->mu);
+    /* the caller works as thread 0, pinned to the first CPU for the duration of the op */
+    cpu_set_t saved;
+    int have_saved = pool->cpus[0] >= 0 &&
+                     pthread_getaffinity_np(pthread_self(), sizeof(saved), &saved) == 0;
+    if (have_saved) pin_self(pool->cpus[0]);
+    fn(arg, 0, pool->n);
+    if (have_saved) pthread_setaffinity_np(pthread_self(), sizeof(saved), &saved);
+    pthread_mutex_lock(&pool->mu);
+    while (pool->remaining > 0) pthread_cond_wait(&pool->cv_done, &pool->mu);
+    pthread_mutex_unlock(&pool->mu);
+    pthread_mutex_unlock(&pool->run_mu);
+}
+
+static inline void part(int P, int tid, int nt, int *p0, int *p1) {
+    *p0 = (int)((long)P * tid / nt);
+    *p1 = (int)((long)P * (tid + 1) / nt);
+}
+
+/* ------------------------------------------------------------------ packing */
+
+static inline int rup(int a, int b) { return (a + b - 1) / b * b; }
+
+static void *big_alloc(size_t bytes) {
+    void *p = NULL;
+    size_t align = bytes >= (4u << 20) ? (2u << 20) : 64;
+    bytes = (bytes + align - 1) / align * align;
+    if (posix_memalign(&p, align, bytes) != 0) return NULL;
+#ifdef MADV_HUGEPAGE
+    if (align == (2u << 20)) madvise(p, bytes, MADV_HUGEPAGE);
+#endif
+    return p; /* not touched: the packing threads touch it first */
+}
+
+static int mat_init(MoeMat *m, int fmt, int N, int K, int Np) {
+    memset(m, 0, sizeof(*m));
+    m->fmt = fmt;
+    m->N = N;
+    m->K = K;
+    m->NP = fmt == MOE_FMT_BF16 ? MOE_NP_BF16 : MOE_NP_INT;
+    m->Np = Np;
+    m->Kp = rup(K, MOE_GROUP);
+    if (fmt == MOE_FMT_BF16) m->panel_bytes = (size_t)m->Kp * m->NP * 2;
+    else if (fmt == MOE_FMT_INT8) m->panel_bytes = (size_t)m->Kp * m->NP;
+    else m->panel_bytes = (size_t)(m->Kp / MOE_GROUP) * MOE_INT4_GROUP_BYTES;
+    m->data = big_alloc(m->panel_bytes * (size_t)(m->Np / m->NP));
+    if (!m->data) return -ENOMEM;
+    if (fmt == MOE_FMT_INT8) {
+        m->chscale = malloc(sizeof(float) * m->Np);
+        if (!m->chscale) return -ENOMEM;
+    }
+    return 0;
+}
+
+/* Source of one logical matrix row (output channel): float, or int4 native. */
+typedef struct {
+    const float *f; /* [N][K] */
+    const int32_t *q4;
+    const uint16_t *s4; /* int4: packed [N][ceil(K/8)], scale [N][ceil(K/32)] */
+    int N, K;
+} Src;
+
+/* Fused gate/up: panel channel c of panel p -> (source, row) */
+static void gu_row(const MoeMat *m, const Src *g, const Src *u, int p, int c, const Src **s, int *row) {
+    int half = m->NP / 2;
+    if (c < half) {
+        *s = g;
+        *row = p * half + c;
+    } else {
+        *s = u;
+        *row = p * half + c - half;
+    }
+}
+
+/* Quantise/convert one channel row into a temporary: bf16 values, or u8 (int8: w+128, int4: q+8)
+ * with scales (int8: one in *chs, int4: per group in gsc[bf16]). row >= N gives zeros. */
+static void prep_row(int fmt, const Src *s, int row, int Kp, uint16_t *bf, uint8_t *u, float *chs,
+                     uint16_t *gsc) {
+    int K = s->K;
+    if (row >= s->N) {
+        if (fmt == MOE_FMT_BF16) memset(bf, 0, sizeof(uint16_t) * Kp);
+        else if (fmt == MOE_FMT_INT8) {
+            memset(u, 128, Kp);
+            *chs = 0.f;
+        } else {
+            memset(u, 8, Kp);
+            memset(gsc, 0, sizeof(uint16_t) * (Kp / MOE_GROUP));
+        }
+        return;
+    }
+    if (fmt == MOE_FMT_INT4 && s->q4) { /* native compressed-tensors int4 */
+        int nw = (K + 7) / 8, ng = (K + MOE_GROUP - 1) / MOE_GROUP;
+        const int32_t *pr = s->q4 + (size_t)row * nw;
+        for (int k = 0; k < Kp; k++)
+            u[k] = k < K ? (uint8_t)(((uint32_t)pr[k >> 3] >> (4 * (k & 7))) & 15u) : 8;
+        for (int g = 0; g < Kp / MOE_GROUP; g++) gsc[g] = g < ng ? s->s4[(size_t)row * ng + g] : 0;
+        return;
+    }
+    const float *w = s->f + (size_t)row * K;
+    if (fmt == MOE_FMT_BF16) {
+        for (int k = 0; k < Kp; k++) bf[k] = k < K ? moe_f32_to_bf16(w[k]) : 0;
+    } else if (fmt == MOE_FMT_INT8) {
+        float amax = 0.f;
+        for (int k = 0; k < K; k++) amax = fmaxf(amax, fabsf(w[k]));
+        float sc = amax / 127.f;
+        *chs = sc;
+        for (int k = 0; k < Kp; k++) {
+            int q = 0;
+            if (k < K && sc > 0.f) {
+                q = (int)nearbyintf(w[k] / sc);
+                q = q < -127 ? -127 : q > 127 ? 127 : q;
+            }
+            u[k] = (uint8_t)(q + 128);
+        }
+    } else { /* int4 from float: symmetric group-32, scale = amax / 7.5 rounded to bf16 */
+        for (int g = 0; g < Kp / MOE_GROUP; g++) {
+            float amax = 0.f;
+            for (int k = g * MOE_GROUP; k < (g + 1) * MOE_GROUP && k < K; k++) amax = fmaxf(amax, fabsf(w[k]));
+            float sc = amax / 7.5f;
+            if (sc < 1.1920929e-07f) sc = 1.1920929e-07f;
+            uint16_t sb = moe_f32_to_bf16(sc);
+            float scf = moe_bf16_to_f32(sb);
+            gsc[g] = sb;
+            for (int k = g * MOE_GROUP; k < (g + 1) * MOE_GROUP; k++) {
+                int q = 0;
+                if (k < K) {
+                    q = (int)nearbyintf(w[k] / scf);
+                    q = q < -8 ? -8 : q > 7 ? 7 : q;
+                }
+                u[k] = (uint8_t)(q + 8);
+            }
+        }
+    }
+}
+
+/* Pack panel p of m; rowsrc(c) -> (src, row). */
+typedef struct {
+    const Src *a, *b; /* gate, up (fused) or down (a only) */
+    int fused;
+} PanelSrc;
+
+static void pack_panel(MoeMat *m, const PanelSrc *ps, int p) {
+    /* prepare the NP channel rows first, then write the panel front to back (sequential stores) */
+    int NP = m->NP, Kp = m->Kp, ng = Kp / MOE_GROUP;
+    uint16_t *bf = m->fmt == MOE_FMT_BF16 ? malloc(sizeof(uint16_t) * Kp * NP) : NULL;
+    uint8_t *u = m->fmt != MOE_FMT_BF16 ? malloc((size_t)Kp * NP) : NULL;
+    uint16_t *gsc = malloc(sizeof(uint16_t) * ng * NP);
+    float *chs = malloc(sizeof(float) * NP);
+    uint8_t *base = m->data + m->panel_bytes * (size_t)p;
+    for (int c = 0; c < NP; c++) {
+        const Src *s;
+        int row;
+        if (ps->fused) gu_row(m, ps->a, ps->b, p, c, &s, &row);
+        else {
+            s = ps->a;
+            row = p * NP + c;
+        }
+        chs[c] = 0.f;
+        prep_row(m->fmt, s, row, Kp, bf ? bf + (size_t)c * Kp : NULL, u ? u + (size_t)c * Kp : NULL, &chs[c],
+                 gsc + (size_t)c * ng);
+    }
+    if (m->fmt == MOE_FMT_BF16) {
+        uint32_t *d = (uint32_t *)base; /* one k-pair of one channel per 32-bit word */
+        for (int kp = 0; kp < Kp / 2; kp++)
+            for (int c = 0; c < NP; c++) {
+                const uint16_t *r = bf + (size_t)c * Kp + 2 * kp;
+                d[(size_t)kp * NP + c] = (uint32_t)r[0] | ((uint32_t)r[1] << 16);
+            }
+    } else if (m->fmt == MOE_FMT_INT8) {
+        for (int c = 0; c < NP; c++) m->chscale[p * NP + c] = chs[c];
+        uint32_t *d = (uint32_t *)base; /* one k-quad of one channel per 32-bit word */
+        for (int qd = 0; qd < Kp / 4; qd++)
+            for (int c = 0; c < NP; c++) memcpy(&d[(size_t)qd * NP + c], u + (size_t)c * Kp + 4 * qd, 4);
+    } else {
+        for (int g = 0; g < ng; g++) {
+            uint8_t *gb = base + (size_t)g * MOE_INT4_GROUP_BYTES;
+            for (int o = 0; o < 4; o++)
+                for (int c = 0; c < NP; c++) {
+                    const uint8_t *r = u + (size_t)c * Kp + g * MOE_GROUP + 8 * o;
+                    for (int j = 0; j < 4; j++) gb[o * NP * 4 + c * 4 + j] = (uint8_t)(r[j] | (r[j + 4] << 4));
+                }
+            for (int c = 0; c < NP; c++) ((uint16_t *)(gb + 4 * NP * 4))[c] = gsc[(size_t)c * ng + g];
+        }
+    }
+    free(bf);
+    free(u);
+    free(gsc);
+    free(chs);
+}
+
+typedef struct {
+    MoeExpert *e;
+    PanelSrc gu, dn;
+} PackJob;
+
+static void pack_job(void *arg, int tid, int nt) {
+    PackJob *j = arg;
+    int p0, p1;
+    part(j->e->gu.Np / j->e->gu.NP, tid, nt, &p0, &p1);
+    for (int p = p0; p < p1; p++) pack_panel(&j->e->gu, &j->gu, p);
+    part(j->e->dn.Np / j->e->dn.NP, tid, nt, &p0, &p1);
+    for (int p = p0; p < p1; p++) pack_panel(&j->e->dn, &j->dn, p);
+}
+
+static int expert_alloc(MoeExpert *e, int fmt, int H, int I) {
+    memset(e, 0, sizeof(*e));
+    e->H = H;
+    e->I = I;
+    int Ip = rup(I, MOE_GROUP);
+    int NP = fmt == MOE_FMT_BF16 ? MOE_NP_BF16 : MOE_NP_INT;
+    int rc = mat_init(&e->gu, fmt, 2 * I, H, 2 * Ip); /* Ip is a multiple of NP/2 */
+    if (rc == 0) rc = mat_init(&e->dn, fmt, H, Ip, rup(H, NP));
+    e->dn.K = I;
+    if (rc != 0) moe_expert_free(e);
+    return rc;
+}
+
+int moe_expert_pack_float(MoePool *pool, MoeExpert *e, int fmt, int H, int I, const float *gate,
+                          const float *up, const float *down) {
+    int rc = expert_alloc(e, fmt, H, I);
+    if (rc) return rc;
+    Src g = {gate, NULL, NULL, I, H}, u = {up, NULL, NULL, I, H}, d = {down, NULL, NULL, H, I};
+    PackJob j = {e, {&g, &u, 1}, {&d, NULL, 0}};
+    moe_pool_run(pool, pack_job, &j);
+    return 0;
+}
+
+int moe_expert_pack_int4(MoePool *pool, MoeExpert *e, int H, int I, const int32_t *gp,
+                         const uint16_t *gs, const int32_t *upk, const uint16_t *us, const int32_t *dp,
+                         const uint16_t *ds) {
+    int rc = expert_alloc(e, MOE_FMT_INT4, H, I);
+    if (rc) return rc;
+    Src g = {NULL, gp, gs, I, H}, u = {NULL, upk, us, I, H}, d = {NULL, dp, ds, H, I};
+    PackJob j = {e, {&g, &u, 1}, {&d, NULL, 0}};
+    moe_pool_run(pool, pack_job, &j);
+    return 0;
+}
+
+void moe_expert_free(MoeExpert *e) {
+    free(e->gu.data);
+    free(e->gu.chscale);
+    free(e->dn.data);
+    free(e->dn.chscale);
+    memset(e, 0, sizeof(*e));
+}
+
+size_t moe_expert_bytes(const MoeExpert *e) {
+    size_t b = 0;
+    const MoeMat *ms[2] = {&e->gu, &e->dn};
+    for (int i = 0; i < 2; i++) {
+        b += ms[i]->panel_bytes * (size_t)(ms[i]->Np / ms[i]->NP);
+        if (ms[i]->chscale) b += sizeof(float) * ms[i]->Np;
+    }
+    return b;
+}
+
+/* value of packed element (panel channel c of panel p, input k) as float */
+static float mat_get(const MoeMat *m, int p, int c, int k) {
+    const uint8_t *base = m->data + m->panel_bytes * (size_t)p;
+    int NP = m->NP;
+    if (m->fmt == MOE_FMT_BF16)
+        return moe_bf16_to_f32(((const uint16_t *)base)[(size_t)(k / 2) * NP * 2 + c * 2 + (k & 1)]);
+    if (m->fmt == MOE_FMT_INT8)
+        return ((int)base[(size_t)(k / 4) * NP * 4 + c * 4 + (k & 3)] - 128) * m->chscale[p * NP + c];
+    int g = k / MOE_GROUP, r = k % MOE_GROUP, o = r / 8, j = r % 8;
+    const uint8_t *gb = base + (size_t)g * MOE_INT4_GROUP_BYTES;
+    uint8_t byte = gb[o * NP * 4 + c * 4 + (j & 3)];
+    int q = (j < 4 ? (byte & 15) : (byte >> 4)) - 8;
+    return q * moe_bf16_to_f32(((const uint16_t *)(gb + 4 * NP * 4))[c]);
+}
+
+void moe_expert_unpack(const MoeExpert *e, int which, float *out) {
+    if (which < 2) {
+        const MoeMat *m = &e->gu;
+        int half = m->NP / 2;
+        for (int i = 0; i < e->I; i++) {
+            int p = i / half, c = i % half + (which == 1 ? half : 0);
+            for (int k = 0; k < e->H; k++) out[(size_t)i * e->H + k] = mat_get(m, p, c, k);
+        }
+    } else {
+        const MoeMat *m = &e->dn;
+        for (int h = 0; h < e->H; h++)
+            for (int k = 0; k < e->I; k++)
+                out[(size_t)h * e->I + k] = mat_get(m, h / m->NP, h % m->NP, k);
+    }
+}
+
+/* ------------------------------------------------------------------ activations */
+
+/* float row [K] -> two-level int8 row [2*Kp] + per-group scale and correction.
+ * Per group g of 32: q1 = round(x / s) with s = amax / 127, then the residual q2 =
+ * round((x / s - q1) * 254), so x ~= (254 * q1 + q2) * s / 254: a 16-bit activation that
+ * VNNI multiplies as two int8 halves (one int8 level alone costs ~0.8% relative error per
+ * projection). Layout per group: [32 x q1][32 x q2]. xs[g] = s / 254; xc[g] = offset * xs[g] *
+ * sum(254 q1 + q2), the correction for unsigned (offset) weights. */
+static void quant_row(const float *x, int K, int Kp, int offset, int8_t *q, float *xs, float *xc) {
+    for (int g = 0; g < Kp / MOE_GROUP; g++) {
+        float amax = 0.f;
+        int k0 = g * MOE_GROUP;
+        for (int k = k0; k < k0 + MOE_GROUP && k < K; k++) amax = fmaxf(amax, fabsf(x[k]));
+        float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        int sum = 0;
+        int8_t *qh = q + 2 * k0, *ql = qh + MOE_GROUP;
+        for (int k = k0; k < k0 + MOE_GROUP; k++) {
+            int v1 = 0, v2 = 0;
+            if (k < K) {
+                float t = x[k] * inv;
+                v1 = (int)nearbyintf(t);
+                v1 = v1 < -127 ? -127 : v1 > 127 ? 127 : v1;
+                v2 = (int)nearbyintf((t - (float)v1) * 254.f);
+                v2 = v2 < -127 ? -127 : v2 > 127 ? 127 : v2;
+            }
+            qh[k - k0] = (int8_t)v1;
+            ql[k - k0] = (int8_t)v2;
+            sum += 254 * v1 + v2;
+        }
+        xs[g] = s / 254.f;
+        xc[g] = (float)offset * xs[g] * (float)sum;
+    }
+}
+
+static inline float silu(float g) { return g / (1.f + expf(-g)); }
+
+/* ------------------------------------------------------------------ the fused op */
+
+typedef struct {
+    MoePool *pool;
+    const MoeKernels *kern;
+    int fmt, H, I, Kx, Ka, T, k, ne, na, nmax;
+    const float *x;
+    float *out;
+    MoeExpert **ex; /* used experts, in id order */
+    int *off;       /* [ne + 1] assignment offsets */
+    int *tok;       /* [na] token of assignment */
+    float *wt;      /* [na] weight */
+    /* activations: token rows (x) and assignment rows (a) */
+    uint16_t *xb, *ab;
+    float *xf; /* bf16 format: token rows also in f32, padded (af holds the assignment rows) */
+    int8_t *xq, *aq;
+    float *xs, *xc, *as, *ac, *af;
+    /* per thread */
+    const void **ptrs; /* [nt][4 * nmax] */
+    float *C;          /* [nt][nmax * 64] */
+    uint8_t *scratch;  /* [nt][scratch_bytes] */
+    size_t scratch_bytes;
+} Fwd;
+
+static void fwd_job(void *arg, int tid, int nt) {
+    Fwd *f = arg;
+    int fmt = f->fmt, isint = fmt != MOE_FMT_BF16, off = fmt == MOE_FMT_INT8 ? 128 : 8;
+    int Kx = f->Kx, Ka = f->Ka, gx = Kx / MOE_GROUP, ga = Ka / MOE_GROUP;
+    int r0, r1;
+    /* phase 0: convert token rows */
+    part(f->T, tid, nt, &r0, &r1);
+    for (int t = r0; t < r1; t++) {
+        const float *xr = f->x + (size_t)t * f->H;
+        if (!isint) {
+            uint16_t *d = f->xb + (size_t)t * Kx;
+            float *df = f->xf + (size_t)t * Kx;
+            for (int kk = 0; kk < Kx; kk++) {
+                df[kk] = kk < f->H ? xr[kk] : 0.f;
+                d[kk] = moe_f32_to_bf16(df[kk]);
+            }
+        } else
+            quant_row(xr, f->H, Kx, off, f->xq + (size_t)t * 2 * Kx, f->xs + (size_t)t * gx, f->xc + (size_t)t * gx);
+    }
+    moe_pool_barrier(f->pool);
+
+    const void **ptr = f->ptrs + (size_t)tid * 4 * f->nmax;
+    float *C = f->C + (size_t)tid * f->nmax * 64;
+    void *scr = f->scratch + (size_t)tid * f->scratch_bytes;
+    MoeRows rows;
+    rows.b = (const uint16_t *const *)ptr;
+    rows.q = (const int8_t *const *)ptr;
+    rows.xs = (const float *const *)(ptr + f->nmax);
+    rows.xc = (const float *const *)(ptr + 2 * f->nmax);
+    rows.f = (const float *const *)(ptr + 3 * f->nmax);
+
+    /* phase 1: gate+up, silu(gate) * up */
+    for (int e = 0; e < f->ne; e++) {
+        const MoeMat *W = &f->ex[e]->gu;
+        int a0 = f->off[e], n = f->off[e + 1] - a0, half = W->NP / 2, p0, p1;
+        rows.n = n;
+        for (int m = 0; m < n; m++) {
+            int t = f->tok[a0 + m];
+            if (!isint) {
+                ptr[m] = f->xb + (size_t)t * Kx;
+                ptr[3 * f->nmax + m] = f->xf + (size_t)t * Kx;
+            } else {
+                ptr[m] = f->xq + (size_t)t * 2 * Kx;
+                ptr[f->nmax + m] = f->xs + (size_t)t * gx;
+                ptr[2 * f->nmax + m] = f->xc + (size_t)t * gx;
+            }
+        }
+        part(W->Np / W->NP, tid, nt, &p0, &p1);
+        for (int p = p0; p < p1; p++) {
+            f->kern->panel[fmt](W, p, &rows, C, scr);
+            for (int m = 0; m < n; m++) {
+                const float *cr = C + (size_t)m * W->NP;
+                f->kern->act(cr, cr + half, half, f->af + (size_t)(a0 + m) * Ka + p * half,
+                             isint ? NULL : f->ab + (size_t)(a0 + m) * Ka + p * half);
+            }
+        }
+    }
+    moe_pool_barrier(f->pool);
+    if (isint) { /* phase 1b: quantise the intermediate rows */
+        part(f->na, tid, nt, &r0, &r1);
+        for (int a = r0; a < r1; a++)
+            quant_row(f->af + (size_t)a * Ka, Ka, Ka, off, f->aq + (size_t)a * 2 * Ka, f->as + (size_t)a * ga,
+                      f->ac + (size_t)a * ga);
+        moe_pool_barrier(f->pool);
+    }
+    /* phase 2: down, weighted accumulation; this thread owns output columns of its panels */
+    for (int e = 0; e < f->ne; e++) {
+        const MoeMat *W = &f->ex[e]->dn;
+        int a0 = f->off[e], n = f->off[e + 1] - a0, NP = W->NP, p0, p1;
+        rows.n = n;
+        for (int m = 0; m < n; m++) {
+            int a = a0 + m;
+            if (!isint) {
+                ptr[m] = f->ab + (size_t)a * Ka;
+                ptr[3 * f->nmax + m] = f->af + (size_t)a * Ka;
+            } else {
+                ptr[m] = f->aq + (size_t)a * 2 * Ka;
+                ptr[f->nmax + m] = f->as + (size_t)a * ga;
+                ptr[2 * f->nmax + m] = f->ac + (size_t)a * ga;
+            }
+        }
+        part(W->Np / NP, tid, nt, &p0, &p1);
+        for (int p = p0; p < p1; p++) {
+            f->kern->panel[fmt](W, p, &rows, C, scr);
+            int c1 = f->H - p * NP;
+            if (c1 > NP) c1 = NP;
+            for (int m = 0; m < n; m++) {
+                float wv = f->wt[a0 + m];
+                float *o = f->out + (size_t)f->tok[a0 + m] * f->H + p * NP;
+                const float *cr = C + (size_t)m * NP;
+                for (int c = 0; c < c1; c++) o[c] += wv * cr[c];
+            }
+        }
+    }
+}
+
+/* carve 64-byte aligned buffers out of one block: first pass with base NULL only sizes */
+typedef struct {
+    uint8_t *base;
+    size_t off;
+} Arena;
+
+static void *take(Arena *a, size_t bytes) {
+    void *p = a->base ? a->base + a->off : NULL;
+    a->off += (bytes + 63) / 64 * 64;
+    return p;
+}
+
+/* the pool's workspace, at least `bytes`; caller holds ws_mu */
+static uint8_t *workspace(MoePool *pool, size_t bytes) {
+    if (bytes > pool->ws_cap) {
+        free(pool->ws);
+        pool->ws = NULL;
+        pool->ws_cap = 0;
+        size_t cap = bytes + bytes / 4;
+        void *p = NULL;
+        if (posix_memalign(&p, 2u << 20, cap) != 0) return NULL;
+#ifdef MADV_HUGEPAGE
+        madvise(p, cap, MADV_HUGEPAGE);
+#endif
+        pool->ws = p;
+        pool->ws_cap = cap;
+    }
+    return pool->ws;
+}
+
+int moe_forward(MoePool *pool, const MoeKernels *kern, MoeExpert *const *experts, int n_experts, int fmt,
+                int H, int I, const float *x, int T, const int64_t *ids, const float *w, int k, float *out) {
+    int rc = 0;
+    int *cnt = calloc(n_experts + 1, sizeof(int));
+    if (!cnt) return -ENOMEM;
+    for (size_t i = 0; i < (size_t)T * k; i++) {
+        int64_t id = ids[i];
+        if (id >= 0 && id < n_experts && experts[id]) cnt[id]++;
+    }
+    Fwd f;
+    memset(&f, 0, sizeof(f));
+    f.pool = pool;
+    f.kern = kern;
+    f.fmt = fmt;
+    f.H = H;
+    f.I = I;
+    f.T = T;
+    f.k = k;
+    f.x = x;
+    f.out = out;
+    for (int e = 0; e < n_experts; e++)
+        if (cnt[e]) {
+            f.ne++;
+            f.na += cnt[e];
+            if (cnt[e] > f.nmax) f.nmax = cnt[e];
+        }
+    if (f.na == 0) {
+        free(cnt);
+        return 0;
+    }
+    int nt = moe_pool_size(pool);
+    f.Kx = rup(H, MOE_GROUP);
+    f.Ka = rup(I, MOE_GROUP);
+    int Kmax = f.Kx > f.Ka ? f.Kx : f.Ka;
+    f.scratch_bytes = (moe_scratch_bytes(Kmax) + 63) / 64 * 64;
+    f.ex = malloc(sizeof(MoeExpert *) * f.ne);
+    f.off = malloc(sizeof(int) * (f.ne + 1));
+    f.tok = malloc(sizeof(int) * f.na);
+    f.wt = malloc(sizeof(float) * f.na);
+    int *slot = malloc(sizeof(int) * (n_experts + 1));
+    f.ptrs = malloc(sizeof(void *) * 4 * f.nmax * nt);
+    pthread_mutex_lock(&pool->ws_mu);
+    Arena ar = {NULL, 0};
+    for (int pass = 0; pass < 2; pass++) {
+        if (pass == 1) {
+            ar.base = workspace(pool, ar.off);
+            ar.off = 0;
+            if (!ar.base) break;
+        }
+        f.C = take(&ar, sizeof(float) * 64 * f.nmax * nt);
+        f.scratch = take(&ar, f.scratch_bytes * nt);
+        if (fmt == MOE_FMT_BF16) {
+            f.xb = take(&ar, sizeof(uint16_t) * T * f.Kx);
+            f.ab = take(&ar, sizeof(uint16_t) * f.na * f.Ka);
+            f.xf = take(&ar, sizeof(float) * T * f.Kx);
+            f.af = take(&ar, sizeof(float) * f.na * f.Ka);
+        } else {
+            int gx = f.Kx / MOE_GROUP, ga = f.Ka / MOE_GROUP;
+            f.xq = take(&ar, (size_t)T * 2 * f.Kx);
+            f.xs = take(&ar, sizeof(float) * T * gx);
+            f.xc = take(&ar, sizeof(float) * T * gx);
+            f.af = take(&ar, sizeof(float) * f.na * f.Ka);
+            f.aq = take(&ar, (size_t)f.na * 2 * f.Ka);
+            f.as = take(&ar, sizeof(float) * f.na * ga);
+            f.ac = take(&ar, sizeof(float) * f.na * ga);
+        }
+    }
+    if (!ar.base || !f.ex || !f.off || !f.tok || !f.wt || !slot || !f.ptrs || !f.C || !f.scratch ||
+        (fmt == MOE_FMT_BF16 ? (!f.xb || !f.ab || !f.xf || !f.af) : (!f.xq || !f.xs || !f.xc || !f.af || !f.aq || !f.as || !f.ac))) {
+        rc = -ENOMEM;
+        goto done;
+    }
+    /* bucket: assignments grouped by expert (ascending id), tokens in order within one */
+    {
+        int j = 0, o = 0;
+        for (int e = 0; e < n_experts; e++)
+            if (cnt[e]) {
+                f.ex[j] = experts[e];
+                f.off[j] = o;
+                slot[e] = o;
+                o += cnt[e];
+                j++;
+            }
+        f.off[j] = o;
+        for (int t = 0; t < T; t++)
+            for (int i = 0; i < k; i++) {
+                int64_t id = ids[(size_t)t * k + i];
+                if (id >= 0 && id < n_experts && experts[id]) {
+                    int a = slot[id]++;
+                    f.tok[a] = t;
+                    f.wt[a] = w[(size_t)t * k + i];
+                }
+            }
+    }
+    moe_pool_run(pool, fwd_job, &f);
+done:
+    free(cnt);
+    free(slot);
+    free(f.ex);
+    free(f.off);
+    free(f.tok);
+    free(f.wt);
+    free(f.ptrs);
+    pthread_mutex_unlock(&pool->ws_mu);
+    return rc;
+}
+
+/* ------------------------------------------------------------------ generic kernels */
+
+/* the 16-bit activation at p[j] of a two-level int8 group (q1 at p, q2 at p + 32) */
+#define X16(p, j) (254 * (int)(p)[j] + (int)(p)[(j) + MOE_GROUP])
+
+void moe_panel_bf16_generic(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {
+    (void)scratch;
+    enum { NP = MOE_NP_BF16 };
+    const uint16_t *wp = (const uint16_t *)(W->data + W->panel_bytes * (size_t)p);
+    for (int m = 0; m < rows->n; m++) {
+        float acc[NP];
+        for (int c = 0; c < NP; c++) acc[c] = 0.f;
+        const uint16_t *xr = rows->b[m];
+        for (int kp = 0; kp < W->Kp / 2; kp++) {
+            float x0 = moe_bf16_to_f32(xr[2 * kp]), x1 = moe_bf16_to_f32(xr[2 * kp + 1]);
+            const uint16_t *wr = wp + (size_t)kp * NP * 2;
+            for (int c = 0; c < NP; c++)
+                acc[c] += x0 * moe_bf16_to_f32(wr[2 * c]) + x1 * moe_bf16_to_f32(wr[2 * c + 1]);
+        }
+        for (int c = 0; c < NP; c++) C[(size_t)m * NP + c] = acc[c];
+    }
+}
+
+void moe_panel_int8_generic(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {
+    (void)scratch;
+    enum { NP = MOE_NP_INT };
+    const uint8_t *wp = W->data + W->panel_bytes * (size_t)p;
+    const float *chs = W->chscale + p * NP;
+    for (int m = 0; m < rows->n; m++) {
+        float acc[NP];
+        for (int c = 0; c < NP; c++) acc[c] = 0.f;
+        const int8_t *xr = rows->q[m];
+        for (int g = 0; g < W->Kp / MOE_GROUP; g++) {
+            int32_t ia[NP];
+            for (int c = 0; c < NP; c++) ia[c] = 0;
+            for (int qd = 0; qd < 8; qd++) {
+                const uint8_t *wr = wp + (size_t)(g * 8 + qd) * NP * 4;
+                const int8_t *xq = xr + 2 * g * MOE_GROUP + qd * 4;
+                for (int c = 0; c < NP; c++)
+                    for (int j = 0; j < 4; j++) ia[c] += ((int)wr[c * 4 + j] - 128) * X16(xq, j);
+            }
+            float s = rows->xs[m][g];
+            for (int c = 0; c < NP; c++) acc[c] += s * (float)ia[c];
+        }
+        for (int c = 0; c < NP; c++) C[(size_t)m * NP + c] = acc[c] * chs[c];
+    }
+}
+
+void moe_panel_int4_generic(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {
+    (void)scratch;
+    enum { NP = MOE_NP_INT };
+    const uint8_t *wp = W->data + W->panel_bytes * (size_t)p;
+    for (int m = 0; m < rows->n; m++) {
+        float acc[NP];
+        for (int c = 0; c < NP; c++) acc[c] = 0.f;
+        const int8_t *xr = rows->q[m];
+        for (int g = 0; g < W->Kp / MOE_GROUP; g++) {
+            const uint8_t *gb = wp + (size_t)g * MOE_INT4_GROUP_BYTES;
+            const uint16_t *ws = (const uint16_t *)(gb + 4 * NP * 4);
+            int32_t ia[NP];
+            for (int c = 0; c < NP; c++) ia[c] = 0;
+            for (int o = 0; o < 4; o++) {
+                const int8_t *xq = xr + 2 * g * MOE_GROUP + 8 * o;
+                for (int c = 0; c < NP; c++)
+                    for (int j = 0; j < 4; j++) {
+                        uint8_t b = gb[o * NP * 4 + c * 4 + j];
+                        ia[c] += ((int)(b & 15) - 8) * X16(xq, j) + ((int)(b >> 4) - 8) * X16(xq, j + 4);
+                    }
+            }
+            float s = rows->xs[m][g];
+            for (int c = 0; c < NP; c++) acc[c] += moe_bf16_to_f32(ws[c]) * s * (float)ia[c];
+        }
+        for (int c = 0; c < NP; c++) C[(size_t)m * NP + c] = acc[c];
+    }
+}
+
+void moe_act_generic(const float *g, const float *u, int n, float *out, uint16_t *outb) {
+    for (int i = 0; i < n; i++) out[i] = silu(g[i]) * u[i];
+    if (outb)
+        for (int i = 0; i < n; i++) outb[i] = moe_f32_to_bf16(out[i]);
+}
+
+void moe_kernels_generic(MoeKernels *k) {
+    k->isa = MOE_ISA_GENERIC;
+    k->act = moe_act_generic;
+    k->panel[MOE_FMT_BF16] = moe_panel_bf16_generic;
+    k->panel[MOE_FMT_INT8] = moe_panel_int8_generic;
+    k->panel[MOE_FMT_INT4] = moe_panel_int4_generic;
+}

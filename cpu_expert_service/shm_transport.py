@@ -1,0 +1,237 @@
+"""Co-located fast path: layer calls through shared memory with a Unix-socket doorbell (no torch).
+
+When the GPU service and a shard share a host and a directory (`/dev/shm`, or in Kubernetes an
+emptyDir / hostPath mounted at the same path in both containers), tensors need not cross the
+gRPC stream. The GPU side creates a file in that directory, sized for `n_slots` in-flight calls
+of up to `max_tokens` rows, writes a random token at its head and listens on a Unix socket beside
+it; then it asks the shard with the `AttachShm` RPC. The shard opens the file (only inside its
+own `--shm-dir`, never through a symlink), checks the token (so the file really is the one the
+client wrote: same host, same volume), maps it and connects to the socket. Both then unlink the
+names; the mapping and the socket live until either side closes. The gRPC stream stays for
+control, health and every call that does not fit (more rows than a slot holds, no free slot).
+
+Layout of the file (little-endian):
+
+    [0, 4096)       header: magic, version, n_slots, hidden_size, max_tokens, max_k, slot_bytes,
+                    token (32 bytes at offset 64)
+    slot s at 4096 + s * slot_bytes:
+      [0, 64)       call: layer, T, k, dtype codes of hidden / ids / weights / output,
+                    compute_us, server_us, error message length
+      [64, 4096)    error message (UTF-8) of a refused call
+      hidden        [max_tokens, H] (wire dtype, <= 4 bytes)      then ids [max_tokens, max_k] (<= 8 bytes),
+      weights       [max_tokens, max_k] (<= 4 bytes)              then output [max_tokens, H] (<= 4 bytes)
+
+Doorbell: a SOCK_SEQPACKET Unix socket; every message is 16 bytes `<IIQ`: (op or status, slot,
+seq). The client writes a slot and sends (OP_FORWARD, slot, seq); the shard validates and computes
+exactly as for a gRPC `LayerRequest` (`ExpertServicer.check_and_forward`), writes the output (or
+the error message) into the slot and answers (status, slot, seq) with a gRPC status code: 0 OK,
+3 INVALID_ARGUMENT, 13 INTERNAL. A refused call does not end the fast path.
+
+Disable on the shard with `--shm-dir ''` or MOESPLIT_SHM=0 (AttachShm then refuses and the client
+stays on gRPC).
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import socket
+import stat
+import struct
+import sys
+import threading
+import time
+
+import ml_dtypes
+import numpy as np
+
+log = logging.getLogger("moesplit.shm")
+
+MAGIC = b"MOESHM01"
+VERSION = 1
+HEADER_BYTES = 4096
+SLOT_META_BYTES = 4096  # call header (64) + error message
+MSG_OFFSET = 64
+ALIGN = 64
+TOKEN_OFFSET = 64
+TOKEN_BYTES = 32
+
+SHM_ENV = "MOESPLIT_SHM"  # "0" disables the fast path (shard: refuse AttachShm; client: never ask)
+SHM_DIR_ENV = "MOESPLIT_SHM_DIR"  # shared directory (default /dev/shm)
+DEFAULT_SHM_DIR = "/dev/shm"
+
+OP_FORWARD = 1
+OK, INVALID_ARGUMENT, INTERNAL = 0, 3, 13  # gRPC status code values
+
+DOORBELL = struct.Struct("<IIQ")  # (op | status, slot, seq): 16 bytes
+# header: magic 8s, version, n_slots, hidden_size, max_tokens, max_k (I), slot_bytes (Q)
+HEADER = struct.Struct("<8sIIIIIQ")
+# slot call header: layer i, T I, k I, dtype codes hidden/ids/w/out (4 x I), compute_us Q, server_us Q, msg_len I
+CALL = struct.Struct("<iIIIIIIQQI")
+RESULT = struct.Struct("<QQI")  # compute_us, server_us, msg_len: written by the shard at RESULT_OFFSET
+RESULT_OFFSET = 28
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16", "int32", "int64")  # code = index
+DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.int32),
+          np.dtype(np.int64))
+FLOAT_CODES = (0, 1, 2)
+INT_CODES = (3, 4)
+
+
+def code_of(name: str) -> int:
+    return DTYPE_NAMES.index(name)
+
+
+def enabled() -> bool:
+    return os.environ.get(SHM_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def default_dir() -> str:
+    return os.environ.get(SHM_DIR_ENV, DEFAULT_SHM_DIR)
+
+
+def _round(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class Layout:
+    """Offsets of one shared file: n_slots slots of max_tokens rows of hidden_size, top-k <= max_k."""
+
+    def __init__(self, n_slots: int, hidden_size: int, max_tokens: int, max_k: int):
+        self.n_slots, self.hidden_size, self.max_tokens, self.max_k = n_slots, hidden_size, max_tokens, max_k
+        self.hidden_off = SLOT_META_BYTES
+        self.ids_off = self.hidden_off + _round(max_tokens * hidden_size * 4)
+        self.w_off = self.ids_off + _round(max_tokens * max_k * 8)
+        self.out_off = self.w_off + _round(max_tokens * max_k * 4)
+        self.slot_bytes = _round(self.out_off + max_tokens * hidden_size * 4)
+        self.file_bytes = HEADER_BYTES + n_slots * self.slot_bytes
+
+    def slot_base(self, slot: int) -> int:
+        return HEADER_BYTES + slot * self.slot_bytes
+
+    def pack_header(self, token: bytes) -> bytes:
+        h = HEADER.pack(MAGIC, VERSION, self.n_slots, self.hidden_size, self.max_tokens, self.max_k, self.slot_bytes)
+        return h + b"\0" * (TOKEN_OFFSET - len(h)) + token
+
+    @classmethod
+    def unpack_header(cls, buf) -> tuple["Layout", bytes]:
+        magic, version, n_slots, h, max_tokens, max_k, slot_bytes = HEADER.unpack_from(buf, 0)
+        if magic != MAGIC or version != VERSION:
+            raise ValueError(f"not a moesplit shared-memory file (magic {magic!r}, version {version})")
+        lay = cls(n_slots, h, max_tokens, max_k)
+        if lay.slot_bytes != slot_bytes:
+            raise ValueError(f"slot size {slot_bytes} != {lay.slot_bytes} implied by the header")
+        return lay, bytes(buf[TOKEN_OFFSET:TOKEN_OFFSET + TOKEN_BYTES])
+
+
+def view(mm, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A zero-copy numpy view of the shared mapping."""
+    return np.ndarray(shape, dtype=dtype, buffer=mm, offset=offset)
+
+
+def _inside(path: str, directory: str) -> bool:
+    d = os.path.realpath(directory)
+    return os.path.commonpath([os.path.realpath(os.path.dirname(path)), d]) == d
+
+
+# ---- shard side -------------------------------------------------------------------------------
+class Refused(Exception):
+    """AttachShm refused: the reason goes back to the client, which stays on gRPC."""
+
+
+def attach(servicer, path: str, token: bytes, socket_path: str, shm_dir: str | None) -> str:
+    """Open the client's shared file, check it, connect its doorbell and serve it on a thread.
+    Returns the thread's name; raises Refused with a reason."""
+    if not shm_dir or not enabled():
+        raise Refused("the shared-memory fast path is disabled on this shard (--shm-dir '' or MOESPLIT_SHM=0)")
+    for p in (path, socket_path):
+        if not os.path.isabs(p) or not _inside(p, shm_dir):
+            raise Refused(f"{p!r} is not inside this shard's shared directory {shm_dir!r}")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:  # another host, another volume, permissions
+        raise Refused(f"cannot open {path}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size < HEADER_BYTES:
+            raise Refused(f"{path} is not a shared-memory file of this protocol")
+        mm = mmap.mmap(fd, st.st_size)
+    finally:
+        os.close(fd)
+    try:
+        lay, tok = Layout.unpack_header(mm)
+        if len(token) != TOKEN_BYTES or tok != token:
+            raise Refused(f"{path}: token mismatch (a different file of the same name: not the client's host?)")
+        if lay.file_bytes > len(mm):
+            raise Refused(f"{path}: {len(mm)} bytes, the header needs {lay.file_bytes}")
+        if lay.hidden_size != servicer.cfg.hidden_size:
+            raise Refused(f"hidden_size {lay.hidden_size} != model hidden_size {servicer.cfg.hidden_size}")
+        if not 1 <= lay.n_slots <= 64 or lay.max_tokens < 1 or lay.max_k < 1:
+            raise Refused(f"bad layout: {lay.n_slots} slots, {lay.max_tokens} tokens, k {lay.max_k}")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.settimeout(5.0)
+            sock.connect(socket_path)
+            sock.settimeout(None)
+        except OSError as e:
+            sock.close()
+            raise Refused(f"cannot connect the doorbell {socket_path}: {e}") from None
+    except (Refused, ValueError) as e:
+        mm.close()
+        raise e if isinstance(e, Refused) else Refused(f"{path}: {e}") from None
+    name = f"shm-{os.path.basename(path)}"
+    threading.Thread(target=_serve, args=(servicer, mm, lay, sock), name=name, daemon=True).start()
+    return name
+
+
+def _serve(servicer, mm, lay: Layout, sock: socket.socket) -> None:
+    """One client's fast path: doorbell in, slot validated and computed, doorbell out."""
+    from cpu_expert_service.metrics import mark_arrival
+    # the servicer's own module: the shard runs as `python -m cpu_expert_service.server` (__main__)
+    RequestError = sys.modules[type(servicer).__module__].RequestError
+
+    H = lay.hidden_size
+    recv, send, pack, unpack = sock.recv, sock.send, DOORBELL.pack, DOORBELL.unpack
+    try:
+        while True:
+            msg = recv(DOORBELL.size)
+            if len(msg) != DOORBELL.size:
+                break  # EOF (client gone) or garbage: end this fast path
+            t_start = time.perf_counter()
+            mark_arrival(t_start)  # metrics: queue wait counts from the doorbell (cpu_expert_service.metrics)
+            op, slot, seq = unpack(msg)
+            if op != OP_FORWARD or slot >= lay.n_slots:
+                log.warning("shm fast path: bad doorbell (op %d, slot %d); closing it", op, slot)
+                break
+            base = lay.slot_base(slot)
+            status, compute_us, err = OK, 0, b""
+            try:
+                layer, T, k, hc, ic, wc, oc, _, _, _ = CALL.unpack_from(mm, base)
+                if T > lay.max_tokens or k > lay.max_k:
+                    raise RequestError(f"{T} tokens x top-{k} exceed the shared slot ({lay.max_tokens} x {lay.max_k})")
+                if hc not in FLOAT_CODES or oc not in FLOAT_CODES or wc not in FLOAT_CODES or ic not in INT_CODES:
+                    raise RequestError(f"dtype codes hidden/ids/weights/output {hc}/{ic}/{wc}/{oc} not accepted")
+                x = view(mm, base + lay.hidden_off, (T, H), DTYPES[hc])  # [T, H]
+                ids = view(mm, base + lay.ids_off, (T, k), DTYPES[ic])  # [T, k]
+                w = view(mm, base + lay.w_off, (T, k), DTYPES[wc])  # [T, k]
+                out, compute_us = servicer.check_and_forward(layer, x, ids, w)  # [T, H] f32
+                view(mm, base + lay.out_off, (T, H), DTYPES[oc])[...] = out  # cast to the wire dtype
+            except RequestError as e:
+                status, err = INVALID_ARGUMENT, f"shard {servicer.shard_id}: seq {seq}: {e}".encode()
+            except Exception as e:  # noqa: BLE001 - a backend bug: say so, keep serving
+                log.exception("shard %s: shm seq %d failed", servicer.shard_id, seq)
+                status, err = INTERNAL, f"shard {servicer.shard_id}: seq {seq}: {type(e).__name__}: {e}".encode()
+            err = err[:SLOT_META_BYTES - MSG_OFFSET]
+            server_us = int((time.perf_counter() - t_start) * 1e6)
+            RESULT.pack_into(mm, base + RESULT_OFFSET, compute_us, server_us, len(err))
+            if err:
+                mm[base + MSG_OFFSET:base + MSG_OFFSET + len(err)] = err
+            send(pack(status, slot, seq))
+    except OSError:
+        pass  # client went away
+    finally:
+        sock.close()
+        try:
+            mm.close()
+        except BufferError:  # a view still alive somewhere: the mapping goes with it
+            pass

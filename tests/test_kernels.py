@@ -1,0 +1,183 @@
+"""The Cython/C MoE kernels against a plain numpy reference on the same dequantised weights.
+
+Every (weight format, ISA this CPU has) pair: odd token counts, experts with no tokens, a token
+routed twice to one expert, ids the backend does not hold, H and I not multiples of 64. The
+reference is f32 math on the weights exactly as packed (bf16-rounded / int8 / int4 dequantised),
+so what is measured is the kernels' own error (activation rounding and accumulation order).
+"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+kb = pytest.importorskip("cpu_expert_service.kernel_backend", reason="kernel extension not built (make build)")
+
+FORMATS = ("bf16", "int8", "int4")
+ISAS_HERE = [isa for isa in ("avx512", "avx2", "generic") if isa in kb.AVAILABLE_ISAS]
+TOL = 1e-2
+
+
+def silu(x):
+    return x / (1.0 + np.exp(-np.clip(x, -80, 80)))
+
+
+def reference(weights, x, ids, w):
+    """weights: expert -> (gate [I,H], up [I,H], down [H,I]) f32; plain per-token loop."""
+    out = np.zeros_like(x, dtype=np.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if e in weights:
+                g, u, d = (a.astype(np.float64) for a in weights[e])
+                xt = x[t].astype(np.float64)
+                out[t] += w[t, j] * (d @ (silu(g @ xt) * (u @ xt)))
+    return out.astype(np.float32)
+
+
+def rel_err(out, ref):
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def make_backend(fmt, isa, H, I, experts, seed=0, threads=2):
+    rng = np.random.default_rng(seed)
+    be = kb.KernelExperts(fmt, num_threads=threads, isa=isa)
+    src = {}
+    for e in experts:
+        gate = rng.standard_normal((I, H), dtype=np.float32) * 0.2
+        up = rng.standard_normal((I, H), dtype=np.float32) * 0.2
+        down = rng.standard_normal((H, I), dtype=np.float32) * 0.2
+        be.add_expert(3, e, gate, up, down)
+        src[e] = (gate, up, down)
+    be.finalize()
+    return be, src
+
+
+def routing(rng, T, k, n_ids):
+    ids = np.stack([rng.choice(n_ids, size=k, replace=False) for _ in range(T)]).astype(np.int64)
+    w = rng.random((T, k), dtype=np.float32)
+    return ids, w
+
+
+@pytest.mark.parametrize("isa", ISAS_HERE)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("H,I", [(96, 40), (256, 128)])
+def test_matches_reference(fmt, isa, H, I):
+    held = [0, 1, 2, 4, 5, 7]  # 3 and 6 are routed to but not held; 8, 9 never chosen when k small
+    be, src = make_backend(fmt, isa, H, I, held)
+    deq = {e: be.dequantised(3, e) for e in held}
+    # the packed weights are the inputs, quantised sensibly
+    qtol = {"bf16": 5e-3, "int8": 1.5e-2, "int4": 0.15}[fmt]
+    for e in held:
+        for a, b in zip(deq[e], src[e]):
+            assert rel_err(a, b) < qtol
+    rng = np.random.default_rng(1)
+    figures = []
+    for T in (1, 2, 3, 7, 17, 33):
+        x = rng.standard_normal((T, H), dtype=np.float32)
+        ids, w = routing(rng, T, 4, 8)
+        if T >= 3:
+            ids[1, 1] = ids[1, 0]  # token 1 routed to the same expert twice: counts twice
+            ids[2] = [3, 6, 3, 6]  # token 2 only on experts this backend does not hold
+        out = be.forward(3, x, ids, w)
+        ref = reference(deq, x, ids, w)
+        assert out.shape == (T, H) and out.dtype == np.float32
+        if T >= 3:
+            assert not out[2].any(), "ids not held must contribute nothing"
+        err = rel_err(out, ref)
+        figures.append(f"T={T}: {err:.2e}")
+        assert err < TOL, f"{fmt}/{isa} H={H} I={I} T={T}: relative error {err:.3e} >= {TOL}"
+    print(f"\n{fmt:5s} {isa:8s} H={H} I={I}  " + "  ".join(figures))
+
+
+@pytest.mark.parametrize("isa", ISAS_HERE)
+def test_batch_with_idle_experts_and_single_thread(isa):
+    """Most experts get no tokens; one thread only; a layer the backend does not hold."""
+    H, I = 128, 64
+    be, _ = make_backend("bf16", isa, H, I, range(16), threads=1)
+    deq = {e: be.dequantised(3, e) for e in range(16)}
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((5, H), dtype=np.float32)
+    ids = np.array([[1, 9]] * 5, dtype=np.int64)
+    w = rng.random((5, 2), dtype=np.float32)
+    assert rel_err(be.forward(3, x, ids, w), reference(deq, x, ids, w)) < TOL
+    assert not be.forward(99, x, ids, w).any()
+    assert be.forward(3, x[:0], ids[:0], w[:0]).shape == (0, H)
+
+
+@pytest.mark.parametrize("isa", ISAS_HERE)
+def test_int4_checkpoint_format_loads_without_requantising(isa):
+    from checkpoint.formats import pack_int4, unpack_int4
+
+    H, I = 96, 64  # compressed-tensors group 32: H and I multiples of 32
+    rng = np.random.default_rng(3)
+    be = kb.KernelExperts("int4", num_threads=2, isa=isa)
+    deq = {}
+    for e in (0, 2):
+        mats = [rng.standard_normal(s, dtype=np.float32) * 0.1 for s in ((I, H), (I, H), (H, I))]
+        packed = [pack_int4(m) for m in mats]
+        (gp, gs, gshape), (up, us, ushape), (dp, ds, dshape) = packed
+        be.add_expert_int4(0, e, gp, gs, up, us, dp, ds, (gshape, ushape, dshape))
+        deq[e] = tuple(unpack_int4(p, s, shp) for p, s, shp in packed)
+        for mine, theirs in zip(be.dequantised(0, e), deq[e]):
+            np.testing.assert_array_equal(mine, theirs)  # bit-exact: no re-quantisation
+    be.finalize()
+    x = rng.standard_normal((9, H), dtype=np.float32)
+    ids = rng.integers(0, 3, size=(9, 2)).astype(np.int64)
+    w = rng.random((9, 2), dtype=np.float32)
+    err = rel_err(be.forward(0, x, ids, w), reference(deq, x, ids, w))
+    print(f"\nint4 checkpoint {isa}: {err:.2e}")
+    assert err < TOL
+
+
+def test_api_surface():
+    be = kb.KernelExperts("int8", num_threads=1)
+    assert be.name == f"kernel-{kb.select_isa()}-int8" and be.weight_format == "int8"
+    be.add_expert(0, 5, *(np.ones(s, np.float32) for s in ((32, 64), (32, 64), (64, 32))))
+    assert be.weight_bytes() > 3 * 32 * 64  # int8 + scales
+    be.finalize()
+    with pytest.raises(RuntimeError, match="after finalize"):
+        be.add_expert(0, 6, *(np.ones(s, np.float32) for s in ((32, 64), (32, 64), (64, 32))))
+    with pytest.raises(ValueError, match="weight_format"):
+        kb.KernelExperts("fp8")
+    with pytest.raises(ValueError, match="inconsistent shapes"):
+        kb.KernelExperts("bf16").add_expert(0, 0, np.ones((4, 8), np.float32), np.ones((4, 8), np.float32),
+                                            np.ones((4, 8), np.float32))
+
+
+def test_env_override_refuses_missing_isa(monkeypatch):
+    missing = [isa for isa in ("amx", "avx512", "avx2") if isa not in kb.AVAILABLE_ISAS]
+    if not missing:
+        pytest.skip("this CPU has every ISA")
+    monkeypatch.setenv(kb.ISA_ENV, missing[0])
+    with pytest.raises(RuntimeError, match=f"{missing[0]}.*does not support"):
+        kb.KernelExperts("bf16")
+    monkeypatch.setenv(kb.ISA_ENV, "sse9")
+    with pytest.raises(ValueError, match="not a kernel ISA"):
+        kb.KernelExperts("bf16")
+
+
+def test_env_override_selects_isa_in_a_fresh_process():
+    code = "from cpu_expert_service.kernel_backend import KernelExperts; print(KernelExperts('bf16').name)"
+    env = dict(os.environ, MOESPLIT_KERNEL_ISA="generic")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "kernel-generic-bf16"
+
+
+@pytest.mark.amx
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_amx_matches_reference(fmt):
+    """AMX tiles are used from 16 tokens per expert on; fewer go to the AVX-512 kernels."""
+    H, I = 160, 96
+    be, _ = make_backend(fmt, "amx", H, I, range(4))
+    deq = {e: be.dequantised(3, e) for e in range(4)}
+    rng = np.random.default_rng(4)
+    for T in (5, 40, 67):
+        x = rng.standard_normal((T, H), dtype=np.float32)
+        ids, w = routing(rng, T, 3, 4)
+        err = rel_err(be.forward(3, x, ids, w), reference(deq, x, ids, w))
+        print(f"\n{fmt} amx T={T}: {err:.2e}")
+        assert err < TOL

@@ -1,0 +1,161 @@
+"""The co-located shared-memory fast path (gpu_service/shm_transport.py) on real shard processes.
+
+Same tokens and logits with and without it; automatic fallback to gRPC when a shard refuses it
+(a directory it does not share, disabled on the shard) or when it breaks mid-run; an invalid call
+over it is refused like gRPC's INVALID_ARGUMENT and the shard keeps serving.
+"""
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from checkpoint.config import load_config
+from checkpoint.reader import CheckpointReader
+from cpu_expert_service import shm_transport as P
+from gpu_service.experts_client import ExpertsClient, ExpertsClientError, ShardError
+from gpu_service.local_stack import start_shards
+from gpu_service.runner import ModelRunner, RemoteExperts
+
+pytestmark = pytest.mark.skipif(not P.enabled(), reason="MOESPLIT_SHM=0")
+PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
+N_GEN = 8
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from gpu_service.tiny import make_tiny
+
+    return make_tiny(str(tmp_path_factory.mktemp("pipe") / "tiny"), "bf16", seed=5)
+
+
+@pytest.fixture(scope="module")
+def shards(model_dir):
+    with start_shards(model_dir, 2) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def cfg(model_dir):
+    return load_config(model_dir)
+
+
+def _generate(model_dir, client):
+    runner = ModelRunner(CheckpointReader(model_dir), RemoteExperts(client), device=torch.device("cpu"),
+                         dtype=torch.float32, kv_tokens=64)
+    return runner.generate(PROMPT, N_GEN)
+
+
+def _call(cfg, T=3, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((T, cfg.hidden_size)).astype(np.float32)  # [T, H]
+    ids = np.stack([rng.permutation(cfg.n_routed_experts)[:cfg.num_experts_per_tok] for _ in range(T)])  # [T, k]
+    w = rng.random(ids.shape).astype(np.float32)  # [T, k]
+    return x, ids.astype(np.int64), w
+
+
+@pytest.mark.parametrize("wire", ["float32", "bfloat16"])
+def test_fast_path_matches_grpc(model_dir, shards, cfg, wire):
+    layer = cfg.moe_layers[0]
+    with ExpertsClient(shards.addresses, cfg, transport="grpc", wire_dtype=wire) as g, \
+            ExpertsClient(shards.addresses, cfg, transport="shm", wire_dtype=wire) as s:
+        assert [s.fast.transport_of(a) for a in shards.addresses] == ["shm", "shm"]
+        for T in (1, 5, 40):
+            args = _call(cfg, T, seed=T)
+            np.testing.assert_array_equal(g.forward(layer, *args), s.forward(layer, *args))
+        if wire == "float32":  # whole generation: same tokens, same logits
+            rg, rs = _generate(model_dir, g), _generate(model_dir, s)
+            assert rg.token_ids == rs.token_ids
+            torch.testing.assert_close(rg.last_logits, rs.last_logits, atol=1e-5, rtol=0)
+        assert all(fp.calls > 0 for fp, _ in s.fast.paths.values())  # it really went through shared memory
+
+
+def test_fallback_when_the_shard_refuses(model_dir, shards, cfg, tmp_path):
+    layer = cfg.moe_layers[0]
+    args = _call(cfg)
+    with ExpertsClient(shards.addresses, cfg, transport="grpc") as g:
+        want = g.forward(layer, *args)
+    # a directory the shards do not share: refused, the client stays on gRPC
+    with ExpertsClient(shards.addresses, cfg, transport="auto", shm_dir=str(tmp_path)) as c:
+        assert [c.fast.transport_of(a) for a in shards.addresses] == ["grpc", "grpc"]
+        assert all("not inside" in c.fast.reasons[a] for a in shards.addresses)
+        np.testing.assert_array_equal(c.forward(layer, *args), want)
+    assert not list(tmp_path.iterdir())  # nothing left behind
+    with pytest.raises(ExpertsClientError, match="refused"):
+        ExpertsClient(shards.addresses, cfg, transport="shm", shm_dir=str(tmp_path)).connect()
+    # disabled on the shard (--shm-dir ''): refused with the reason
+    with start_shards(model_dir, 1, extra_args=("--shm-dir", "")) as one:
+        with ExpertsClient(one.addresses, cfg, transport="auto") as c:
+            assert c.fast.transport_of(one.addresses[0]) == "grpc"
+            assert "disabled" in c.fast.reasons[one.addresses[0]]
+            np.testing.assert_allclose(c.forward(layer, *args), want, atol=1e-6)  # one shard: another sum order
+
+
+def test_fallback_when_the_fast_path_breaks(shards, cfg):
+    layer = cfg.moe_layers[0]
+    args = _call(cfg, 4, seed=1)
+    with ExpertsClient(shards.addresses, cfg, transport="auto") as c:
+        want = c.forward(layer, *args)
+        fp = c.fast.paths[shards.addresses[0]][0]
+        fp.sock.shutdown(2)  # the doorbell dies under the client
+        np.testing.assert_array_equal(c.forward(layer, *args), want)  # re-sent / sent over gRPC
+        assert c.fast.transport_of(shards.addresses[0]) == "grpc"
+        assert c.fast.transport_of(shards.addresses[1]) == "shm"
+        np.testing.assert_array_equal(c.forward(layer, *args), want)
+
+
+def test_invalid_call_refused_like_grpc(shards, cfg):
+    layer = cfg.moe_layers[0]
+    x, ids, w = _call(cfg, 2)
+    bad_ids = ids.copy()
+    bad_ids[1, 0] = cfg.n_routed_experts + 5
+    nan_x = x.copy()
+    nan_x[0, 3] = np.nan
+    cases = [(0, x, ids, w, "not an MoE layer"),  # layer 0 is dense
+             (layer, x, bad_ids, w, "outside"),
+             (layer, nan_x, ids, w, "NaN")]
+    with ExpertsClient(shards.addresses, cfg, transport="shm") as c:
+        fp = c.fast.paths[shards.addresses[0]][0]
+        for lyr, xx, ii, ww, what in cases:
+            f = fp.send(lyr, xx, ii, ww, 10.0, fallback=None)
+            assert f is not None
+            while not f.done():
+                fp.pump()
+            e = f.exception()
+            assert isinstance(e, ShardError) and e.code == grpc.StatusCode.INVALID_ARGUMENT, e
+            assert what in e.details
+        assert fp.usable  # the fast path and the shard survive a refused call
+        with ExpertsClient(shards.addresses, cfg, transport="grpc") as g:
+            with pytest.raises(ShardError) as ge:  # gRPC refuses the same call the same way
+                g.forward(0, x, ids, w)
+            assert ge.value.code == grpc.StatusCode.INVALID_ARGUMENT and "not an MoE layer" in ge.value.details
+            np.testing.assert_array_equal(c.forward(layer, x, ids, w), g.forward(layer, x, ids, w))
+    assert all(p.poll() is None for p in shards.procs)
+
+
+@pytest.mark.gpu
+def test_remote_experts_cuda_pinned_copies_match_cpu():
+    """RemoteExperts on CUDA: device->host through pinned buffers (non_blocking) gives what the CPU path gives."""
+    from concurrent.futures import Future
+
+    class Echo:  # a client whose "shards" compute a simple function of the inputs
+        def forward_async(self, layer, h, ids, w):
+            f = Future()
+            f.set_result(h * w.sum(1, keepdims=True) + ids.sum(1, keepdims=True) + layer)
+            return f
+
+        def result(self, f, layer=None):
+            return f.result()
+
+    cpu, gpu = RemoteExperts(Echo()), RemoteExperts(Echo())
+    g = torch.Generator().manual_seed(0)
+    for T in (1, 7, 3, 40, 1):  # buffers grow and are reused in turn
+        h = torch.randn(T, 64, generator=g).to(torch.bfloat16)
+        ids = torch.randint(0, 16, (T, 4), generator=g)
+        w = torch.rand(T, 4, generator=g)
+        want = cpu(2, h, ids, w)()
+        got = gpu(2, h.cuda(), ids.cuda(), w.cuda())()
+        assert got.device.type == "cuda" and got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.cpu(), want, atol=0, rtol=0)
+    assert all(b is None or b[0].is_pinned() for b in gpu._pinned)
