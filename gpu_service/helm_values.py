@@ -64,6 +64,18 @@ def shard_layout(shard: dict) -> dict:
     raise ValueError(f"shard {shard.get('index')}: the plan gives neither 'slice' [i, n] nor 'experts' [a, b]")
 
 
+def plan_args(plan: dict) -> list[str]:
+    """`moesplit gpu-server` flags that reproduce the plan's resolved options on the node."""
+    o = plan.get("options") or {}
+    args = []
+    for flag, key in (("--attention-weights", "attention_weights"), ("--embeddings", "embeddings"),
+                      ("--gpu-experts", "gpu_experts"), ("--kv-tokens", "kv_tokens"), ("--min-kv-tokens", "kv_tokens"),
+                      ("--chunk-tokens", "chunk_tokens"), ("--max-batch", "max_batch")):
+        if key in o:
+            args += [flag, str(o[key])]
+    return args
+
+
 def helm_values_from_plan(plan: dict, model_path: str, image: str | None = None, *,
                           kernel_isa: str = "auto", redundancy: int = 1,
                           cpus_per_shard: int | None = None,
@@ -112,7 +124,9 @@ def helm_values_from_plan(plan: dict, model_path: str, image: str | None = None,
 
     values: dict[str, Any] = {
         "model": {"path": model_path, "mountPath": mount},
-        "gpu": {"count": len(plan["gpus"]), "memoryMiB": gpu_memory_mib(plan)},
+        "gpu": {"count": len(plan["gpus"]), "memoryMiB": gpu_memory_mib(plan),
+                # the GPU service re-plans on the node with these resolved choices (never "auto")
+                "extraArgs": plan_args(plan)},
         "experts": {"kernelIsa": kernel_isa, "redundancy": int(redundancy), "groups": groups},
     }
     if gpu_products:

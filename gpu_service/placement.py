@@ -38,6 +38,7 @@ class Placement:
     expert_format: str = "bf16"  # format of GPU-resident hot experts
     kv_tokens: int = 4096
     hot_experts: dict[int, list[int]] = field(default_factory=dict)  # layer -> expert ids on the GPU
+    plan: object = None  # the plan.Plan this placement executes (for planned-vs-actual metrics)
 
     @staticmethod
     def single(cfg: ModelConfig, device: torch.device, kv_tokens: int = 4096) -> "Placement":
@@ -61,7 +62,7 @@ class Placement:
             # pass `hot_experts` (e.g. from the shards' activation counters) to choose better.
             hot_experts = {layer: list(range(o.gpu_experts)) for layer in cfg.moe_layers} if o.gpu_experts else {}
         return Placement(cfg, list(devices), layer_gpu, o.embeddings == "cpu", o.attention_weights,
-                         o.expert_format, o.kv_tokens, hot_experts)
+                         o.expert_format, o.kv_tokens, hot_experts, plan)
 
     # ---- per-parameter decisions ---------------------------------------------------------------
     def gpu_index_of(self, param_name: str) -> int:

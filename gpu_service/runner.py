@@ -111,6 +111,7 @@ class ModelRunner:
         self.dtype = dtype or default_dtype(self.device)
         self.experts = experts
         self.placement = placement or Placement.single(self.cfg, self.device, kv_tokens)
+        self.plan = self.placement.plan  # the memory plan executed, if any (metrics: planned vs actual)
         verify_gpu_weights(reader)  # a truncated / corrupt / mis-shaped file fails here, naming file and tensor
         t0 = time.perf_counter()
         self.model: DeepseekV3

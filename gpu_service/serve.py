@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gpu_service.serving import add_serving_arguments, check_serving_args, run_stack, setup_logging
+from gpu_service.serving import add_serving_arguments, check_serving_args, plan_or_exit, run_stack, setup_logging
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -14,7 +14,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shards", type=int, default=2, help="number of local expert shard processes")
     p.add_argument("--split", choices=["experts", "intermediate"], default="experts",
                    help="shard by expert subsets or by intermediate slices of every expert")
-    p.add_argument("--backend", default="numpy", help="shard compute backend: numpy|kernels|auto")
+    p.add_argument("--backend", default="auto",
+                   help="shard compute backend: auto (the Cython kernels when built) | kernels | numpy")
     p.add_argument("--replicas", type=int, default=1,
                    help="processes per shard (replicas with the same experts: load spread and failover)")
 
@@ -31,10 +32,11 @@ def run(args: argparse.Namespace) -> int:
     # with --tls-*, the local shards serve mutual TLS with the same files (SANs must cover 127.0.0.1)
     tls_args = [a for f in ("cert", "key", "ca") for a in (f"--tls-{f}", getattr(args, f"tls_{f}"))] \
         if args.tls_cert else []
+    placement = plan_or_exit(args, "moesplit serve")  # before any shard or weight is loaded
     try:
         shards = start_shards(args.model, args.shards, split=args.split, backend=args.backend,
                               replicas=args.replicas, extra_args=tls_args)
     except (ShardStartError, ValueError) as e:
         print(f"moesplit serve: {e}", file=sys.stderr)
         return 1
-    return run_stack(args, "moesplit serve", shards.addresses, [shards.stop])
+    return run_stack(args, "moesplit serve", shards.addresses, [shards.stop], placement)

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from gpu_service.serving import add_serving_arguments, check_serving_args, run_stack, setup_logging
+from gpu_service.serving import add_serving_arguments, check_serving_args, plan_or_exit, run_stack, setup_logging
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,4 +22,4 @@ def run(args: argparse.Namespace) -> int:
     if err:
         print(f"moesplit gpu-server: {err}", file=sys.stderr)
         return 2
-    return run_stack(args, "moesplit gpu-server", addresses, [])
+    return run_stack(args, "moesplit gpu-server", addresses, [], plan_or_exit(args, "moesplit gpu-server"))

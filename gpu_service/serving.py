@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gpu_service.engine import Engine
+from gpu_service.placement import add_plan_arguments, placement_from_args
 from gpu_service.experts_client import add_expert_client_arguments, expert_client_tls
 from gpu_service.grpc_api import create_server as create_grpc_server
 from gpu_service.http_api import HTTPServer, create_app
@@ -47,6 +48,18 @@ def add_serving_arguments(p: argparse.ArgumentParser) -> None:
                    help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
     add_expert_client_arguments(p)
     p.add_argument("--log-level", default="INFO")
+    add_plan_arguments(p)
+
+
+def plan_or_exit(args: argparse.Namespace, prog: str):
+    """The memory plan, made before anything is loaded; None on a CPU-only machine without
+    --gpu. A plan that cannot fit exits here with the table and the options that would fit."""
+    import torch
+
+    from checkpoint.config import load_config
+
+    return placement_from_args(args, load_config(args.model), args.kv_tokens, args.chunk_tokens, args.max_batch,
+                               device=torch.device(args.device) if args.device else None)
 
 
 def check_serving_args(args: argparse.Namespace) -> str | None:
@@ -89,7 +102,8 @@ def shard_health_fn(addresses: list[str], timeout_s: float = 1.0, tls=None) -> C
 
 
 def build_runner(model_dir: str, addresses: list[str], device=None, dtype=None, kv_tokens: int = 8192,
-                 page_size: int = 64, expert_timeout: float = 5.0, tls=None, tls_server_name: str | None = None):
+                 page_size: int = 64, expert_timeout: float = 5.0, tls=None, tls_server_name: str | None = None,
+                 placement=None):
     """Connect to the shards (fingerprint + coverage checked) and load the GPU side (its tensors
     verified first). Returns (runner, experts_client, tokenizer or None)."""
     import torch
@@ -105,7 +119,7 @@ def build_runner(model_dir: str, addresses: list[str], device=None, dtype=None, 
     try:
         runner = ModelRunner(reader, RemoteExperts(client), device=torch.device(device) if device else None,
                              dtype=getattr(torch, dtype) if dtype else None, kv_tokens=kv_tokens,
-                             page_size=page_size)
+                             page_size=page_size, placement=placement)
     except BaseException:
         client.close()
         raise
@@ -202,7 +216,8 @@ def serve_until_signal(stack: ServingStack, prog: str) -> int:
     return 0
 
 
-def run_stack(args: argparse.Namespace, prog: str, addresses: list[str], closers: list[Callable[[], None]]) -> int:
+def run_stack(args: argparse.Namespace, prog: str, addresses: list[str], closers: list[Callable[[], None]],
+              placement=None) -> int:
     """Common tail of serve / gpu-server: runner over `addresses`, stack, serve until a signal.
     `closers` (e.g. stopping local shards) run on the way out, whatever happens."""
     closers = list(closers)
@@ -210,7 +225,7 @@ def run_stack(args: argparse.Namespace, prog: str, addresses: list[str], closers
     try:
         runner, client, tokenizer = build_runner(args.model, addresses, args.device, args.dtype,
                                                  args.kv_tokens, args.page_size, args.expert_timeout,
-                                                 expert_client_tls(args, prog), args.tls_server_name)
+                                                 expert_client_tls(args, prog), args.tls_server_name, placement)
         closers.append(client.close)
         shard_max = min((int(s.info.max_tokens) for s in client.shards if s.info.max_tokens), default=None)
         chunk = args.chunk_tokens

@@ -175,3 +175,35 @@ def test_plan_that_does_not_fit_stops_generate_before_loading(ckpt, tmp_path):
     assert r.returncode != 0
     assert "does not fit" in r.stderr and "missing" in r.stderr
     assert "nothing was loaded" in r.stderr
+
+
+def test_serve_refuses_a_plan_that_does_not_fit_before_starting_anything(ckpt):
+    import subprocess
+    import sys
+
+    d, _, _ = ckpt
+    r = subprocess.run([sys.executable, "-m", "gpu_service.cli", "serve", "--model", d, "--port", "0",
+                        "--grpc-port", "0", "--gpu", "1MiB", "--gpu", "1MiB", "--attention-weights", "bf16",
+                        "--embeddings", "gpu"], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    assert "DOES NOT FIT" in r.stdout + r.stderr and "nothing was loaded" in r.stderr
+    assert "expert-server" not in r.stderr  # no shard was started
+
+
+def test_serve_executes_a_two_gpu_plan(ckpt):
+    """`serve --gpu X --gpu X` on a CPU-only machine lays the plan's two devices out on the CPU."""
+    from openai import OpenAI
+
+    from gpu_service.local_stack import start_shards
+    from gpu_service.serving import ServingStack, build_runner
+
+    d, reader, _ = ckpt
+    plan = _plan(reader, gpus=["1GiB", "1GiB"])
+    placement = Placement.from_plan(plan, [torch.device("cpu")] * 2)
+    with start_shards(d, 2, backend="numpy") as shards:
+        runner, client, tok = build_runner(d, shards.addresses, dtype="float32", placement=placement)
+        assert runner.plan is plan and runner.pool.num_pages * runner.pool.page_size == KV
+        with ServingStack(runner, tok, "tiny", port=0, grpc_port=0, closers=[client.close]).start() as stack:
+            c = OpenAI(base_url=stack.http_url + "/v1", api_key="x")
+            out = c.completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=0)
+            assert out.usage.completion_tokens == 4
