@@ -145,3 +145,47 @@ def unpack_int4(packed: np.ndarray, scale: np.ndarray, shape, group_size: int = 
         )
     full = np.repeat(np.asarray(scale).astype(np.float32), group_size, axis=1)[:, :inp]
     return q.astype(np.float32) * full
+
+
+# ---------------------------------------------------------------------------------------------
+# INT8, symmetric per output channel (the CPU kernels' int8 layout)
+# ---------------------------------------------------------------------------------------------
+INT8_MAX = 127
+
+
+def quant_int8_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """w [out, in] float -> (q int8 [out, in] in [-127, 127], scale f32 [out]); value = q * scale.
+
+    Exactly what the CPU kernels do when handed float weights for int8 (moe_core.c prep_row):
+    scale = amax(|row|) / 127 in float32, q = round_half_even(w / scale); an all-zero row gets
+    scale 0 and q 0. So quantising here and dequantising into the kernels reproduces this q."""
+    _check_2d(w, "quant_int8_channel")
+    w = np.asarray(w, dtype=np.float32)
+    scale = (np.abs(w).max(axis=1) / np.float32(INT8_MAX)).astype(np.float32)  # [out]
+    safe = np.where(scale > 0, scale, np.float32(1))[:, None]
+    q = np.where(scale[:, None] > 0, np.clip(np.round(w / safe), -INT8_MAX, INT8_MAX), 0).astype(np.int8)
+    return q, scale
+
+
+def dequant_int8_channel(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """int8 [out, in] * scale f32 [out] (or [out, 1]) -> float32 [out, in]."""
+    _check_2d(q, "dequant_int8_channel")
+    s = np.asarray(scale, dtype=np.float32).reshape(-1)
+    if s.shape != (q.shape[0],):
+        raise ValueError(f"dequant_int8_channel: weight_scale shape {tuple(np.shape(scale))} does not match "
+                         f"weight {q.shape} (expected one scale per output channel: [{q.shape[0]}])")
+    return np.asarray(q).astype(np.float32) * s[:, None]
+
+
+def as_format(w: np.ndarray, fmt: str) -> np.ndarray:
+    """The float32 values `w` [out, in] takes once stored in `fmt` (bf16, int8 per channel, int4
+    group 32; f32/fp8/f16 unchanged): what the CPU kernels hold, for the numpy reference."""
+    w = np.asarray(w, dtype=np.float32)
+    if fmt == "bf16":
+        return w.astype(BF16).astype(np.float32)
+    if fmt == "int8":
+        return dequant_int8_channel(*quant_int8_channel(w))
+    if fmt == "int4":
+        packed, scale, shape = pack_int4(w)
+        return unpack_int4(packed, scale, shape)
+    return w

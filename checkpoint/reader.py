@@ -8,7 +8,8 @@ ml_dtypes' bfloat16 / float8_e4m3fn. Nothing is read until a tensor's pages are 
 reading one expert pages in that expert only.
 
 Logical names: an FP8 `X.weight` + `X.weight_scale_inv`, or an INT4 `X.weight_packed` +
-`X.weight_scale` + `X.weight_shape`, are one logical `X.weight`. `get()` dequantises to float32;
+`X.weight_scale` + `X.weight_shape`, or an INT8 `X.weight` (int8) + `X.weight_scale` (f32 per
+output channel, moesplit's packed format), are one logical `X.weight`. `get()` dequantises to float32;
 `get_stored()` returns the stored arrays (zero-copy, read-only memmap views).
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ import ml_dtypes
 import numpy as np
 
 from checkpoint.config import ModelConfig, load_config
-from checkpoint.formats import dequant_fp8_block, fp8_scale_shape, int4_shapes, unpack_int4
+from checkpoint.formats import dequant_fp8_block, dequant_int8_channel, fp8_scale_shape, int4_shapes, unpack_int4
 from checkpoint.names import expected_shapes, is_mtp
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -89,7 +90,7 @@ class TensorInfo:
 
 @dataclass
 class StoredTensor:
-    """A logical tensor as stored. format: "f32"|"bf16"|"f16"|"fp8"|"int4" (or a lower-case
+    """A logical tensor as stored. format: "f32"|"bf16"|"f16"|"fp8"|"int4"|"int8" (or a lower-case
     safetensors dtype such as "i64" for other plain tensors). arrays: stored suffix -> array, e.g.
     {"weight"} for plain weights, {"e_score_correction_bias"} for that buffer, {"weight",
     "weight_scale_inv"} for FP8, {"weight_packed", "weight_scale", "weight_shape"} for INT4.
@@ -312,6 +313,8 @@ class CheckpointReader:
             return "int4"
         if "weight_scale_inv" in g:
             return "fp8"
+        if set(g) == {"weight", "weight_scale"} and self._info(g["weight"], name).dtype == "I8":
+            return "int8"  # symmetric per output channel: moesplit's packed int8 (cpu_expert_service.packed)
         if len(g) > 1:
             raise CheckpointError(
                 f"{self.file_of(name)}: tensor {name!r} is stored as {sorted(g)}, a layout moesplit does not "
@@ -369,6 +372,8 @@ class CheckpointReader:
                 return unpack_int4(
                     st.arrays["weight_packed"], st.arrays["weight_scale"], st.shape, self._group_size()
                 )
+            if st.format == "int8":
+                return dequant_int8_channel(st.arrays["weight"], st.arrays["weight_scale"])
         except ValueError as e:
             raise CheckpointError(f"{self.file_of(name)}: tensor {name!r}: {e}") from e
         return np.array(st.data, dtype=np.float32)

@@ -8,6 +8,8 @@ tensor by tensor, through `CheckpointReader.get`, so its memory is its share of 
     moesplit expert-server --model DIR (--experts 0-7,9 | --slice 1/2) [--host H] [--port P]
                            [--port-file F] [--shard-id NAME] [--backend auto|kernels|numpy]
                            [--tls-cert F --tls-key F --tls-ca F] [--metrics-port N] [--shm-dir DIR]
+                           [--weight-format auto|bf16|int8|int4]
+    moesplit expert-server --packed OUTDIR --shard-index I [--model DIR] ...   (moesplit convert output)
     python -m cpu_expert_service.server ...   (same arguments)
 
 After binding it prints `READY port=<port>` on stdout and writes the port file; it serves until
@@ -58,6 +60,7 @@ WIRE_DTYPES: dict[str, np.dtype] = {
     "int64": np.dtype(np.int64),
 }
 FLOAT_WIRE = ("float32", "bfloat16", "float16")
+WEIGHT_FORMATS = ("auto", "bf16", "int8", "int4")  # --weight-format: how the shard holds its experts
 INT_WIRE = ("int32", "int64")
 # modules whose presence in a shard process is reported by Describe (torch must never be there)
 WATCHED_MODULES = ("torch", "transformers", "numpy", "grpc", "safetensors")
@@ -154,8 +157,16 @@ def load_shard(
     experts: list[int] | None,
     slice_spec: tuple[int, int] | None,
     backend: str = "numpy",
+    weight_format: str = "auto",
 ) -> tuple[ModelConfig, ExpertBackend, dict]:
-    """Read this shard's expert weights (only those) into a backend. Returns (cfg, backend, info)."""
+    """Read this shard's expert weights (only those) into a backend. Returns (cfg, backend, info).
+
+    weight_format: auto (the checkpoint's: int4 stays int4, bf16/fp8 run as bf16) | bf16 | int8 |
+    int4: the kernels quantise float weights at load; the numpy backend holds the same values
+    (checkpoint.formats.as_format)."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"--weight-format {weight_format!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
+    from checkpoint.formats import as_format
     from checkpoint.names import expert_weight  # numpy-only package
     from checkpoint.reader import CheckpointError, CheckpointReader
 
@@ -176,14 +187,16 @@ def load_shard(
     # headers only: every tensor served is present, inside its file and of the right shape
     reader.verify([expert_weight(layer, e, p) for layer in layers for e in experts for p in ("gate", "up", "down")])
     fmt = _weight_format(reader, expert_weight(layers[0], experts[0], "gate"), cfg) if layers else "f32"
-    be = make_backend(backend, weight_format=fmt)
+    be = make_backend(backend, weight_format=fmt if weight_format == "auto" else weight_format)
+    # numpy with an explicit format holds the values the kernels would hold in it
+    round_to = weight_format if weight_format not in ("auto", fmt) and not hasattr(be, "add_expert_int4") else None
     t0 = time.perf_counter()
     whole = (i0, i1) == (0, I)
     # INT4 checkpoints load into INT4 kernels as stored (re-quantising dequantised INT4 is lossy)
-    native_int4 = fmt == "int4" and hasattr(be, "add_expert_int4")
+    native_int4 = fmt == "int4" and hasattr(be, "add_expert_int4") and be.weight_format == "int4"
     if native_int4 and (i0 % 32 or (i1 % 32 and i1 != I)):
         raise ValueError(f"slice {s_idx}/{s_cnt} = intermediate [{i0}:{i1}) does not align to the INT4 group of 32; "
-                         f"use a slice count that divides {I // 32}, or --backend numpy")
+                         f"use a slice count that divides {I // 32}, --weight-format bf16|int8, or --backend numpy")
     for layer in layers:
         for e in experts:
             if native_int4:
@@ -211,6 +224,8 @@ def load_shard(
                         "values; the file is corrupt: re-download or re-write it")
             if not whole:  # copy so the full tensors are freed right away
                 gate, up, down = gate[i0:i1].copy(), up[i0:i1].copy(), down[:, i0:i1].copy()
+            if round_to is not None:
+                gate, up, down = (as_format(t, round_to) for t in (gate, up, down))
             be.add_expert(layer, e, gate, up, down)
             del gate, up, down
         reader.close()  # unmap: file pages read so far stop counting towards this process's RSS
@@ -223,6 +238,7 @@ def load_shard(
         intermediate_start=i0,
         intermediate_stop=i1,
         weight_format=fmt,
+        serve_format=be.weight_format if weight_format == "auto" else weight_format,
         load_s=time.perf_counter() - t0,
     )
     return cfg, be, info
@@ -414,11 +430,28 @@ def create_server(
     tls: "transport.TLSFiles | None" = None,
     metrics_registry=None,
     shm_dir: str | None = None,
+    weight_format: str = "auto",
+    packed: str | None = None,
+    shard_index: int | None = None,
 ) -> tuple[grpc.Server, int]:
     """Load this shard's experts and return a started server and its bound port.
-    With `tls`, the port requires a client certificate signed by `tls.ca` (mutual TLS)."""
+    With `tls`, the port requires a client certificate signed by `tls.ca` (mutual TLS).
+    With `packed` (a `moesplit convert` output), shard `shard_index` is read from its layer files
+    (cpu_expert_service.packed.load_packed; `model_dir`, if given, must be the model converted)."""
     creds = transport.server_credentials(tls) if tls is not None else None  # bad files: fail before loading
-    cfg, be, info = load_shard(model_dir, experts, slice_spec, backend)
+    if packed is not None:
+        from cpu_expert_service.packed import load_packed
+
+        if experts is not None or slice_spec is not None:
+            raise ValueError("--packed: the shard's experts and slice come from the packed manifest; "
+                             "drop --experts / --slice")
+        if shard_index is None:
+            raise ValueError("--packed needs --shard-index I (which packed shard this process serves)")
+        cfg, be, info = load_packed(packed, shard_index, backend, weight_format, model_dir)
+        shard_id = shard_id or _default_shard_id(
+            info["experts"], (info["slice_index"], info["slice_count"]) if info["slice_count"] > 1 else None)
+    else:
+        cfg, be, info = load_shard(model_dir, experts, slice_spec, backend, weight_format)
     shard_id = shard_id or _default_shard_id(experts, slice_spec)
     interceptors = []
     if metrics_registry is not None:  # Prometheus: metered backend + arrival-stamping interceptor
@@ -453,7 +486,13 @@ def create_server(
 
 # ---- CLI --------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="checkpoint directory (config.json + *.safetensors)")
+    p.add_argument("--model", help="checkpoint directory (config.json + *.safetensors); with --packed optional "
+                                    "(then only its config.json is read, to check the packed fingerprint)")
+    p.add_argument("--packed", help="serve from `moesplit convert` output OUTDIR instead of the checkpoint's files")
+    p.add_argument("--shard-index", type=int, help="with --packed: which packed shard (0-based) to serve")
+    p.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="auto",
+                   help="how the experts are held: auto (the checkpoint's / packed files': int4 stays int4, "
+                        "bf16/fp8 run as bf16) | bf16 | int8 | int4 (kernels quantise float weights at load)")
     p.add_argument("--experts", help="routed expert ids to serve, e.g. '0-7,9' (default: all)")
     p.add_argument("--slice", dest="slice_spec", help="intermediate slice i/n to serve (0-based), e.g. 1/2")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -478,7 +517,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        cfg = load_config(args.model)
+        if not args.model and not args.packed:
+            raise ValueError("pass --model DIR (a checkpoint) or --packed OUTDIR --shard-index I (moesplit convert)")
+        cfg = load_config(args.model or args.packed)
         experts = parse_experts(args.experts, cfg.n_routed_experts) if args.experts else None
         slice_spec = parse_slice(args.slice_spec) if args.slice_spec else None
         tls = transport.TLSFiles.from_args(args.tls_cert, args.tls_key, args.tls_ca, "moesplit expert-server")
@@ -497,7 +538,8 @@ def run(args: argparse.Namespace) -> int:
             args.model, experts=experts, slice_spec=slice_spec, host=args.host, port=args.port,
             backend=args.backend, max_workers=args.max_workers, max_tokens=args.max_tokens,
             shard_id=args.shard_id, tls=tls, metrics_registry=registry,
-            shm_dir=_shm_dir(args.shm_dir),
+            shm_dir=_shm_dir(args.shm_dir), weight_format=args.weight_format, packed=args.packed,
+            shard_index=args.shard_index,
         )
     except (CheckpointError, KeyError, ValueError, OSError) as e:  # never reported ready
         print(f"moesplit expert-server: {e}", file=sys.stderr)

@@ -131,15 +131,24 @@ def start_shards(
     timeout_s: float = 120.0,
     replicas: int = 1,
     metrics_ports: list[int] | None = None,
+    packed: str | None = None,
 ) -> LocalShards:
     """Launch n shards (x `replicas` processes each) splitting the model's routed experts; wait
-    until all serve."""
+    until all serve. With `packed` (a `moesplit convert` output of this model, with n shards),
+    shard i serves `--packed DIR --shard-index i` and `split` is the conversion's."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     if metrics_ports is not None and len(metrics_ports) != n * replicas:
         raise ValueError(f"metrics_ports: {len(metrics_ports)} ports for {n * replicas} shard processes")
     cfg = load_config(model_dir)
-    if split == "experts":
+    if packed is not None:
+        from cpu_expert_service.packed import read_manifest
+
+        have = len(read_manifest(packed)["shards"])
+        if have != n:
+            raise ValueError(f"{packed} holds {have} packed shards, not {n}; pass n={have} or convert again")
+        shard_args = [["--packed", os.fspath(packed), "--shard-index", str(i)] for i in range(n)]
+    elif split == "experts":
         shard_args = [["--experts", f"{a}-{b}"] for a, b in expert_ranges(cfg.n_routed_experts, n)]
     elif split == "intermediate":
         if not 1 <= n <= cfg.moe_intermediate_size:
