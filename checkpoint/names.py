@@ -145,3 +145,16 @@ def expected_shapes(cfg: ModelConfig, *, routed: bool = True) -> dict[str, tuple
 def is_norm(name: str) -> bool:
     """RMSNorm / LayerNorm parameters (never quantized)."""
     return name.endswith(("layernorm.weight", "norm.weight", "norm.bias"))
+
+
+def compact_ranges(values) -> str:
+    """[0,1,2,3,5,7,8] -> '0-3,5,7-8' (for messages naming layers and experts)."""
+    vals = sorted(set(int(v) for v in values))
+    out, i = [], 0
+    while i < len(vals):
+        j = i
+        while j + 1 < len(vals) and vals[j + 1] == vals[j] + 1:
+            j += 1
+        out.append(str(vals[i]) if i == j else f"{vals[i]}-{vals[j]}")
+        i = j + 1
+    return ",".join(out)

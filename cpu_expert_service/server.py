@@ -41,6 +41,7 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from checkpoint.config import ModelConfig, load_config
+from checkpoint.names import compact_ranges
 from cpu_expert_service import transport
 from cpu_expert_service.backend import ExpertBackend, make_backend
 from protos.moesplit.v1 import experts_pb2, experts_pb2_grpc
@@ -378,19 +379,6 @@ def _default_shard_id(experts: list[int] | None, slice_spec: tuple[int, int] | N
     if slice_spec is not None:
         parts.append(f"slice-{slice_spec[0]}of{slice_spec[1]}")
     return "_".join(parts) or "all"
-
-
-def compact_ranges(values) -> str:
-    """[0,1,2,3,5,7,8] -> '0-3,5,7-8'."""
-    vals = sorted(set(int(v) for v in values))
-    out, i = [], 0
-    while i < len(vals):
-        j = i
-        while j + 1 < len(vals) and vals[j + 1] == vals[j] + 1:
-            j += 1
-        out.append(str(vals[i]) if i == j else f"{vals[i]}-{vals[j]}")
-        i = j + 1
-    return ",".join(out)
 
 
 RAW_METHODS = ("Forward", "ForwardOne")  # requests parsed by the servicer, not by gRPC

@@ -37,6 +37,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from checkpoint.config import ModelConfig
+from checkpoint.names import compact_ranges
 from cpu_expert_service.transport import (
     DEFAULT_MAX_TOKENS,
     TLSFiles,
@@ -94,18 +95,6 @@ class ShardDesc:
 
 
 # ---- coverage ---------------------------------------------------------------------------------
-def _ranges(vals) -> str:
-    vals = sorted(set(int(v) for v in vals))
-    out, i = [], 0
-    while i < len(vals):
-        j = i
-        while j + 1 < len(vals) and vals[j + 1] == vals[j] + 1:
-            j += 1
-        out.append(str(vals[i]) if i == j else f"{vals[i]}-{vals[j]}")
-        i = j + 1
-    return ",".join(out)
-
-
 def _describe_cells(cells: list[tuple[int, int, int, int]], intermediate: int) -> list[str]:
     """[(layer, expert, i0, i1)] -> ['experts 8-15 in layers 1-2', 'intermediate [0:64) of expert 3 in layer 1']."""
     by_range: dict[tuple[int, int], dict[int, set[int]]] = {}
@@ -117,10 +106,10 @@ def _describe_cells(cells: list[tuple[int, int, int, int]], intermediate: int) -
         for layer, es in layers.items():
             groups.setdefault(tuple(sorted(es)), []).append(layer)
         for es, ls in sorted(groups.items(), key=lambda kv: min(kv[1])):
-            what = f"expert{'s' if len(es) > 1 else ''} {_ranges(es)}"
+            what = f"expert{'s' if len(es) > 1 else ''} {compact_ranges(es)}"
             if (i0, i1) != (0, intermediate):
                 what = f"intermediate [{i0}:{i1}) of {what}"
-            out.append(f"{what} in layer{'s' if len(ls) > 1 else ''} {_ranges(ls)}")
+            out.append(f"{what} in layer{'s' if len(ls) > 1 else ''} {compact_ranges(ls)}")
     return out
 
 
@@ -303,7 +292,7 @@ class _Group:
         self.key = _coverage_key(desc.info)
         self.replicas: list[_Replica] = []
         self.rr = itertools.count()
-        what = f"experts {_ranges(desc.experts)}"
+        what = f"experts {compact_ranges(desc.experts)}"
         I = cfg.moe_intermediate_size
         if (desc.info.intermediate_start, desc.info.intermediate_stop) != (0, I):
             what += f" intermediate [{desc.info.intermediate_start}:{desc.info.intermediate_stop})"
@@ -428,7 +417,7 @@ class ExpertsClient:
         if g is None:
             if groups_fixed:
                 raise CoverageError(
-                    f"expert shard {r.address} serves experts {_ranges(ex)}, intermediate "
+                    f"expert shard {r.address} serves experts {compact_ranges(ex)}, intermediate "
                     f"[{info.intermediate_start}:{info.intermediate_stop}), which matches no shard group of this "
                     "GPU service; it is not used", [], [])
             g = _Group(desc, self.cfg)
