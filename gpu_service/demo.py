@@ -31,7 +31,8 @@ def main() -> int:
     print(f"output : {out['text']!r}")
     print(f"tokens : {out['token_ids']}")
     print(f"speed  : prefill {t['prefill_tokens_per_s']} tok/s, decode {t['decode_tokens_per_s']} tok/s "
-          f"(2 shard processes, split by experts, loopback gRPC, {t['generated_tokens']} tokens)")
+          f"(2 shard processes, split by experts, transport {'/'.join(sorted(set(out['transports'].values())))}, "
+          f"{t['generated_tokens']} tokens)")
 
     import torch
 

@@ -98,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         client = ExpertsClient(addresses, cfg, timeout_s=args.expert_timeout, tls=tls,
                                tls_server_name=args.tls_server_name)
         client.connect()
+        transports = {a: client.fast.transport_of(a) for a in addresses}
         try:
             runner = ModelRunner(reader, RemoteExperts(client), device=device, dtype=dtype, kv_tokens=kv,
                                  placement=placement)
@@ -119,6 +120,6 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({
             "token_ids": res.token_ids, "text": text, "prompt_ids": ids, "finish_reason": res.finish_reason,
             "last_logits": res.last_logits.tolist() if res.last_logits is not None else None,
-            "timings": res.timings, "shards": len(addresses), "split": args.split,
+            "timings": res.timings, "shards": len(addresses), "split": args.split, "transports": transports,
         }))
     return 0
