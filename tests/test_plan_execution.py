@@ -78,15 +78,7 @@ def _teacher_forced(runner, tokens):
 
 @pytest.fixture(scope="module")
 def reference_run(ckpt):
-    d, reader, _ = ckpt
-    hf = load_reference(d)
-    hf.generation_config.eos_token_id = None
-    prompt = [0, 5, 77, 300, 41, 9]
-    with torch.no_grad():
-        g = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False, output_logits=True,
-                        return_dict_in_generate=True)
-    gen = g.sequences[0, len(prompt):].tolist()
-    return prompt, gen, torch.stack([x[0] for x in g.logits])  # [64, V]
+    return _reference(ckpt[0])
 
 
 def _agreement(reader, experts, reference, fmt):
