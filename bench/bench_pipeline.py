@@ -13,9 +13,13 @@ measured in interleaved rounds in one run (the machine is shared: compare ratios
 Then the round trip of one MoE layer call of one token (hidden 7168 in f32 and bf16, top-4
 experts of one shard) through ExpertsClient.forward on an "echo" model of the same width (routing
 weights 0: the shard decodes, validates and dispatches but does no expert math), against raw
-floors measured in the same run: a TCP ping-pong of the same bytes over loopback and a
-shared-memory ping-pong with the same Unix-socket doorbell; and the shard's compute time of a
-real one-token call on the wide model. Finally a projection of the transport's share of a
+floors measured in the same run: a TCP ping-pong of the same bytes over loopback, a minimal
+Python gRPC bidi-stream echo of the same bytes (grpcio, no protobuf: what any Python gRPC stream
+costs on this machine) and a shared-memory ping-pong with the same Unix-socket doorbell; and the
+shard's compute time of a real one-token call on the wide model. The hidden state is handed to
+the client in the wire dtype, as gpu_service.runner.RemoteExperts does. Calls follow each other
+at once, so both ends' bounded doorbell spin (MOESPLIT_SHM_SPIN_US) catches them; "shm_cold" are
+the same calls 2 ms apart, past the spin window: each end is woken by the kernel. Finally a projection of the transport's share of a
 DeepSeek-V3 decode step (58 MoE layers), defined in the JSON.
 
 Writes bench/results/pipeline.json and bench/results/pipeline.png.
@@ -35,6 +39,7 @@ import sys
 import tempfile
 import time
 
+import ml_dtypes
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -143,6 +148,20 @@ while True:
 """
 
 
+GRPC_ECHO = r"""
+import sys
+from concurrent import futures
+import grpc
+def echo(it, ctx):
+    for m in it:
+        yield m
+s = grpc.server(futures.ThreadPoolExecutor(4))
+h = {"Echo": grpc.stream_stream_rpc_method_handler(echo)}
+s.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("floor.Echo", h),))
+port = s.add_insecure_port("127.0.0.1:0"); s.start(); print(port, flush=True); s.wait_for_termination()
+"""
+
+
 def _timeit(fn, n: int, warm: int = 100) -> list[float]:
     for _ in range(warm):
         fn()
@@ -173,6 +192,35 @@ def tcp_floor(nbytes: int, n: int) -> list[float]:
 
         return _timeit(once, n)
     finally:
+        p.kill()
+        p.wait()
+
+
+def grpc_floor(nbytes: int, n: int) -> list[float]:
+    """A minimal Python gRPC bidi stream echoing `nbytes` (raw bytes, no protobuf), read on the
+    calling thread: the least a Python gRPC round trip costs here."""
+    import queue
+
+    import grpc
+
+    p = subprocess.Popen([sys.executable, "-c", GRPC_ECHO], stdout=subprocess.PIPE, text=True)
+    ch = None
+    q: queue.Queue = queue.Queue()
+    try:
+        port = int(p.stdout.readline())
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+        call = ch.stream_stream("/floor.Echo/Echo")(iter(q.get, None))
+        payload = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8).tobytes()
+
+        def once():
+            q.put(payload)
+            return next(call)
+
+        return _timeit(once, n)
+    finally:
+        q.put(None)
+        if ch is not None:
+            ch.close()
         p.kill()
         p.wait()
 
@@ -323,6 +371,20 @@ def _one_token_calls(c, layer: int, x, ids, w, n: int) -> tuple[list[float], lis
     return rtt, comp
 
 
+def _cold_calls(c, layer: int, x, ids, w, n: int, gap_s: float = 0.002) -> tuple[list[float], list[float]]:
+    """Like _one_token_calls, each call `gap_s` after the previous answer: past both ends' doorbell
+    spin, so the shard and the waiting client are woken by the kernel."""
+    rtt, comp = [], []
+    for _ in range(n):
+        time.sleep(gap_s)
+        t0 = time.perf_counter()
+        fut = c.forward_async(layer, x, ids, w)
+        c.result(fut, layer)
+        rtt.append(time.perf_counter() - t0)
+        comp.append(fut.shard_futures[0][1].result().compute_us)
+    return rtt, comp
+
+
 def _raw_calls(c, transport: str, layer: int, x, ids, w, n: int) -> tuple[list[float], list[float]]:
     """n one-token calls on shard 0's transport itself (no client routing / futures chain): the
     FastPath (shm) or the replica's Forward stream with the request encoded per call (grpc)."""
@@ -357,11 +419,12 @@ def layer_rtt(model_dir: str, shards, n: int, rounds: int) -> dict:
     cfg = load_config(model_dir)
     H, k = cfg.hidden_size, cfg.num_experts_per_tok
     layer = cfg.moe_layers[0]
-    x = np.random.default_rng(0).standard_normal((1, H)).astype(np.float32)  # [1, H]
+    x32 = np.random.default_rng(0).standard_normal((1, H)).astype(np.float32)  # [1, H]
     ids = np.arange(k, dtype=np.int64)[None]  # [1, k]: experts 0..k-1, all on shard 0
     w = np.zeros((1, k), np.float32)  # [1, k]: weight 0 = skipped by the shard (as hot experts are)
     out: dict = {}
     for wire in ("float32", "bfloat16"):
+        x = x32.astype(ml_dtypes.bfloat16) if wire == "bfloat16" else x32  # as RemoteExperts hands it over
         clients = {t: ExpertsClient(shards.addresses, cfg, transport=t, wire_dtype=wire, timeout_s=60).connect()
                    for t in ("grpc", "shm")}
         nbytes = H * (4 if wire == "float32" else 2)
@@ -378,7 +441,12 @@ def layer_rtt(model_dir: str, shards, n: int, rounds: int) -> dict:
                         rtt.setdefault(key, []).extend(ts)
                         comp.setdefault(key, []).extend(cs)
                         transport.setdefault(key, []).extend(r - cu * 1e-6 for r, cu in zip(ts, cs))
+                ts, cs = _cold_calls(clients["shm"], layer, x, ids, w, max(20, n // (rounds * 10)))
+                rtt.setdefault("shm_cold", []).extend(ts)
+                comp.setdefault("shm_cold", []).extend(cs)
+                transport.setdefault("shm_cold", []).extend(r - cu * 1e-6 for r, cu in zip(ts, cs))
                 rtt.setdefault("tcp_floor", []).extend(tcp_floor(nbytes, n // rounds))
+                rtt.setdefault("grpc_floor", []).extend(grpc_floor(nbytes, n // rounds))
                 rtt.setdefault("shm_floor", []).extend(shm_floor(nbytes, n // rounds))
         finally:
             for c in clients.values():
@@ -464,7 +532,7 @@ def plot(res: dict, path: str) -> None:
         ax.set_title(what.replace("_", " "))
         ax.legend()
     ax = axes[2]
-    keys = ["shm_floor", "tcp_floor", "shm_raw", "grpc_raw", "shm", "grpc"]
+    keys = ["shm_floor", "tcp_floor", "grpc_floor", "shm_raw", "grpc_raw", "shm", "shm_cold", "grpc"]
     xs = np.arange(len(keys))
     for j, wire in enumerate(res["rtt"]):
         ax.bar(xs + (j - 0.5) * 0.4, [res["rtt"][wire]["rtt_us"][k] for k in keys], 0.4, label=wire)

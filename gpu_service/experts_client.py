@@ -350,6 +350,7 @@ class ExpertsClient:
         # co-located shards: layer calls through shared memory (gpu_service.shm_transport);
         # transport "auto" (fast path where a shard accepts it), "grpc" (never), "shm" (required)
         self.fast = FastPaths(transport, shm_dir, wire_dtype)
+        self._wire_np = np.dtype(_WIRE[wire_dtype])
 
     # ---- set-up -------------------------------------------------------------------------------
     def _channel(self, address: str) -> grpc.Channel:
@@ -627,26 +628,36 @@ class ExpertsClient:
         """Start the layer's routed experts on the shards; the future's result is [T, H] float32."""
         if not self.groups:
             raise ExpertsClientError("ExpertsClient.forward before connect()")
-        hidden = np.ascontiguousarray(hidden, dtype=np.float32)  # [T, H]
+        # hidden may come already in the wire dtype (the runner casts on its device): no second cast
+        hidden = np.ascontiguousarray(hidden, dtype=None if hidden.dtype == self._wire_np else np.float32)  # [T, H]
         ids = np.ascontiguousarray(ids, dtype=np.int64)  # [T, k]
         w = np.ascontiguousarray(w, dtype=np.float32)  # [T, k]
         if hidden.ndim != 2 or ids.ndim != 2 or ids.shape != w.shape or ids.shape[0] != hidden.shape[0]:
             raise ValueError(
                 f"forward: expected hidden [T, H], ids [T, k], w [T, k]; got {hidden.shape}, {ids.shape}, {w.shape}"
             )
-        T = hidden.shape[0]
+        T, H = hidden.shape
         result: Future = self.fast.future()  # waiting on it receives shared-memory answers in place
         if T == 0:
-            result.set_result(np.zeros_like(hidden))
+            result.set_result(np.zeros((T, H), np.float32))
             return result
         parts: list[tuple[np.ndarray | None, Future]] = []
         sent: list[_Group] = []
+        E = self.cfg.n_routed_experts
+        one = T == 1 and ids.size <= 64  # decode: k Python ints are cheaper than numpy calls per group
+        row = ids[0].tolist() if one else None
+        in_range = (min(row) >= 0 and max(row) < E) if one else bool(ids.min() >= 0 and ids.max() < E)
         for g in self.groups:
             shard = g.desc
             if shard.all_experts:
                 rows = None  # every row
+            elif one and in_range:
+                held = _mask(shard, E)
+                if not any(held[e] for e in row):
+                    continue
+                rows = None
             else:
-                hit = _holds(shard, ids, self.cfg.n_routed_experts).any(axis=1)  # [T]
+                hit = (_mask(shard, E)[ids] if in_range else np.isin(ids, shard.experts)).any(axis=1)  # [T]
                 if not hit.any():
                     continue
                 rows = None if hit.all() else np.nonzero(hit)[0]
@@ -654,7 +665,7 @@ class ExpertsClient:
             parts.append((rows, self._call_group(g, layer, x, i, ww)))
             sent.append(g)
         if not parts:
-            result.set_result(np.zeros_like(hidden))
+            result.set_result(np.zeros((T, H), np.float32))
             return result
 
         remaining = [len(parts)]
@@ -667,14 +678,19 @@ class ExpertsClient:
                     return
             if result.done():
                 return
-            out = np.zeros((T, hidden.shape[1]), dtype=np.float32)  # [T, H]
+            out = None  # [T, H] f32
             try:
                 for (rows, f), g in zip(parts, sent):
                     resp = f.result()
                     y = _array(resp.output)  # [T_s, H]
-                    want = (T if rows is None else len(rows), hidden.shape[1])
+                    want = (T if rows is None else len(rows), H)
                     if y.shape != want:
                         raise ShardError(g.addresses, None, f"layer {layer}: output shape {y.shape} != {want}")
+                    if out is None and rows is None:  # the first full answer is the sum so far (own copy)
+                        out = y if y.flags.writeable else y.copy()
+                        continue
+                    if out is None:
+                        out = np.zeros((T, H), dtype=np.float32)
                     if rows is None:
                         out += y
                     else:
@@ -705,16 +721,15 @@ class ExpertsClient:
         return self.result(self.forward_async(layer, hidden, ids, w), layer)
 
 
-def _holds(shard: ShardDesc, ids: np.ndarray, n_experts: int) -> np.ndarray:
-    """[T, k] bool: which routed ids this shard holds (a table lookup; np.isin costs ~50 µs a call)."""
+def _mask(shard: ShardDesc, n_experts: int) -> np.ndarray:
+    """[n_experts] bool: the routed experts this shard holds (a table lookup per call; np.isin costs
+    ~50 µs a call). Made once per shard."""
     mask = getattr(shard, "_mask", None)
     if mask is None:
         mask = np.zeros(n_experts, dtype=bool)
         mask[shard.experts] = True
         shard._mask = mask
-    if ids.size and (ids.min() < 0 or ids.max() >= n_experts):
-        return np.isin(ids, shard.experts)
-    return mask[ids]
+    return mask
 
 
 def _observe(observer, fut: Future, layer: int, address: str, sent: int, t_send: float) -> None:

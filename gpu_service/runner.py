@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import ml_dtypes
 import numpy as np
 import torch
 
@@ -37,6 +38,10 @@ class RemoteExperts:
 
     def __init__(self, client):
         self.client = client
+        # hidden states leave the device already in the wire dtype (half the bytes for bf16; the
+        # client then copies them without a numpy cast)
+        self._wire = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(getattr(client, "wire_dtype", ""),
+                                                                               torch.float32)
         self._pinned: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * self.PINNED_SETS
         self._turn = 0
 
@@ -48,28 +53,35 @@ class RemoteExperts:
         bufs = self._pinned[i]
         if bufs is None or bufs[0].shape[0] < T or bufs[0].shape[1] != H or bufs[1].shape[1] != k:
             cap = max(T, 2 * bufs[0].shape[0] if bufs is not None else 16)
-            bufs = (torch.empty((cap, H), dtype=torch.float32, pin_memory=True),  # [cap, H]
+            bufs = (torch.empty((cap, H), dtype=self._wire, pin_memory=True),  # [cap, H]
                     torch.empty((cap, k), dtype=torch.int64, pin_memory=True),  # [cap, k]
                     torch.empty((cap, k), dtype=torch.float32, pin_memory=True))  # [cap, k]
             self._pinned[i] = bufs
         hb, ib, wb = bufs[0][:T], bufs[1][:T], bufs[2][:T]
-        hb.copy_(h.detach().float(), non_blocking=True)
+        hb.copy_(h.detach().to(self._wire), non_blocking=True)
         ib.copy_(ids, non_blocking=True)
         wb.copy_(w.detach().float(), non_blocking=True)
         torch.cuda.current_stream(h.device).synchronize()
-        return hb.numpy(), ib.numpy(), wb.numpy()
+        return _numpy(hb), ib.numpy(), wb.numpy()
 
     def __call__(self, layer: int, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> Callable[[], torch.Tensor]:
         if h.device.type == "cuda":
             fut = self.client.forward_async(layer, *self._to_host_cuda(h, ids, w))
         else:
-            fut = self.client.forward_async(
-                layer, h.detach().float().cpu().numpy(), ids.cpu().numpy().astype(np.int32), w.float().cpu().numpy())
+            fut = self.client.forward_async(layer, _numpy(h.detach().to(self._wire).cpu().contiguous()),
+                                            ids.cpu().numpy(), w.float().cpu().numpy())
 
         def wait() -> torch.Tensor:  # bounded: the client's deadline (ShardError when it passes)
             return torch.from_numpy(self.client.result(fut, layer)).to(device=h.device, dtype=h.dtype)
 
         return wait
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor; bfloat16 as ml_dtypes.bfloat16 (numpy has no bf16 of its own)."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
 
 
 class LocalExperts:

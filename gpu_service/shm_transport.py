@@ -76,7 +76,8 @@ class FastPath:
         self.seq = itertools.count(1)
         self.usable = True
         self.calls = 0
-        sock.settimeout(WATCH_S)  # a waiting receiver checks deadlines this often
+        sock.setblocking(False)  # receivers poll (spin), then wait in select() up to WATCH_S
+        self.spin_s = P.spin_seconds()
 
     def send(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray, timeout_s: float,
              fallback) -> Future | None:
@@ -121,11 +122,15 @@ class FastPath:
             if not self.usable:
                 return
             try:
-                msg = self.sock.recv(P.DOORBELL.size)
-            except socket.timeout:
-                self.expire(time.monotonic())
-                return
-            except OSError as e:
+                msg = P.recv_spin(self.sock, self.spin_s)  # poll first: no wake-up when the answer is quick
+                if msg is None:
+                    if not select.select([self.sock], [], [], WATCH_S)[0]:
+                        self.expire(time.monotonic())
+                        return
+                    msg = self.sock.recv(P.DOORBELL.size)
+            except (BlockingIOError, InterruptedError):
+                return  # a spurious wake-up: the caller pumps again
+            except (OSError, ValueError) as e:  # ValueError: select() on a socket closed meanwhile
                 msg, why = b"", f"doorbell failed: {e}"
             else:
                 why = "the shard closed the fast path"
@@ -227,7 +232,7 @@ class DrivenFuture(Future):
                 continue
             if len(busy) > 1:  # receive from whichever shard answers first
                 try:
-                    ready = select.select([fp.sock for fp in busy], [], [], WATCH_S)[0]
+                    ready = _select_spin([fp.sock for fp in busy], busy[0].spin_s)
                 except (OSError, ValueError):  # a socket closed meanwhile
                     ready = [fp.sock for fp in busy]
                 if not ready:
@@ -248,6 +253,18 @@ class DrivenFuture(Future):
 
     def exception(self, timeout: float | None = None):
         return super().exception(self._drive(timeout))
+
+
+def _select_spin(socks: list, spin_s: float) -> list:
+    """The doorbells with an answer waiting: polled for up to spin_s (yielding the CPU between
+    polls, see cpu_expert_service.shm_transport), then waited for up to WATCH_S."""
+    end = time.perf_counter() + spin_s
+    while True:
+        ready = select.select(socks, [], [], 0)[0]
+        if ready or time.perf_counter() >= end:
+            break
+        os.sched_yield()
+    return ready or select.select(socks, [], [], WATCH_S)[0]
 
 
 def _chain(fut: Future, fallback, address: str) -> None:

@@ -159,3 +159,51 @@ def test_remote_experts_cuda_pinned_copies_match_cpu():
         assert got.device.type == "cuda" and got.dtype == torch.bfloat16
         torch.testing.assert_close(got.cpu(), want, atol=0, rtol=0)
     assert all(b is None or b[0].is_pinned() for b in gpu._pinned)
+
+
+def test_doorbell_spin_polls_then_gives_up(monkeypatch):
+    """recv_spin: a waiting message at once, None once the window passes, b"" at EOF; the window
+    comes from MOESPLIT_SHM_SPIN_US and a bad value names the variable."""
+    import socket
+    import time
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        t0 = time.perf_counter()
+        assert P.recv_spin(b, 0.002) is None
+        assert time.perf_counter() - t0 >= 0.002
+        msg = P.DOORBELL.pack(P.OP_FORWARD, 1, 7)
+        a.send(msg)
+        assert P.recv_spin(b, 0.5) == msg
+        a.close()
+        assert P.recv_spin(b, 0.5) == b""
+    finally:
+        b.close()
+    monkeypatch.setenv(P.SPIN_ENV, "0")
+    assert P.spin_seconds() == 0.0
+    monkeypatch.setenv(P.SPIN_ENV, "150")
+    assert P.spin_seconds() == pytest.approx(150e-6)
+    monkeypatch.setenv(P.SPIN_ENV, "fast")
+    with pytest.raises(ValueError, match=P.SPIN_ENV):
+        P.spin_seconds()
+
+
+@pytest.mark.parametrize("spin_us", ["0", "5000"])
+def test_same_answers_with_and_without_spinning(model_dir, cfg, monkeypatch, spin_us):
+    """Shards and client that never spin (0) or always catch the next call spinning (5 ms) answer
+    exactly what gRPC answers; a hidden state handed over already in the wire dtype (as
+    RemoteExperts does) gives what the float32 one gives."""
+    import ml_dtypes
+
+    monkeypatch.setenv(P.SPIN_ENV, spin_us)  # read by the shards at start and by the client's fast paths
+    layer = cfg.moe_layers[0]
+    with start_shards(model_dir, 2) as sh, \
+            ExpertsClient(sh.addresses, cfg, transport="grpc", wire_dtype="bfloat16") as g, \
+            ExpertsClient(sh.addresses, cfg, transport="shm", wire_dtype="bfloat16") as s:
+        for T in (1, 1, 6, 1):
+            x, ids, w = _call(cfg, T, seed=10 + T)
+            want = g.forward(layer, x, ids, w)
+            np.testing.assert_array_equal(s.forward(layer, x, ids, w), want)
+            np.testing.assert_array_equal(s.forward(layer, x.astype(ml_dtypes.bfloat16), ids, w), want)
+            np.testing.assert_array_equal(g.forward(layer, x.astype(ml_dtypes.bfloat16), ids, w), want)
+        assert all(fp.calls >= 8 for fp, _ in s.fast.paths.values())
