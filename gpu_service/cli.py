@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("gpu_service.serve", "start the local stack and serve the OpenAI HTTP + gRPC APIs"),
     "chat": ("gpu_service.chat", "interactive chat over the gRPC Generate API"),
     "plan": ("gpu_service.plan_cli", "compute a memory plan before loading anything"),
+    "hot-experts": ("gpu_service.hot_experts", "pick --gpu-experts' hot experts from the shards' activation counts"),
     "convert": ("cpu_expert_service.convert", "pack a checkpoint's experts into per-shard kernel files"),
 }
 

@@ -59,8 +59,12 @@ class Placement:
                 layer_gpu[layer] = g
         if hot_experts is None:
             # Without activation statistics the hot set is the first N experts of each layer;
-            # pass `hot_experts` (e.g. from the shards' activation counters) to choose better.
+            # pass `hot_experts` (gpu_service.hot_experts: the shards' activation counts) to choose better.
             hot_experts = {layer: list(range(o.gpu_experts)) for layer in cfg.moe_layers} if o.gpu_experts else {}
+        elif o.gpu_experts or hot_experts:
+            from gpu_service.hot_experts import resolve
+
+            hot_experts = resolve(hot_experts, cfg, o.gpu_experts)  # checked against the plan, every MoE layer
         return Placement(cfg, list(devices), layer_gpu, o.embeddings == "cpu", o.attention_weights,
                          o.expert_format, o.kv_tokens, hot_experts, plan)
 
@@ -152,6 +156,10 @@ def add_plan_arguments(p) -> None:
                    help="hot routed experts per MoE layer kept and computed on the GPU (default 0)")
     p.add_argument("--min-kv-tokens", type=int, default=None,
                    help="never shrink the KV cache below this when auto-fitting (default: --kv-tokens)")
+    p.add_argument("--hot-experts", default=None, metavar="FILE",
+                   help="which experts --gpu-experts keeps on the GPU: JSON {\"<layer>\": [ids]} or "
+                        "{\"counts\": {\"<layer>\": {\"<expert>\": n}}} (`moesplit hot-experts` writes it from the "
+                        "shards' activation counts; default: the lowest ids)")
 
 
 def placement_from_args(args, cfg: ModelConfig, kv_tokens: int, chunk_tokens: int = 2048,
@@ -161,8 +169,20 @@ def placement_from_args(args, cfg: ModelConfig, kv_tokens: int, chunk_tokens: in
     from gpu_service import plan as P
 
     cuda = torch.cuda.is_available() and (device is None or device.type == "cuda")
+    hot_file = getattr(args, "hot_experts", None)
     if not args.gpu and not cuda:
+        if hot_file:
+            raise SystemExit(f"moesplit: --hot-experts {hot_file} needs a memory plan with hot GPU experts: "
+                             "pass --gpu SIZE and --gpu-experts N (without a GPU nothing is kept hot)")
         return None
+    spec = None
+    if hot_file:  # read and shape-check before planning, so a bad file stops before anything else
+        from gpu_service.hot_experts import HotExpertsError, load_file
+
+        try:
+            spec = load_file(hot_file)
+        except HotExpertsError as e:
+            raise SystemExit(f"moesplit: {e}") from None
     caps = [P.parse_size(g) for g in args.gpu] if args.gpu else [
         torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
     gx = args.gpu_experts if args.gpu_experts == "auto" else int(args.gpu_experts)
@@ -181,4 +201,12 @@ def placement_from_args(args, cfg: ModelConfig, kv_tokens: int, chunk_tokens: in
         devices = None
     else:  # a CPU-only machine given --gpu: execute the plan's layout on the CPU (for testing plans)
         devices = [torch.device("cpu")] * len(plan.gpus)
-    return Placement.from_plan(plan, devices)
+    hot = None
+    if spec is not None:
+        from gpu_service.hot_experts import HotExpertsError, resolve
+
+        try:
+            hot = resolve(spec, cfg, plan.options.gpu_experts)
+        except HotExpertsError as e:
+            raise SystemExit(f"moesplit: {e}; nothing was loaded.") from None
+    return Placement.from_plan(plan, devices, hot)
