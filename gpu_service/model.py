@@ -517,7 +517,9 @@ def build_model(cfg: ModelConfig, get: Callable[[str], "object"], dtype: torch.d
                         torch.from_numpy(np.array(stored.arrays["weight_scale_inv"], dtype=np.float32)))
                 if tuple(pair[0].shape) != tuple(p.shape):
                     raise ValueError(f"tensor {src!r} has shape {tuple(pair[0].shape)}, expected {tuple(p.shape)}")
-                q = make_quantized(None, "fp8", dev, stored=pair)
+                qc = cfg.quantization
+                q = make_quantized(None, "fp8", dev, stored=pair,
+                                   fp8_block=tuple(qc.block_size) if qc is not None and qc.method == "fp8" else (128, 128))
             else:
                 w = torch.from_numpy(get(src))
                 if tuple(w.shape) != tuple(p.shape):

@@ -121,13 +121,14 @@ def fmt_gib(n: int | float) -> str:
 
 
 # ----------------------------------------------------------------------------- weight bytes
-def linear_bytes(out: int, inp: int, fmt: str) -> int:
-    """Bytes of one linear weight [out, inp] stored in `fmt` (see the module docstring)."""
+def linear_bytes(out: int, inp: int, fmt: str, fp8_block: tuple[int, int] = FP8_BLOCK) -> int:
+    """Bytes of one linear weight [out, inp] stored in `fmt` (see the module docstring); an FP8
+    checkpoint kept as stored has its own scale blocks (quantization_config.weight_block_size)."""
     n = out * inp
     if fmt == "bf16":
         return 2 * n
     if fmt == "fp8":
-        return n + 4 * math.ceil(out / FP8_BLOCK[0]) * math.ceil(inp / FP8_BLOCK[1])
+        return n + 4 * math.ceil(out / fp8_block[0]) * math.ceil(inp / fp8_block[1])
     if fmt == "int8":
         return n + 4 * out
     if fmt == "int4":
@@ -237,8 +238,14 @@ def module_bytes(cfg: ModelConfig, mod: Module, attention_weights: str) -> int:
     b = 2 * mod.bf16 + 4 * mod.f32
     for name, o, i in mod.linears:
         fmt = checkpoint_format(cfg, name) if attention_weights == "checkpoint" else attention_weights
-        b += linear_bytes(o, i, fmt)
+        b += linear_bytes(o, i, fmt, fp8_block(cfg) if attention_weights == "checkpoint" else FP8_BLOCK)
     return b
+
+
+def fp8_block(cfg: ModelConfig) -> tuple[int, int]:
+    """Scale block of the checkpoint's FP8 linears ((128, 128) for DeepSeek's and Kimi's)."""
+    q = cfg.quantization
+    return tuple(q.block_size) if q is not None and q.method == "fp8" else FP8_BLOCK
 
 
 def param_bytes_by_module(cfg: ModelConfig, options: Options | dict | str = "checkpoint") -> dict[str, int]:

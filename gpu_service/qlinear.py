@@ -100,12 +100,21 @@ def weight_of(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     return linear.weight.to(dtype)
 
 
-def make_quantized(w: torch.Tensor, fmt: str, device: torch.device, stored=None) -> nn.Module:
+def make_quantized(w: torch.Tensor, fmt: str, device: torch.device, stored=None,
+                   fp8_block: tuple[int, int] = (128, 128)) -> nn.Module:
     """A weight-only quantised linear of format `fmt` ("fp8"|"int8") from a float weight, or from
-    the checkpoint's own FP8 arrays `stored=(e4m3 weight, scale_inv)` without re-quantising."""
+    the checkpoint's own FP8 arrays `stored=(e4m3 weight, scale_inv)` without re-quantising (then
+    `fp8_block` is the checkpoint's scale block, quantization_config.weight_block_size)."""
     if fmt == "fp8":
-        q, s = stored if stored is not None else Fp8Linear.quantize(w)
-        return Fp8Linear(q.to(device), s.to(device))
+        if stored is None:
+            q, s = Fp8Linear.quantize(w)
+            return Fp8Linear(q.to(device), s.to(device))
+        q, s = stored
+        want = (-(-q.shape[0] // fp8_block[0]), -(-q.shape[1] // fp8_block[1]))
+        if tuple(s.shape) != want:
+            raise ValueError(f"FP8 weight {tuple(q.shape)} with scale blocks {tuple(fp8_block)} needs weight_scale_inv "
+                             f"{want}, got {tuple(s.shape)}: check quantization_config.weight_block_size")
+        return Fp8Linear(q.to(device), s.to(device), block=fp8_block)
     if fmt == "int8":
         q, s = Int8Linear.quantize(w)
         return Int8Linear(q.to(device), s.to(device))

@@ -153,8 +153,9 @@ def tiny_config(arch: str = "deepseek_v3", fmt: str = "bf16", overrides: dict | 
             cfg[k] = {**cfg[k], **v}
         else:
             cfg[k] = v
-    if fmt == "fp8":
-        cfg["quantization_config"] = copy.deepcopy(FP8_QUANT)
+    given = (overrides or {}).get("quantization_config") or {}
+    if fmt == "fp8":  # an override may set another weight_block_size (DeepSeek's is 128 x 128)
+        cfg["quantization_config"] = {**copy.deepcopy(FP8_QUANT), **given}
     elif fmt == "int4":
         cfg["quantization_config"] = copy.deepcopy(INT4_QUANT)
     return cfg
@@ -245,7 +246,7 @@ def _encode(tensors: dict, fmt: str, cfg: dict) -> dict:
         if name.endswith("e_score_correction_bias"):
             stored[name] = t
         elif fmt == "fp8" and _fp8_quantized(name):
-            q, s = quant_fp8_block(t.numpy(), tuple(FP8_QUANT["weight_block_size"]))
+            q, s = quant_fp8_block(t.numpy(), tuple(cfg["quantization_config"]["weight_block_size"]))
             stored[name] = torch.from_numpy(q.view(np.uint8).copy()).view(torch.float8_e4m3fn)
             stored[name + "_scale_inv"] = torch.from_numpy(s)
         elif fmt == "int4" and N.is_routed_expert(name):

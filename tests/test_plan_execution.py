@@ -141,6 +141,30 @@ def test_fp8_attention_on_fp8_checkpoint_is_lossless(tmp_path):
     assert agree == 1.0 and cos > 0.99999
 
 
+def test_fp8_checkpoint_with_its_own_scale_blocks(tmp_path):
+    """An FP8 checkpoint whose quantization_config.weight_block_size is not 128 x 128: the GPU
+    side keeps its blocks as stored (not cropped to 128-blocks), so it computes what the checkpoint
+    reader dequantises, and the plan counts its scales exactly."""
+    d = make_tiny(str(tmp_path / "fp8b32"), fmt="fp8", seed=7, overrides={
+        "num_hidden_layers": 3, "quantization_config": {"weight_block_size": [32, 16]}})
+    reader = CheckpointReader(d)
+    assert tuple(reader.config.quantization.block_size) == (32, 16)
+    _, backend, _ = load_shard(d, None, None, "numpy")
+    experts = LocalExperts(backend)
+    tokens = [3, 14, 15, 92, 65, 35, 89, 79]
+    logits = {}
+    for aw in ("checkpoint", "bf16"):  # as stored vs dequantised by the reader
+        plan = _plan(reader, gpus=["1GiB"], attention_weights=aw)
+        runner, placement = _runner(reader, experts, plan, torch.bfloat16)
+        got = allocated_bytes_by_gpu(runner.model, placement, runner.pool)[0]
+        planned = sum(v for k, v in plan.gpus[0].items.items() if k in WEIGHT_CATEGORIES)
+        assert got == planned, (aw, got, planned)
+        logits[aw] = _teacher_forced(runner, tokens).float()
+    # the same weights: dequantised to bf16 on the fly, or by the reader at load (a 128-block crop
+    # of these 32 x 16 scales had been ~90% off)
+    assert torch.nn.functional.cosine_similarity(logits["checkpoint"][-1], logits["bf16"][-1], dim=0) > 0.9999
+
+
 @pytest.mark.parametrize("name", ["split", "cpu_embeddings", "gpu_experts"])
 def test_lossless_options_give_the_reference_tokens(ckpt, reference_run, name):
     _, reader, experts = ckpt
