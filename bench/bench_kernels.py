@@ -2,7 +2,7 @@
 and, where it installs, kt-kernel's MoE op on identical data.
 
 H 7168, I 2048, E = 32 experts, top-8, 1 / 8 / 64 / 256 tokens per call, bf16 / int8 / int4,
-2 threads. Writes bench/results/kernels.json (records + ceilings + kt-kernel status/ratios) and
+2 threads; the caches are flushed before every timed call (decode streams weights from memory). Writes bench/results/kernels.json (records + ceilings + kt-kernel status/ratios) and
 bench/results/kernels.png. kt-kernel is looked for in a separate venv ($KT_KERNEL_VENV, default
 /tmp/ktvenv, made with `pip install --no-deps kt-kernel`) and run in a subprocess per format, so
 its worker threads never overlap our measurements.
@@ -68,10 +68,24 @@ def reps_for(T: int) -> int:
     return 5 if T <= 8 else 2
 
 
+_FLUSH: list = []
+
+
+def flush_caches() -> None:
+    """Read a buffer of twice the last-level cache (at least 512 MiB) so the next call finds no
+    weights in any cache, as in decode, where each layer's experts are new: a repeated call would
+    otherwise find its experts in L3 when they fit (8 int4 experts are 176 MB, this VM's L3 260 MB)."""
+    if not _FLUSH:
+        l3 = os.sysconf("SC_LEVEL3_CACHE_SIZE") if "SC_LEVEL3_CACHE_SIZE" in os.sysconf_names else 0
+        _FLUSH.append(np.ones(max(2 * max(l3, 0), 512 << 20) // 8, dtype=np.uint64))
+    _FLUSH[0].max()
+
+
 def timed(fn, reps: int):
     fn()  # warm-up
     ms, cpu = [], []
     for _ in range(reps):
+        flush_caches()  # every timed call streams its weights from memory
         c, t = time.process_time(), time.perf_counter()
         fn()
         dt = time.perf_counter() - t
@@ -131,6 +145,29 @@ def torch_bf16_gflops() -> float | None:
     for _ in range(n):
         a @ b
     return 2.0 * 256 * H * 2 * I * n / (time.perf_counter() - t) / 1e9
+
+
+def probe_gflops(kind: str, threads: int = THREADS, iters: int = 5 * 10**7) -> float | None:
+    """This machine's peak of one instruction kind, on `threads` threads at once (best of 3):
+    "fma_f32" (what our bf16 GEMM runs on: widened weights x f32 activations) or "dpbf16"
+    (vdpbf16ps). 12 independent 512-bit chains per thread (cpu_expert_service.kernels)."""
+    import threading
+
+    from cpu_expert_service.kernels import _moe
+
+    if not _moe.cpu_has("avx512"):
+        return None
+    best = 0.0
+    for _ in range(3):
+        done: list[float] = []
+        ths = [threading.Thread(target=lambda: done.append(_moe.probe_peak(kind, iters))) for _ in range(threads)]
+        t = time.perf_counter()
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join()
+        best = max(best, sum(done) / (time.perf_counter() - t) / 1e9)
+    return best
 
 
 # ----------------------------------------------------------------------------- ours
@@ -262,6 +299,10 @@ def plot(records, ceilings, path):
                 fl = [2.0 * 3 * H * I * t * TOPK for t in toks]
                 ax.plot(toks, [f / (ceilings["torch_bf16_gflops"] * 1e9) * 1e3 for f in fl], "-.", color="gray",
                         label=f"torch bf16 GEMM ({ceilings['torch_bf16_gflops']:.0f} GFLOP/s)")
+            if ceilings.get("peak_fma_f32_gflops"):
+                fl = [2.0 * 3 * H * I * t * TOPK for t in toks]
+                ax.plot(toks, [f / (ceilings["peak_fma_f32_gflops"] * 1e9) * 1e3 for f in fl], "--", color="silver",
+                        label=f"f32 FMA peak ({ceilings['peak_fma_f32_gflops']:.0f} GFLOP/s)")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(f"{fmt}: H={H} I={I} E={E} top-{TOPK}, {THREADS} threads")
@@ -292,6 +333,11 @@ def main() -> int:
     ceilings["read_gbps_method"] = ("numpy over a 2 GiB buffer, best of 3: float32 sum (1 thread) and "
                                     "uint64 max over halves (2 threads)")
     ceilings["torch_bf16_gflops_method"] = f"torch bf16 [256,{H}]x[{H},{2 * I}] matmul, {THREADS} threads"
+    for kind in ("fma_f32", "dpbf16"):  # compute peaks without AMX: what a bf16 GEMM here can reach
+        g = probe_gflops(kind)
+        ceilings[f"peak_{kind}_gflops"] = round(g, 1) if g else None
+    ceilings["peak_method"] = (f"{THREADS} threads x 12 independent zmm chains of vfmadd ps / vdpbf16ps "
+                               "(cpu_expert_service.kernels._moe.probe_peak), best of 3")
     print(f"ceilings: {ceilings}", flush=True)
 
     so = None if args.no_kt else kt_extension_path()

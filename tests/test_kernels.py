@@ -146,6 +146,20 @@ def test_api_surface():
                                             np.ones((4, 8), np.float32))
 
 
+def test_compute_ceiling_probe():
+    """The benchmark's compute-peak probe counts the FLOPs it runs and refuses an unknown kind."""
+    from cpu_expert_service.kernels import _moe
+
+    if not _moe.cpu_has("avx512"):
+        with pytest.raises(RuntimeError, match="AVX-512"):
+            _moe.probe_peak("fma_f32", 10)
+        return
+    assert _moe.probe_peak("fma_f32", 1000) == 1000 * 12 * 32  # 12 chains x 16 lanes x 2
+    assert _moe.probe_peak("dpbf16", 1000) == 1000 * 12 * 64  # 12 chains x 32 pairs x 2
+    with pytest.raises(KeyError):
+        _moe.probe_peak("fp64", 10)
+
+
 def test_env_override_refuses_missing_isa(monkeypatch):
     missing = [isa for isa in ("amx", "avx512", "avx2") if isa not in kb.AVAILABLE_ISAS]
     if not missing:

@@ -25,6 +25,7 @@ cdef extern from "moe.h" nogil:
     void moe_kernels_avx512(MoeKernels *k)
     void moe_kernels_amx(MoeKernels *k)
     int moe_cpu_has(int isa)
+    double moe_probe_avx512(int kind, long iters)
     MoePool *moe_pool_create(int nthreads, const int *cpus, int ncpus)
     void moe_pool_destroy(MoePool *pool)
     int moe_expert_pack_float(MoePool *pool, MoeExpert *e, int fmt, int H, int I,
@@ -47,6 +48,18 @@ def cpu_has(str isa):
     """True if this CPU and OS can run the kernels of `isa` (for amx: also asks the kernel for
     XTILEDATA permission, which is what makes it usable)."""
     return bool(moe_cpu_has(ISAS[isa]))
+
+
+def probe_peak(str kind, long iters):
+    """Run `iters` rounds of a compute-ceiling probe ("fma_f32" or "dpbf16", AVX-512) on this
+    thread without the GIL; returns the FLOPs done (the caller times it, on several threads)."""
+    cdef int k = {"fma_f32": 0, "dpbf16": 1}[kind]
+    cdef double flops
+    if not moe_cpu_has(MOE_ISA_AVX512):
+        raise RuntimeError("probe_peak needs AVX-512 BF16 (this CPU lacks it)")
+    with nogil:
+        flops = moe_probe_avx512(k, iters)
+    return flops
 
 
 cdef class _Layer:

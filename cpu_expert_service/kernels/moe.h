@@ -84,6 +84,7 @@ void moe_act_generic(const float *g, const float *u, int n, float *out, uint16_t
 void moe_kernels_generic(MoeKernels *k);
 void moe_kernels_avx2(MoeKernels *k);
 void moe_kernels_avx512(MoeKernels *k);
+double moe_probe_avx512(int kind, long iters); /* compute-ceiling probe: 0 f32 FMA, 1 vdpbf16ps; returns FLOPs */
 void moe_kernels_amx(MoeKernels *k);
 
 /* generic panels, used by the others for odd cases */

@@ -52,26 +52,37 @@ AI void mk_bf16(const int MR, const uint16_t *w, int nkp, const float *const *x,
         for (int v = 0; v < BF_NV; v++) _mm512_storeu_ps(C + m * 64 + 16 * v, acc[m][v]);
 }
 
-#ifndef GEMV_PF
-#define GEMV_PF 2048 /* bf16 elements ahead (4 KiB) */
+/* Weight-stream prefetch of the 1-token paths (bf16 GEMV, int8 and int4 groups), in bytes ahead
+ * of what is being read: every cache line STREAM_PF ahead into L1 and STREAM_PF2 ahead into L2.
+ * Without it the streams ran at ~55% (int4) to ~80% (int8, bf16 on a good run) of the machine's
+ * read bandwidth: the hardware streamer alone does not keep enough lines in flight while the core
+ * is busy with vpdpbusd / vdpbf16ps; the far L2 level is worth ~20% over the L1 one alone (int4). */
+#ifndef STREAM_PF
+#define STREAM_PF 8192
 #endif
-#ifndef GEMV_HINT
-#define GEMV_HINT _MM_HINT_T0
+#ifndef STREAM_PF2
+#define STREAM_PF2 16384
 #endif
 
-/* 1 token: a pure weight stream, 4 independent chains x 2 to cover the dpbf16 latency */
+/* prefetch the `lines` cache lines at p + STREAM_PF (L1) and p + STREAM_PF2 (L2) */
+AI void stream_prefetch(const void *p, const int lines) {
+#if STREAM_PF > 0
+    for (int l = 0; l < lines; l++) _mm_prefetch((const char *)p + STREAM_PF + 64 * l, _MM_HINT_T0);
+#endif
+#if STREAM_PF2 > 0
+    for (int l = 0; l < lines; l++) _mm_prefetch((const char *)p + STREAM_PF2 + 64 * l, _MM_HINT_T1);
+#endif
+}
+
+/* 1 token: a pure weight stream, 4 independent chains x 2 to cover the dpbf16 latency; each
+ * iteration reads 2 k-pairs x 64 channels = 512 B = 8 cache lines and prefetches the 8 ahead */
 static void gemv_bf16(const uint16_t *w, int nkp, const uint16_t *x, float *C) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
     const int32_t *xr = (const int32_t *)x;
     int kp = 0;
     for (; kp + 2 <= nkp; kp += 2) {
         const uint16_t *wr = w + (size_t)kp * 128;
-#if GEMV_PF > 0
-        _mm_prefetch((const char *)(wr + GEMV_PF), GEMV_HINT);
-        _mm_prefetch((const char *)(wr + GEMV_PF + 64), GEMV_HINT);
-        _mm_prefetch((const char *)(wr + GEMV_PF + 128), GEMV_HINT);
-        _mm_prefetch((const char *)(wr + GEMV_PF + 192), GEMV_HINT);
-#endif
+        stream_prefetch(wr, 8);
         __m512bh x0 = (__m512bh)_mm512_set1_epi32(xr[kp]), x1 = (__m512bh)_mm512_set1_epi32(xr[kp + 1]);
         a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(wr), x0);
         a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(wr + 32), x0);
@@ -140,26 +151,9 @@ void moe_panel_bf16_avx512(const MoeMat *W, int p, const MoeRows *rows, float *C
 #define IN_MR 3
 #define IN_GC 16 /* groups per k-block */
 
-/* int4 weight-stream prefetch, in bytes ahead of the group being read: every line of the group
- * INT_PF ahead into L1 and of the group INT_PF2 ahead into L2. Without it the int4 GEMV streamed
- * ~55% of the machine's read bandwidth (the hardware streamer alone does not keep enough lines in
- * flight while the core is busy with vpdpbusd); the far L2 level is worth ~20% over the L1 one alone. */
-#ifndef INT_PF
-#define INT_PF 8192
-#endif
-#ifndef INT_PF2
-#define INT_PF2 16384
-#endif
-
-/* prefetch the 9 cache lines (576 B, 64-byte aligned) of the int4 group at gb + INT_PF / INT_PF2 */
-AI void int4_prefetch(const uint8_t *gb) {
-#if INT_PF > 0
-    for (int l = 0; l < 9; l++) _mm_prefetch((const char *)gb + INT_PF + 64 * l, _MM_HINT_T0);
-#endif
-#if INT_PF2 > 0
-    for (int l = 0; l < 9; l++) _mm_prefetch((const char *)gb + INT_PF2 + 64 * l, _MM_HINT_T1);
-#endif
-}
+/* the 9 cache lines (576 B, 64-byte aligned) of an int4 group; the 16 (1 KiB) of an int8 group */
+AI void int4_prefetch(const uint8_t *gb) { stream_prefetch(gb, 9); }
+AI void int8_prefetch(const uint8_t *gb) { stream_prefetch(gb, 16); }
 
 AI __m512 bf16x16_to_ps(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
@@ -179,6 +173,7 @@ AI void mk_int(const int MR, const int INT4, const uint8_t *wp, int g0, int ng, 
         for (int m = 0; m < MR; m++) ih[m][0] = ih[m][1] = il[m][0] = il[m][1] = _mm512_setzero_si512();
         if (!INT4) {
             const uint8_t *gb = wp + (size_t)g * 8 * 128;
+            int8_prefetch(gb);
             for (int qd = 0; qd < 8; qd++) {
                 __m512i w0 = _mm512_loadu_si512(gb + qd * 128), w1 = _mm512_loadu_si512(gb + qd * 128 + 64);
                 for (int m = 0; m < MR; m++) {
@@ -233,7 +228,7 @@ AI void mk_int(const int MR, const int INT4, const uint8_t *wp, int g0, int ng, 
 }
 
 /* 1 token, int4: a pure weight stream (T = 1 decode). Each 576-byte group is exactly 9 cache lines
- * (panels and groups are 64-byte aligned); the lines INT_PF (L1) and INT_PF2 (L2) bytes ahead are
+ * (panels and groups are 64-byte aligned); the lines STREAM_PF (L1) and STREAM_PF2 (L2) bytes ahead are
  * prefetched, so the stream overlaps the vpdpbusd work instead of stalling on demand misses
  * (a thread's panels are contiguous, so this runs on into its next panel).
  * Nibbles: low = p & 0x0f, high kept in place as 16 * h = p & 0xf0 (one op instead of shift + and);
@@ -363,4 +358,28 @@ void moe_kernels_avx512(MoeKernels *k) {
     k->panel[MOE_FMT_BF16] = moe_panel_bf16_avx512;
     k->panel[MOE_FMT_INT8] = moe_panel_int8_avx512;
     k->panel[MOE_FMT_INT4] = moe_panel_int4_avx512;
+}
+
+/* ---------------- compute-ceiling probes (for bench/bench_kernels.py) ----------------
+ * `iters` rounds of 12 independent 512-bit chains (enough to cover the FMA latency on two ports):
+ * f32 FMA (what the bf16 GEMM runs on: widened weights x f32 activations) or vdpbf16ps. Returns
+ * the floating-point operations done; the caller times it on every thread at once. */
+#define PROBE_CHAINS 12
+double moe_probe_avx512(int kind, long iters) {
+    __m512 acc[PROBE_CHAINS];
+    for (int c = 0; c < PROBE_CHAINS; c++) acc[c] = _mm512_set1_ps(1e-3f * (float)c);
+    const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-6f);
+    const __m512bh ab = _mm512_cvtne2ps_pbh(a, a), bb = _mm512_cvtne2ps_pbh(b, b);
+    for (long i = 0; i < iters; i++) {
+        if (kind == 0)
+            for (int c = 0; c < PROBE_CHAINS; c++) acc[c] = _mm512_fmadd_ps(acc[c], a, b);
+        else
+            for (int c = 0; c < PROBE_CHAINS; c++) acc[c] = _mm512_dpbf16_ps(acc[c], ab, bb);
+    }
+    __m512 s = acc[0];
+    for (int c = 1; c < PROBE_CHAINS; c++) s = _mm512_add_ps(s, acc[c]);
+    volatile float sink = _mm512_reduce_add_ps(s);
+    (void)sink;
+    /* per chain per round: 16 lanes x 2 (FMA) or 32 pairs x 2 (dpbf16) */
+    return (double)iters * PROBE_CHAINS * (kind == 0 ? 32.0 : 64.0);
 }
