@@ -10,9 +10,16 @@
  * as in the AVX-512 path. Fewer than 16 tokens go to the AVX-512 kernels.
  *
  * The dispatcher only selects this file after moe_cpu_has(MOE_ISA_AMX), which also obtained
- * the XTILEDATA permission with arch_prctl(ARCH_REQ_XCOMP_PERM). */
+ * the XTILEDATA permission with arch_prctl(ARCH_REQ_XCOMP_PERM). Built with -DMOE_AMX_EMULATE,
+ * the tile instructions are a software model (amx_emu.h) so tests run this file without AMX. */
+#ifdef MOE_AMX_EMULATE /* tests: the tile instructions in software (amx_emu.h), on any AVX-512 CPU */
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni")
+#include <immintrin.h>
+#include "amx_emu.h"
+#else
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,amx-tile,amx-bf16,amx-int8")
 #include <immintrin.h>
+#endif
 #include <string.h>
 
 #include "moe.h"

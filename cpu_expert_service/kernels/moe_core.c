@@ -60,6 +60,9 @@ int moe_cpu_has(int isa) {
     int os512 = (xcr0 & 0xe0) == 0xe0; /* opmask, ZMM_Hi256, Hi16_ZMM */
     if (isa == MOE_ISA_AVX512) return avx2 && fma && avx512 && os512;
     if (isa == MOE_ISA_AMX) {
+#ifdef MOE_AMX_EMULATE /* test build: tiles emulated in software (amx_emu.h) */
+        return avx2 && fma && avx512 && os512;
+#endif
         int amx = ((d7 >> 22) & 1) /*AMX-BF16*/ && ((d7 >> 24) & 1) /*TILE*/ && ((d7 >> 25) & 1) /*INT8*/;
         if (!(avx2 && fma && avx512 && os512 && amx)) return 0;
         /* the OS must enable XTILECFG + XTILEDATA in XCR0 (Linux >= 5.16), and each process must
