@@ -359,24 +359,13 @@ def gen_rates(model_dir: str, shards, backend_name: str, prompt_len: int, new_to
     return out
 
 
-def _one_token_calls(c, layer: int, x, ids, w, n: int) -> tuple[list[float], list[float]]:
-    """n one-token layer calls through client c: (round trips s, shard compute_us of each)."""
+def _one_token_calls(c, layer: int, x, ids, w, n: int, gap_s: float = 0.0) -> tuple[list[float], list[float]]:
+    """n one-token layer calls through client c, each `gap_s` after the previous answer: (round
+    trips s, shard compute_us of each)."""
     rtt, comp = [], []
     for _ in range(n):
-        t0 = time.perf_counter()
-        fut = c.forward_async(layer, x, ids, w)
-        c.result(fut, layer)
-        rtt.append(time.perf_counter() - t0)
-        comp.append(fut.shard_futures[0][1].result().compute_us)
-    return rtt, comp
-
-
-def _cold_calls(c, layer: int, x, ids, w, n: int, gap_s: float = 0.002) -> tuple[list[float], list[float]]:
-    """Like _one_token_calls, each call `gap_s` after the previous answer: past both ends' doorbell
-    spin, so the shard and the waiting client are woken by the kernel."""
-    rtt, comp = [], []
-    for _ in range(n):
-        time.sleep(gap_s)
+        if gap_s:
+            time.sleep(gap_s)
         t0 = time.perf_counter()
         fut = c.forward_async(layer, x, ids, w)
         c.result(fut, layer)
@@ -441,7 +430,8 @@ def layer_rtt(model_dir: str, shards, n: int, rounds: int) -> dict:
                         rtt.setdefault(key, []).extend(ts)
                         comp.setdefault(key, []).extend(cs)
                         transport.setdefault(key, []).extend(r - cu * 1e-6 for r, cu in zip(ts, cs))
-                ts, cs = _cold_calls(clients["shm"], layer, x, ids, w, max(20, n // (rounds * 10)))
+                # 2 ms apart: past both ends' doorbell spin, so shard and client are woken by the kernel
+                ts, cs = _one_token_calls(clients["shm"], layer, x, ids, w, max(20, n // (rounds * 10)), gap_s=0.002)
                 rtt.setdefault("shm_cold", []).extend(ts)
                 comp.setdefault("shm_cold", []).extend(cs)
                 transport.setdefault("shm_cold", []).extend(r - cu * 1e-6 for r, cu in zip(ts, cs))

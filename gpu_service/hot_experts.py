@@ -36,6 +36,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from checkpoint.names import compact_ranges
+
 log = logging.getLogger("moesplit.hot_experts")
 
 METRIC = "moesplit_expert_activations"  # counter family; samples are named METRIC + "_total"
@@ -133,7 +135,7 @@ def top_experts(counts: Counts, n: int, layers=None, n_experts: int | None = Non
         hot[layer] = sorted(range(n_experts), key=lambda e: (-row.get(e, 0), e))[:n]
     if fallback and n:
         log.warning("%s: no activation counts for MoE layer(s) %s: their hot experts are the lowest ids 0-%d",
-                    source, _ranges(fallback), n - 1)
+                    source, compact_ranges(fallback), n - 1)
     return hot, fallback
 
 
@@ -197,17 +199,6 @@ def load_file(path: str) -> HotExpertsSpec:
     return parse_spec(d, source=path)
 
 
-def _ranges(xs) -> str:
-    xs, out, i = sorted(xs), [], 0
-    while i < len(xs):
-        j = i
-        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
-            j += 1
-        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
-        i = j + 1
-    return ",".join(out)
-
-
 def resolve(spec: HotExpertsSpec | dict, cfg, n: int) -> dict[int, list[int]]:
     """The hot experts of every MoE layer of `cfg` for a plan keeping `n` per layer, checked:
     given ids first, then the n most activated by the counts, then the lowest ids (logged).
@@ -219,7 +210,7 @@ def resolve(spec: HotExpertsSpec | dict, cfg, n: int) -> dict[int, list[int]]:
     for layer in sorted(set(spec.ids) | set(spec.counts)):
         if layer not in moe:
             raise HotExpertsError(f"{src}: layer {layer} is not a MoE layer of this model "
-                                  f"(MoE layers: {_ranges(moe) or 'none'}); is the file for another model?")
+                                  f"(MoE layers: {compact_ranges(moe) or 'none'}); is the file for another model?")
     for layer, row in spec.counts.items():
         bad = [e for e in row if not 0 <= e < E]
         if bad:
@@ -284,5 +275,5 @@ def run(args: argparse.Namespace) -> int:
         f.write("\n")
     routings = sum(sum(row.values()) for row in counts.values())
     print(f"wrote {args.out}: top {args.top} experts of {len(hot)} MoE layers from {routings} routings "
-          f"({len(args.metrics)} metrics endpoint(s)); layers without counts: {_ranges(fallback) or 'none'}")
+          f"({len(args.metrics)} metrics endpoint(s)); layers without counts: {compact_ranges(fallback) or 'none'}")
     return 0
