@@ -223,3 +223,36 @@ def test_serve_executes_a_two_gpu_plan(ckpt):
             c = OpenAI(base_url=stack.http_url + "/v1", api_key="x")
             out = c.completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=0)
             assert out.usage.completion_tokens == 4
+
+
+@pytest.fixture(scope="module")
+def trained_dense_routing(tmp_path_factory):
+    """The `dense_routing` checkpoint (same config and seeded init), trained for 500 AdamW steps on
+    real text (gpu_service.tiny_train, ~25 s on one core), so its logits have a trained model's margins."""
+    from gpu_service.tiny_train import DENSE_ROUTING, train_tiny
+
+    r = train_tiny(str(tmp_path_factory.mktemp("trained") / "bf16"), fmt="bf16", seed=7, overrides=DENSE_ROUTING,
+                   steps=500)
+    losses = r["losses"]
+    print(f"trained {len(losses)} steps in {r['seconds']:.1f} s: loss {losses[0]:.2f} -> "
+          f"{sum(losses[-20:]) / 20:.2f} (mean of the last 20)")
+    d = r["dir"]
+    reader = CheckpointReader(d)
+    _, backend, _ = load_shard(d, None, None, "numpy")
+    return d, reader, LocalExperts(backend), _reference(d)
+
+
+def test_quantised_attention_on_a_trained_model(trained_dense_routing):
+    """Issue #4's bar, on a briefly trained tiny model instead of random weights (whose near-flat
+    logits make FP8's ~2.6% weight noise flip ~20% of greedy near-ties): FP8 re-quantised from BF16
+    and INT8 both agree on >= 90% of the 64 teacher-forced greedy steps, last-step cosine >= 0.999.
+    Here FP8 gets 59/64 (58 needed), cosine 0.9997; INT8 64/64, 0.99995. Over seeds 1/2/7 x 300/400/
+    500 steps FP8 got 92-100% and a last-step cosine 0.9983-0.99996 (one run of nine below 0.999),
+    INT8 98-100% and >= 0.9999: FP8 meets the bar on trained weights, but not by a wide margin."""
+    _, reader, experts, ref = trained_dense_routing
+    logits = ref[2]
+    top2 = logits.topk(2, dim=-1).values
+    print(f"reference top1-top2 logit gap: median {(top2[:, 0] - top2[:, 1]).median().item():.2f}")
+    for fmt in ("fp8", "int8"):
+        agree, cos = _agreement(reader, experts, ref, fmt)
+        assert agree >= 0.9 and cos >= 0.999, (fmt, agree, cos)
