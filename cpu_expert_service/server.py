@@ -349,6 +349,15 @@ class ExpertServicer(experts_pb2_grpc.ExpertServiceServicer):
         log.info("shard %s: shared-memory fast path %s attached", self.shard_id, thread)
         return experts_pb2.AttachShmResponse(accepted=True)
 
+    data: "object | None" = None  # cpu_expert_service.tcp_transport.DataServer (None: refused)
+    data_refusal = "the TCP data path is off on this shard (--data-port -1 or MOESPLIT_TCP=0)"
+
+    def AttachTcp(self, request, context):
+        if self.data is None:
+            return experts_pb2.AttachTcpResponse(accepted=False, reason=self.data_refusal)
+        port, token = self.data.offer()
+        return experts_pb2.AttachTcpResponse(accepted=True, port=port, token=token)
+
     def Describe(self, request, context):
         i = self.info
         return experts_pb2.ShardInfo(
@@ -421,6 +430,7 @@ def create_server(
     weight_format: str = "auto",
     packed: str | None = None,
     shard_index: int | None = None,
+    data_port: int | None = None,
 ) -> tuple[grpc.Server, int]:
     """Load this shard's experts and return a started server and its bound port.
     With `tls`, the port requires a client certificate signed by `tls.ca` (mutual TLS).
@@ -449,6 +459,13 @@ def create_server(
         be, interceptors = sm.wrap(be), [sm.interceptor()]
     servicer = ExpertServicer(cfg, be, info, shard_id, max_tokens)
     servicer.shm_dir = shm_dir or None  # co-located clients may attach shared memory inside it
+    if tls is not None:
+        servicer.data_refusal = "this shard runs with TLS; the TCP data path is plaintext, so layer calls stay on gRPC"
+    elif data_port is not None and data_port >= 0:
+        from cpu_expert_service.tcp_transport import DataServer, enabled
+
+        if enabled():
+            servicer.data = DataServer(servicer, host, data_port)  # cross-host clients may attach to it
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=interceptors,
                          options=transport.server_options(cfg, max_tokens))
     add_servicer(servicer, server)
@@ -498,6 +515,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shm-dir", default=None,
                    help="shared directory for the co-located shared-memory fast path (default $MOESPLIT_SHM_DIR "
                         "or /dev/shm; '' disables it, as does MOESPLIT_SHM=0)")
+    p.add_argument("--data-port", type=int, default=0,
+                   help="TCP port of the cross-host data path (cpu_expert_service.tcp_transport) on --host; "
+                        "default 0 picks a free one, -1 turns it off (as does MOESPLIT_TCP=0 or TLS)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -527,7 +547,7 @@ def run(args: argparse.Namespace) -> int:
             backend=args.backend, max_workers=args.max_workers, max_tokens=args.max_tokens,
             shard_id=args.shard_id, tls=tls, metrics_registry=registry,
             shm_dir=_shm_dir(args.shm_dir), weight_format=args.weight_format, packed=args.packed,
-            shard_index=args.shard_index,
+            shard_index=args.shard_index, data_port=args.data_port,
         )
     except (CheckpointError, KeyError, ValueError, OSError) as e:  # never reported ready
         print(f"moesplit expert-server: {e}", file=sys.stderr)

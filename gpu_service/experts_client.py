@@ -15,9 +15,10 @@ fast with ShardError(UNAVAILABLE); failed replicas are reconnected with capped e
 backoff. Channels use model-sized message limits, keepalive pings and optional mutual TLS
 (cpu_expert_service.transport).
 
-Co-located shards: with `transport="auto"` (default) each replica is offered the shared-memory
-fast path at connect (gpu_service.shm_transport); calls to a replica that accepted it go through
-shared memory, everything else (and every call after a fast-path failure) over the stream.
+Fast paths: with `transport="auto"` (default) each replica is offered the shared-memory fast path
+at connect (gpu_service.shm_transport; same host), else the TCP data path (gpu_service.tcp_path;
+any host, not with TLS); calls to a replica that accepted one go through it, everything else (and
+every call after a fast-path failure) over the stream.
 """
 from __future__ import annotations
 
@@ -347,9 +348,10 @@ class ExpertsClient:
         # optional per-call hook (gpu_service.metrics.ExpertsObserver):
         # observer(layer, replica address, rtt seconds, bytes sent, bytes received, ok)
         self.observer = None
-        # co-located shards: layer calls through shared memory (gpu_service.shm_transport);
-        # transport "auto" (fast path where a shard accepts it), "grpc" (never), "shm" (required)
-        self.fast = FastPaths(transport, shm_dir, wire_dtype)
+        # layer calls off the gRPC stream: shared memory with co-located shards (gpu_service.shm_transport),
+        # else the TCP data path (gpu_service.tcp_path; plaintext, so never with TLS); transport "auto"
+        # (the first a shard accepts), "grpc" (never), "shm" / "tcp" (required)
+        self.fast = FastPaths(transport, shm_dir, wire_dtype, tls=tls is not None, tcp_max_tokens=max_tokens)
         self._wire_np = np.dtype(_WIRE[wire_dtype])
 
     # ---- set-up -------------------------------------------------------------------------------

@@ -9,8 +9,9 @@ breaks mid-call (the doorbell socket fails) re-sends its pending calls over gRPC
 again until the replica reconnects; a refused call (INVALID_ARGUMENT) fails like gRPC's; a call
 past its deadline fails with DEADLINE_EXCEEDED (the client then fails over to another replica).
 
-mode: "grpc" never negotiates; "auto" negotiates and falls back silently (logged); "shm" insists:
-`connect()` fails if a replica refuses. numpy only, no torch.
+mode: "grpc" never negotiates; "auto" offers shared memory, then the cross-host TCP data path
+(gpu_service.tcp_path; never with TLS), and falls back silently (logged); "shm" / "tcp" insist on
+that one: `connect()` fails if a replica refuses. numpy only, no torch.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from protos.moesplit.v1 import experts_pb2, experts_pb2_grpc
 
 log = logging.getLogger("moesplit.shm")
 
-MODES = ("auto", "grpc", "shm")
+MODES = ("auto", "grpc", "shm", "tcp")
 DEFAULT_SLOTS = 4  # calls in flight per replica (micro-batch ping-pong needs 2)
 DEFAULT_MAX_TOKENS = 512  # rows per fast-path call; larger calls (long prefill chunks) go over gRPC
 WATCH_S = 0.05  # how often the reader checks deadlines while waiting
@@ -52,14 +53,110 @@ class FastResponse:
         return int(self.output.nbytes)
 
 
-class FastPath:
-    """One replica's shared mapping (n_slots slots) and doorbell socket.
+class _Path:
+    """What every fast path to one replica shares: its socket, pending calls with their deadlines,
+    and failing over to gRPC when it breaks. There is no reader thread: answers are received by the
+    thread that waits for a result (`pump`, called from `DrivenFuture.result`), which saves two
+    thread wake-ups per call. Pending entries: seq -> (slot, future, deadline, T, fallback)."""
 
-    There is no reader thread: answers are received by the thread that waits for a result
-    (`pump`, called from `DrivenFuture.result`), which saves two thread wake-ups per call."""
+    kind = "?"
+
+    def __init__(self, address: str, sock: socket.socket):
+        self.address, self.sock = address, sock
+        self.lock = threading.Lock()  # slots and pending
+        self.rx = threading.Lock()  # held by the one thread receiving answers
+        self.pending: dict[int, tuple] = {}
+        self.seq = itertools.count(1)
+        self.usable = True
+        self.calls = 0
+        self.spin_s = P.spin_seconds()
+
+    def describe(self) -> str:
+        return self.kind
+
+    def pump(self) -> None:
+        """Receive one answer (or wait up to WATCH_S) and resolve its future. If another thread is
+        receiving, just yield to it briefly."""
+        if not self.rx.acquire(blocking=False):
+            time.sleep(0.0002)
+            return
+        try:
+            done = self._receive() if self.usable else None
+        finally:
+            self.rx.release()
+        if done is not None:  # callbacks run outside the receive lock
+            fut, res, err = done
+            if err is None:
+                fut.set_result(res)
+            else:
+                fut.set_exception(err)
+
+    def _receive(self) -> tuple | None:
+        """One answer as (future, response, None) or (future, None, error); None if none came."""
+        raise NotImplementedError
+
+    def _send_failed(self, seq: int, why: str) -> None:
+        with self.lock:
+            self.pending.pop(seq, None)
+        self._break(why)
+
+    def expire(self, now: float) -> None:
+        """A call past its deadline: the shard stopped answering. Fail them all; stop the fast path."""
+        from gpu_service.experts_client import ShardError
+
+        with self.lock:
+            if not any(d <= now for _, _, d, _, _ in self.pending.values()):
+                return
+            self.usable = False
+            failed = list(self.pending.values())
+            self.pending.clear()
+        self._close()
+        log.warning("%s fast path to %s: no answer within the deadline; using gRPC", self.kind, self.address)
+        err = ShardError(self.address, grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within the deadline ({self.kind})")
+        for _, fut, _, _, _ in failed:
+            if not fut.done():
+                fut.set_exception(err)
+
+    def _break(self, why: str) -> None:
+        """Transport failure: re-send every pending call over gRPC; never use this fast path again."""
+        with self.lock:
+            was = self.usable
+            self.usable = False
+            moved = list(self.pending.values())
+            self.pending.clear()
+        if was:
+            log.warning("%s fast path to %s stopped (%s); using gRPC", self.kind, self.address, why)
+        self._close()
+        for _, fut, _, _, fallback in moved:
+            _chain(fut, fallback, self.address)
+
+    def _close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        from gpu_service.experts_client import ShardError
+
+        with self.lock:
+            self.usable = False
+            failed = list(self.pending.values())
+            self.pending.clear()
+        self._close()
+        for _, fut, _, _, _ in failed:
+            if not fut.done():
+                fut.set_exception(ShardError(self.address, grpc.StatusCode.CANCELLED, "experts client closed"))
+
+
+class FastPath(_Path):
+    """One replica's shared mapping (n_slots slots) and doorbell socket (same host)."""
+
+    kind = "shm"
 
     def __init__(self, address: str, mm: mmap.mmap, lay: P.Layout, sock: socket.socket, wire_dtype: str):
-        self.address, self.mm, self.lay, self.sock = address, mm, lay, sock
+        super().__init__(address, sock)
+        self.mm, self.lay = mm, lay
         self.hc = P.code_of(wire_dtype)
         H, M, K = lay.hidden_size, lay.max_tokens, lay.max_k
         bases = [lay.slot_base(s) for s in range(lay.n_slots)]
@@ -69,15 +166,11 @@ class FastPath:
         self.w = [P.view(mm, b + lay.w_off, (M * K,), np.dtype(np.float32)) for b in bases]
         self.out = [P.view(mm, b + lay.out_off, (M, H), P.DTYPES[self.hc]) for b in bases]
         self.bases = bases
-        self.lock = threading.Lock()  # slots and pending
-        self.rx = threading.Lock()  # held by the one thread receiving answers
         self.free = list(range(lay.n_slots))
-        self.pending: dict[int, tuple] = {}  # seq -> (slot, future, deadline, T, fallback)
-        self.seq = itertools.count(1)
-        self.usable = True
-        self.calls = 0
         sock.setblocking(False)  # receivers poll (spin), then wait in select() up to WATCH_S
-        self.spin_s = P.spin_seconds()
+
+    def describe(self) -> str:
+        return f"shared-memory fast path ({self.lay.n_slots} slots x {self.lay.max_tokens} tokens)"
 
     def send(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray, timeout_s: float,
              fallback) -> Future | None:
@@ -102,113 +195,51 @@ class FastPath:
         try:
             self.sock.send(P.DOORBELL.pack(P.OP_FORWARD, slot, seq))
         except OSError as e:
-            with self.lock:
-                self.pending.pop(seq, None)
-            self._break(f"doorbell send failed: {e}")
+            self._send_failed(seq, f"doorbell send failed: {e}")
             return None
         self.calls += 1
         return fut
 
-    def pump(self) -> None:
-        """Receive one answer (or wait up to WATCH_S) and resolve its future. If another thread is
-        receiving, just yield to it briefly."""
-        from gpu_service.experts_client import ShardError
-
-        if not self.rx.acquire(blocking=False):
-            time.sleep(0.0002)
-            return
-        done = None
+    def _receive(self) -> tuple | None:
         try:
-            if not self.usable:
-                return
-            try:
-                msg = P.recv_spin(self.sock, self.spin_s)  # poll first: no wake-up when the answer is quick
-                if msg is None:
-                    if not select.select([self.sock], [], [], WATCH_S)[0]:
-                        self.expire(time.monotonic())
-                        return
-                    msg = self.sock.recv(P.DOORBELL.size)
-            except (BlockingIOError, InterruptedError):
-                return  # a spurious wake-up: the caller pumps again
-            except (OSError, ValueError) as e:  # ValueError: select() on a socket closed meanwhile
-                msg, why = b"", f"doorbell failed: {e}"
-            else:
-                why = "the shard closed the fast path"
-            if len(msg) != P.DOORBELL.size:
-                self._break(why)
-                return
-            status, slot, seq = P.DOORBELL.unpack(msg)
-            with self.lock:
-                entry = self.pending.pop(seq, None)
-            if entry is None:
-                return
-            _, fut, _, T, _ = entry
-            base = self.bases[slot]
-            compute_us, server_us, mlen = P.RESULT.unpack_from(self.mm, base + P.RESULT_OFFSET)
-            if status == P.OK:
-                done = (fut, FastResponse(self.out[slot][:T].astype(np.float32), compute_us, server_us), None)
-            else:
-                text = bytes(self.mm[base + P.MSG_OFFSET:base + P.MSG_OFFSET + mlen]).decode(errors="replace")
-                code = grpc.StatusCode.INVALID_ARGUMENT if status == P.INVALID_ARGUMENT else grpc.StatusCode.INTERNAL
-                done = (fut, None, ShardError(self.address, code, text))
-            with self.lock:
-                self.free.append(slot)
-        finally:
-            self.rx.release()
-        if done is not None:  # callbacks run outside the receive lock
-            fut, res, err = done
-            if err is None:
-                fut.set_result(res)
-            else:
-                fut.set_exception(err)
-
-    def expire(self, now: float) -> None:
-        """A call past its deadline: the shard stopped answering. Fail them all; stop the fast path."""
-        from gpu_service.experts_client import ShardError
-
+            msg = P.recv_spin(self.sock, self.spin_s)  # poll first: no wake-up when the answer is quick
+            if msg is None:
+                if not select.select([self.sock], [], [], WATCH_S)[0]:
+                    self.expire(time.monotonic())
+                    return None
+                msg = self.sock.recv(P.DOORBELL.size)
+        except (BlockingIOError, InterruptedError):
+            return None  # a spurious wake-up: the caller pumps again
+        except (OSError, ValueError) as e:  # ValueError: select() on a socket closed meanwhile
+            msg, why = b"", f"doorbell failed: {e}"
+        else:
+            why = "the shard closed the fast path"
+        if len(msg) != P.DOORBELL.size:
+            self._break(why)
+            return None
+        status, slot, seq = P.DOORBELL.unpack(msg)
         with self.lock:
-            if not any(d <= now for _, _, d, _, _ in self.pending.values()):
-                return
-            self.usable = False
-            failed = list(self.pending.values())
-            self.pending.clear()
-        self._close()
-        log.warning("shm fast path to %s: no answer within the deadline; using gRPC", self.address)
-        err = ShardError(self.address, grpc.StatusCode.DEADLINE_EXCEEDED, "no answer within the deadline (shm)")
-        for _, fut, _, _, _ in failed:
-            if not fut.done():
-                fut.set_exception(err)
-
-    def _break(self, why: str) -> None:
-        """Transport failure: re-send every pending call over gRPC; never use this fast path again."""
+            entry = self.pending.pop(seq, None)
+        if entry is None:
+            return None
+        _, fut, _, T, _ = entry
+        base = self.bases[slot]
+        compute_us, server_us, mlen = P.RESULT.unpack_from(self.mm, base + P.RESULT_OFFSET)
+        if status == P.OK:
+            done = (fut, FastResponse(self.out[slot][:T].astype(np.float32), compute_us, server_us), None)
+        else:
+            text = bytes(self.mm[base + P.MSG_OFFSET:base + P.MSG_OFFSET + mlen]).decode(errors="replace")
+            done = (fut, None, shard_error(self.address, status, text))
         with self.lock:
-            was = self.usable
-            self.usable = False
-            moved = list(self.pending.values())
-            self.pending.clear()
-        if was:
-            log.warning("shm fast path to %s stopped (%s); using gRPC", self.address, why)
-        self._close()
-        for _, fut, _, _, fallback in moved:
-            _chain(fut, fallback, self.address)
+            self.free.append(slot)
+        return done
 
-    def _close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+def shard_error(address: str, status: int, text: str):
+    """A fast path's refusal (status: gRPC code INVALID_ARGUMENT or INTERNAL) as a ShardError."""
+    from gpu_service.experts_client import ShardError
 
-    def close(self) -> None:
-        from gpu_service.experts_client import ShardError
-
-        with self.lock:
-            self.usable = False
-            failed = list(self.pending.values())
-            self.pending.clear()
-        self._close()
-        for _, fut, _, _, _ in failed:
-            if not fut.done():
-                fut.set_exception(ShardError(self.address, grpc.StatusCode.CANCELLED, "experts client closed"))
+    code = grpc.StatusCode.INVALID_ARGUMENT if status == P.INVALID_ARGUMENT else grpc.StatusCode.INTERNAL
+    return ShardError(address, code, text)
 
 
 class DrivenFuture(Future):
@@ -344,10 +375,13 @@ class FastPaths:
     """The fast paths of one ExpertsClient, by replica address."""
 
     def __init__(self, mode: str = "auto", shm_dir: str | None = None, wire_dtype: str = "float32",
-                 max_tokens: int = DEFAULT_MAX_TOKENS, n_slots: int = DEFAULT_SLOTS):
+                 max_tokens: int = DEFAULT_MAX_TOKENS, n_slots: int = DEFAULT_SLOTS, tls: bool = False,
+                 tcp_max_tokens: int = DEFAULT_MAX_TOKENS):
         if mode not in MODES:
             raise ValueError(f"transport {mode!r}: expected one of {', '.join(MODES)}")
         self.mode = mode
+        self.tls = tls  # a TLS client never takes the plaintext TCP data path
+        self.tcp_max_tokens = int(tcp_max_tokens)  # rows per TCP call (the shard's --max-tokens bounds it too)
         self.shm_dir = shm_dir or P.default_dir()
         self.wire_dtype = wire_dtype
         self.max_tokens, self.n_slots = int(max_tokens), int(n_slots)
@@ -356,9 +390,26 @@ class FastPaths:
         self._renegotiating: set[str] = set()
         self._lock = threading.Lock()
 
-    def _negotiate(self, r, cfg) -> tuple[FastPath | None, str]:
-        return negotiate(r.channel, r.address, cfg.hidden_size, cfg.num_experts_per_tok, self.shm_dir,
-                         self.wire_dtype, self.max_tokens, self.n_slots)
+    def _negotiate(self, r, cfg) -> tuple[_Path | None, str]:
+        """Shared memory (same host), else the TCP data path (any host, not with TLS), else gRPC."""
+        why = []
+        if self.mode in ("auto", "shm"):
+            fp, w = negotiate(r.channel, r.address, cfg.hidden_size, cfg.num_experts_per_tok, self.shm_dir,
+                              self.wire_dtype, self.max_tokens, self.n_slots)
+            if fp is not None:
+                return fp, ""
+            why.append(f"shm: {w}")
+        if self.mode in ("auto", "tcp"):
+            if self.tls:
+                why.append("tcp: this client uses TLS and the TCP data path is plaintext")
+            else:
+                from gpu_service.tcp_path import negotiate_tcp
+
+                tp, w = negotiate_tcp(r.channel, r.address, cfg.hidden_size, self.wire_dtype, self.tcp_max_tokens)
+                if tp is not None:
+                    return tp, "; ".join(why)  # (auto: why shared memory was refused)
+                why.append(f"tcp: {w}")
+        return None, "; ".join(why)
 
     def attach_all(self, replicas, cfg) -> None:
         """At connect: offer every healthy replica a fast path (in parallel)."""
@@ -375,15 +426,16 @@ class FastPaths:
         for r in live:
             fp, why = results[r.address]
             self._set(r, fp, why)
-        refused = {a: w for a, w in self.reasons.items() if w}
-        if self.mode == "shm" and refused:
+        refused = {a: w for a, w in self.reasons.items() if self.transport_of(a) != self.mode}
+        if self.mode in ("shm", "tcp") and refused:
             self.close()
             from gpu_service.experts_client import ExpertsClientError
 
-            raise ExpertsClientError("transport 'shm': the shared-memory fast path was refused by "
+            what = "the shared-memory fast path" if self.mode == "shm" else "the TCP data path"
+            raise ExpertsClientError(f"transport {self.mode!r}: {what} was refused by "
                                      + "; ".join(f"{a}: {w}" for a, w in refused.items()))
 
-    def _set(self, r, fp: FastPath | None, why: str) -> None:
+    def _set(self, r, fp: _Path | None, why: str) -> None:
         with self._lock:
             old = self.paths.get(r.address)
             self.paths[r.address] = (fp, r.stream)
@@ -391,14 +443,13 @@ class FastPaths:
         if old is not None and old[0] is not None and old[0] is not fp:
             old[0].close()
         if fp is not None:
-            log.info("expert shard %s: shared-memory fast path (%d slots x %d tokens)", r.address,
-                     fp.lay.n_slots, fp.lay.max_tokens)
+            log.info("expert shard %s: %s", r.address, fp.describe())
         else:
             log.info("expert shard %s: gRPC transport (%s)", r.address, why)
 
     def transport_of(self, address: str) -> str:
         fp = self.paths.get(address, (None, None))[0]
-        return "shm" if fp is not None and fp.usable else "grpc"
+        return fp.kind if fp is not None and fp.usable else "grpc"
 
     def send(self, r, cfg, layer: int, x, ids, w, timeout_s: float, fallback) -> Future | None:
         """A fast-path call to replica r, or None (use the gRPC stream)."""

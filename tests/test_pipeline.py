@@ -71,12 +71,18 @@ def test_fast_path_matches_grpc(model_dir, shards, cfg, wire):
         assert all(fp.calls > 0 for fp, _ in s.fast.paths.values())  # it really went through shared memory
 
 
-def test_fallback_when_the_shard_refuses(model_dir, shards, cfg, tmp_path):
+def test_fallback_when_the_shard_refuses(model_dir, shards, cfg, tmp_path, monkeypatch):
     layer = cfg.moe_layers[0]
     args = _call(cfg)
     with ExpertsClient(shards.addresses, cfg, transport="grpc") as g:
         want = g.forward(layer, *args)
-    # a directory the shards do not share: refused, the client stays on gRPC
+    # a directory the shards do not share: refused; "auto" then takes the TCP data path
+    with ExpertsClient(shards.addresses, cfg, transport="auto", shm_dir=str(tmp_path)) as c:
+        assert [c.fast.transport_of(a) for a in shards.addresses] == ["tcp", "tcp"]
+        assert all("not inside" in c.fast.reasons[a] for a in shards.addresses)
+        np.testing.assert_array_equal(c.forward(layer, *args), want)
+    # ... and without that (MOESPLIT_TCP=0 on the client) the client stays on gRPC
+    monkeypatch.setenv("MOESPLIT_TCP", "0")
     with ExpertsClient(shards.addresses, cfg, transport="auto", shm_dir=str(tmp_path)) as c:
         assert [c.fast.transport_of(a) for a in shards.addresses] == ["grpc", "grpc"]
         assert all("not inside" in c.fast.reasons[a] for a in shards.addresses)

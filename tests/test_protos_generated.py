@@ -44,6 +44,6 @@ def test_experts_service_shape():
     svc = experts_pb2.DESCRIPTOR.services_by_name["ExpertService"]
     methods = {m.name: (m.client_streaming, m.server_streaming) for m in svc.methods}
     assert methods == {"Forward": (True, True), "ForwardOne": (False, False), "Describe": (False, False),
-                       "AttachShm": (False, False)}
+                       "AttachShm": (False, False), "AttachTcp": (False, False)}
     assert experts_pb2.DESCRIPTOR.package == "moesplit.v1"
     assert hasattr(experts_pb2_grpc, "ExpertServiceStub")

@@ -103,3 +103,19 @@ class AttachShmResponse(_message.Message):
     accepted: bool
     reason: str
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AttachTcpRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AttachTcpResponse(_message.Message):
+    __slots__ = ("accepted", "reason", "port", "token")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    port: int
+    token: bytes
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., port: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...

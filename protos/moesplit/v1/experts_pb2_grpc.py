@@ -54,6 +54,11 @@ class ExpertServiceStub:
                 request_serializer=protos_dot_moesplit_dot_v1_dot_experts__pb2.AttachShmRequest.SerializeToString,
                 response_deserializer=protos_dot_moesplit_dot_v1_dot_experts__pb2.AttachShmResponse.FromString,
                 _registered_method=True)
+        self.AttachTcp = channel.unary_unary(
+                '/moesplit.v1.ExpertService/AttachTcp',
+                request_serializer=protos_dot_moesplit_dot_v1_dot_experts__pb2.AttachTcpRequest.SerializeToString,
+                response_deserializer=protos_dot_moesplit_dot_v1_dot_experts__pb2.AttachTcpResponse.FromString,
+                _registered_method=True)
 
 
 class ExpertServiceServicer:
@@ -87,6 +92,13 @@ class ExpertServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AttachTcp(self, request, context):
+        """Offer the TCP data path (any host; plaintext, so never with TLS); refused with a reason otherwise.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExpertServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +121,11 @@ def add_ExpertServiceServicer_to_server(servicer, server):
                     servicer.AttachShm,
                     request_deserializer=protos_dot_moesplit_dot_v1_dot_experts__pb2.AttachShmRequest.FromString,
                     response_serializer=protos_dot_moesplit_dot_v1_dot_experts__pb2.AttachShmResponse.SerializeToString,
+            ),
+            'AttachTcp': grpc.unary_unary_rpc_method_handler(
+                    servicer.AttachTcp,
+                    request_deserializer=protos_dot_moesplit_dot_v1_dot_experts__pb2.AttachTcpRequest.FromString,
+                    response_serializer=protos_dot_moesplit_dot_v1_dot_experts__pb2.AttachTcpResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +236,33 @@ class ExpertService:
             '/moesplit.v1.ExpertService/AttachShm',
             protos_dot_moesplit_dot_v1_dot_experts__pb2.AttachShmRequest.SerializeToString,
             protos_dot_moesplit_dot_v1_dot_experts__pb2.AttachShmResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttachTcp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moesplit.v1.ExpertService/AttachTcp',
+            protos_dot_moesplit_dot_v1_dot_experts__pb2.AttachTcpRequest.SerializeToString,
+            protos_dot_moesplit_dot_v1_dot_experts__pb2.AttachTcpResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,138 @@
+"""GPU side of the cross-host TCP data path (protocol: cpu_expert_service.tcp_transport).
+
+`negotiate_tcp` asks a replica for its data port (`AttachTcp`), connects to the replica's host at
+that port, presents the one-time token and returns a `TcpPath`: layer calls as binary frames on
+that connection, answers received by the thread that waits for them (shm_transport.DrivenFuture),
+with the same deadline, break-and-fall-back-to-gRPC and refusal semantics as the shared-memory
+fast path (shm_transport._Path). numpy only, no torch.
+"""
+from __future__ import annotations
+
+import os
+import select
+import socket
+import threading
+import time
+from concurrent.futures import Future
+
+import grpc
+import numpy as np
+
+from cpu_expert_service import shm_transport as P
+from cpu_expert_service import tcp_transport as T
+from gpu_service.shm_transport import WATCH_S, FastResponse, _Path, shard_error
+from protos.moesplit.v1 import experts_pb2, experts_pb2_grpc
+
+
+class TcpPath(_Path):
+    """One replica's data connection. Calls are answered in order; several may be in flight."""
+
+    kind = "tcp"
+
+    def __init__(self, address: str, sock: socket.socket, wire_dtype: str, hidden_size: int, max_tokens: int):
+        super().__init__(address, sock)
+        self.hc = P.code_of(wire_dtype)
+        self.wire = P.DTYPES[self.hc]
+        self.H, self.max_tokens = hidden_size, max_tokens
+        self.tx = threading.Lock()  # one frame at a time on the connection
+        self.head = bytearray(T.RESPONSE.size)
+        self.body = bytearray(0)
+
+    def describe(self) -> str:
+        host, port = self.sock.getpeername()[:2]
+        return f"TCP data path ({host}:{port})"
+
+    def send(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray, timeout_s: float,
+             fallback) -> Future | None:
+        """Start one layer call (x [T, H], ids [T, k] int64, w [T, k] f32); None: use gRPC.
+        `fallback()` re-sends it over gRPC (a Future of a LayerResponse) if the connection breaks."""
+        n, k = ids.shape
+        if not self.usable or n > self.max_tokens:
+            return None
+        xw = np.ascontiguousarray(x, dtype=self.wire)  # [T, H], cast like gRPC's encoding
+        iw = np.ascontiguousarray(ids, dtype=np.int64)
+        ww = np.ascontiguousarray(w, dtype=np.float32)
+        fut: Future = Future()
+        # the call as sent, for a gRPC re-send (own copies: the caller may reuse its arrays)
+        fut.inputs = (xw.copy() if xw is x else xw, iw.copy() if iw is ids else iw, ww.copy() if ww is w else ww)
+        with self.tx:
+            with self.lock:
+                if not self.usable:
+                    return None
+                seq = next(self.seq)
+                self.pending[seq] = (None, fut, time.monotonic() + timeout_s, n, fallback)
+            try:
+                T.send_parts(self.sock, [T.REQUEST.pack(seq, layer, n, k, self.hc, self.hc), xw, iw, ww])
+            except OSError as e:
+                self._send_failed(seq, f"send failed: {e}")
+                return None
+        self.calls += 1
+        return fut
+
+    def _receive(self) -> tuple | None:
+        try:
+            if not self._wait_readable():
+                self.expire(time.monotonic())
+                return None
+            ok = T.recv_exact(self.sock, memoryview(self.head))
+            if ok:
+                seq, status, compute_us, server_us, mlen, n = T.RESPONSE.unpack(self.head)
+                size = n * self.H * self.wire.itemsize if status == P.OK else mlen
+                if len(self.body) < size:
+                    self.body = bytearray(max(size, 2 * len(self.body)))
+                ok = T.recv_exact(self.sock, memoryview(self.body)[:size])
+        except (OSError, ValueError) as e:
+            self._break(f"data connection failed: {e}")
+            return None
+        if not ok:
+            self._break("the shard closed the data connection")
+            return None
+        with self.lock:
+            entry = self.pending.pop(seq, None)
+        if entry is None:
+            return None
+        fut = entry[1]
+        if status != P.OK:
+            return fut, None, shard_error(self.address, status, bytes(self.body[:mlen]).decode(errors="replace"))
+        out = np.frombuffer(self.body, self.wire, n * self.H).reshape(n, self.H).astype(np.float32)  # [T, H]
+        return fut, FastResponse(out, compute_us, server_us), None
+
+    def _wait_readable(self) -> bool:
+        """Poll the connection for up to spin_s (yielding the CPU), then wait up to WATCH_S."""
+        sock, end = self.sock, time.perf_counter() + self.spin_s
+        while True:
+            if select.select([sock], [], [], 0)[0]:
+                return True
+            if time.perf_counter() >= end:
+                return bool(select.select([sock], [], [], WATCH_S)[0])
+            os.sched_yield()
+
+
+def negotiate_tcp(channel: grpc.Channel, address: str, hidden_size: int, wire_dtype: str, max_tokens: int,
+                  timeout_s: float = 10.0) -> tuple[TcpPath | None, str]:
+    """Ask `address` for its TCP data path. (TcpPath, "") or (None, why not)."""
+    if not T.enabled():
+        return None, f"disabled ({T.TCP_ENV}=0)"
+    stub = experts_pb2_grpc.ExpertServiceStub(channel)
+    try:
+        resp = stub.AttachTcp(experts_pb2.AttachTcpRequest(), timeout=timeout_s)
+    except grpc.RpcError as e:
+        return None, f"AttachTcp failed: {e.code().name}: {e.details()}"
+    if not resp.accepted:
+        return None, f"shard refused: {resp.reason}"
+    host = address.rsplit(":", 1)[0].strip("[]")
+    try:
+        sock = socket.create_connection((host, resp.port), timeout=timeout_s)
+    except OSError as e:
+        return None, f"cannot connect to the data port {host}:{resp.port}: {e}"
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(resp.token)
+        ack = sock.recv(1)
+        if ack != T.ACK:
+            raise OSError("the shard did not accept the token")
+        sock.settimeout(None)  # blocking: receivers poll with select() first (TcpPath._wait_readable)
+    except OSError as e:
+        sock.close()
+        return None, f"data port {host}:{resp.port}: {e}"
+    return TcpPath(address, sock, wire_dtype, hidden_size, max_tokens), ""

@@ -1,0 +1,138 @@
+"""The cross-host TCP data path (cpu_expert_service/tcp_transport.py, gpu_service/tcp_path.py) on
+real shard processes.
+
+Same answers, tokens and logits as gRPC; refused (and gRPC used) when the shard has it off or runs
+with TLS, and never asked for by a TLS client; a connection that breaks mid-run re-sends over
+gRPC; an invalid call is refused like gRPC's INVALID_ARGUMENT and the connection kept; a frame
+whose header cannot be trusted, or a connection without a valid token, is closed.
+"""
+from __future__ import annotations
+
+import socket
+
+import grpc
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from checkpoint.reader import CheckpointReader
+from cpu_expert_service import tcp_transport as TT
+from gpu_service.experts_client import ExpertsClient, ExpertsClientError, ShardError
+from gpu_service.local_stack import start_shards
+from gpu_service.runner import ModelRunner, RemoteExperts
+from protos.moesplit.v1 import experts_pb2, experts_pb2_grpc
+from tests.test_pipeline import _call, cfg, model_dir, shards  # noqa: F401 - the same tiny model and 2 shards
+
+pytestmark = pytest.mark.skipif(not TT.enabled(), reason="MOESPLIT_TCP=0")
+PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
+
+
+@pytest.mark.parametrize("wire", ["float32", "bfloat16"])
+def test_tcp_path_matches_grpc(model_dir, shards, cfg, wire):
+    layer = cfg.moe_layers[0]
+    with ExpertsClient(shards.addresses, cfg, transport="grpc", wire_dtype=wire) as g, \
+            ExpertsClient(shards.addresses, cfg, transport="tcp", wire_dtype=wire) as t:
+        assert [t.fast.transport_of(a) for a in shards.addresses] == ["tcp", "tcp"]
+        for T in (1, 5, 40, 300):
+            x, ids, w = _call(cfg, T, seed=T)
+            want = g.forward(layer, x, ids, w)
+            np.testing.assert_array_equal(t.forward(layer, x, ids, w), want)
+            if wire == "bfloat16":  # handed over already in the wire dtype, as RemoteExperts does
+                np.testing.assert_array_equal(t.forward(layer, x.astype(ml_dtypes.bfloat16), ids, w), want)
+        if wire == "float32":  # a whole generation: same tokens, same logits
+            runs = [ModelRunner(CheckpointReader(model_dir), RemoteExperts(c), device=torch.device("cpu"),
+                                dtype=torch.float32, kv_tokens=64).generate(PROMPT, 8) for c in (g, t)]
+            assert runs[0].token_ids == runs[1].token_ids
+            torch.testing.assert_close(runs[0].last_logits, runs[1].last_logits, atol=1e-5, rtol=0)
+        assert all(p.calls > 0 and p.kind == "tcp" for p, _ in t.fast.paths.values())
+
+
+def test_auto_prefers_shared_memory_on_one_host(shards, cfg):
+    with ExpertsClient(shards.addresses, cfg, transport="auto") as c:
+        assert [c.fast.transport_of(a) for a in shards.addresses] == ["shm", "shm"]
+
+
+def test_refused_when_off_on_the_shard(model_dir, cfg):
+    layer = cfg.moe_layers[0]
+    args = _call(cfg, 4, seed=1)
+    with start_shards(model_dir, 1, extra_args=("--data-port", "-1", "--shm-dir", "")) as one:
+        with ExpertsClient(one.addresses, cfg, transport="auto") as c:  # neither fast path: gRPC, with the reasons
+            assert c.fast.transport_of(one.addresses[0]) == "grpc"
+            why = c.fast.reasons[one.addresses[0]]
+            assert "tcp: shard refused" in why and "--data-port -1" in why and "shm:" in why
+            assert c.forward(layer, *args).shape == (4, cfg.hidden_size)
+        with pytest.raises(ExpertsClientError, match="TCP data path was refused"):
+            ExpertsClient(one.addresses, cfg, transport="tcp").connect()
+
+
+def test_a_tls_client_never_asks(shards, cfg):
+    from gpu_service.shm_transport import FastPaths
+
+    class R:  # the replica fields FastPaths reads
+        channel, address = grpc.insecure_channel(shards.addresses[0]), shards.addresses[0]
+
+    fp, why = FastPaths("tcp", tls=True)._negotiate(R, cfg)
+    assert fp is None and "uses TLS" in why
+
+
+def test_fallback_when_the_connection_breaks(shards, cfg):
+    layer = cfg.moe_layers[0]
+    args = _call(cfg, 4, seed=2)
+    with ExpertsClient(shards.addresses, cfg, transport="tcp") as c:
+        want = c.forward(layer, *args)
+        c.fast.paths[shards.addresses[0]][0].sock.shutdown(socket.SHUT_RDWR)  # the connection dies under the client
+        np.testing.assert_array_equal(c.forward(layer, *args), want)  # re-sent / sent over gRPC
+        assert c.fast.transport_of(shards.addresses[0]) == "grpc"
+        assert c.fast.transport_of(shards.addresses[1]) == "tcp"
+        np.testing.assert_array_equal(c.forward(layer, *args), want)
+    assert all(p.poll() is None for p in shards.procs)
+
+
+def test_invalid_call_refused_like_grpc(shards, cfg):
+    layer = cfg.moe_layers[0]
+    x, ids, w = _call(cfg, 2)
+    bad_ids = ids.copy()
+    bad_ids[1, 0] = cfg.n_routed_experts + 5
+    nan_x = x.copy()
+    nan_x[0, 3] = np.nan
+    cases = [(0, x, ids, w, "not an MoE layer"), (layer, x, bad_ids, w, "outside"), (layer, nan_x, ids, w, "NaN")]
+    with ExpertsClient(shards.addresses, cfg, transport="tcp") as c:
+        tp = c.fast.paths[shards.addresses[0]][0]
+        for lyr, xx, ii, ww, what in cases:
+            f = tp.send(lyr, xx, ii, ww, 10.0, fallback=None)
+            while not f.done():
+                tp.pump()
+            e = f.exception()
+            assert isinstance(e, ShardError) and e.code == grpc.StatusCode.INVALID_ARGUMENT, e
+            assert what in e.details
+        assert tp.usable  # the connection survives a refused call
+        with ExpertsClient(shards.addresses, cfg, transport="grpc") as g:
+            np.testing.assert_array_equal(c.forward(layer, x, ids, w), g.forward(layer, x, ids, w))
+
+
+def _raw_connection(address: str, token: bytes | None = None) -> socket.socket:
+    resp = experts_pb2_grpc.ExpertServiceStub(grpc.insecure_channel(address)).AttachTcp(
+        experts_pb2.AttachTcpRequest(), timeout=10)
+    assert resp.accepted and len(resp.token) == TT.TOKEN_BYTES
+    s = socket.create_connection((address.rsplit(":", 1)[0], resp.port), timeout=10)
+    s.sendall(resp.token if token is None else token)
+    return s
+
+
+def test_untrusted_header_and_wrong_token_close_the_connection(shards, cfg):
+    s = _raw_connection(shards.addresses[0], token=b"\0" * TT.TOKEN_BYTES)
+    assert s.recv(1) == b""  # no ACK: closed
+    s.close()
+    s = _raw_connection(shards.addresses[0])
+    assert s.recv(1) == TT.ACK
+    s.sendall(TT.REQUEST.pack(7, cfg.moe_layers[0], 10**6, 2, 0, 0))  # T far above --max-tokens
+    head = bytearray(TT.RESPONSE.size)
+    assert TT.recv_exact(s, memoryview(head))
+    seq, status, _, _, mlen, _ = TT.RESPONSE.unpack(head)
+    msg = bytearray(mlen)
+    assert TT.recv_exact(s, memoryview(msg))
+    assert (seq, status) == (7, TT.INVALID_ARGUMENT) and b"bad frame header" in msg
+    assert s.recv(1) == b""  # then closed
+    s.close()
+    assert all(p.poll() is None for p in shards.procs)
