@@ -459,13 +459,11 @@ def create_server(
         be, interceptors = sm.wrap(be), [sm.interceptor()]
     servicer = ExpertServicer(cfg, be, info, shard_id, max_tokens)
     servicer.shm_dir = shm_dir or None  # co-located clients may attach shared memory inside it
-    if tls is not None:
-        servicer.data_refusal = "this shard runs with TLS; the TCP data path is plaintext, so layer calls stay on gRPC"
-    elif data_port is not None and data_port >= 0:
+    if data_port is not None and data_port >= 0:
         from cpu_expert_service.tcp_transport import DataServer, enabled
 
-        if enabled():
-            servicer.data = DataServer(servicer, host, data_port)  # cross-host clients may attach to it
+        if enabled():  # cross-host clients may attach to it (TLS with the gRPC files when given)
+            servicer.data = DataServer(servicer, host, data_port, tls)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=interceptors,
                          options=transport.server_options(cfg, max_tokens))
     add_servicer(servicer, server)
@@ -516,8 +514,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="shared directory for the co-located shared-memory fast path (default $MOESPLIT_SHM_DIR "
                         "or /dev/shm; '' disables it, as does MOESPLIT_SHM=0)")
     p.add_argument("--data-port", type=int, default=0,
-                   help="TCP port of the cross-host data path (cpu_expert_service.tcp_transport) on --host; "
-                        "default 0 picks a free one, -1 turns it off (as does MOESPLIT_TCP=0 or TLS)")
+                   help="TCP port of the cross-host data path (cpu_expert_service.tcp_transport) on --host, "
+                        "TLS with --tls-*; default 0 picks a free one, -1 turns it off (as does MOESPLIT_TCP=0)")
     p.add_argument("--log-level", default="INFO")
 
 

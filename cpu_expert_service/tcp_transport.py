@@ -8,8 +8,9 @@ that port, sends the token (32 bytes) and reads one byte 0x01; from then on the 
 layer calls. gRPC stays for control, health, reconnects, and every call the client does not send
 here; if the connection breaks, pending calls are re-sent over gRPC.
 
-The data path is plaintext: a shard with --tls-* refuses AttachTcp (its layer calls stay on the
-mTLS gRPC stream), and a client with TLS never asks. MOESPLIT_TCP=0 disables it on either side.
+With --tls-* the data connection is TLS as well, with the same files as gRPC: the shard presents
+its certificate and requires the client's, signed by --tls-ca (`server_context` / `client_context`);
+the token is only sent after the handshake. MOESPLIT_TCP=0 disables the path on either side.
 
 Frames (little-endian), request then response, matched by seq (answers come in order):
 
@@ -33,7 +34,9 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import select
 import socket
+import ssl
 import struct
 import sys
 import threading
@@ -61,11 +64,40 @@ def enabled() -> bool:
     return os.environ.get(TCP_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def server_context(tls) -> ssl.SSLContext:
+    """The shard's side of a TLS data connection: its certificate, the client's required (mTLS)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(tls.cert, tls.key)
+    ctx.load_verify_locations(tls.ca)
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def client_context(tls) -> ssl.SSLContext:
+    """The GPU side of a TLS data connection: the shard's certificate checked against --tls-ca
+    (and its name), this client's presented."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.load_cert_chain(tls.cert, tls.key)
+    ctx.load_verify_locations(tls.ca)
+    return ctx
+
+
+def readable(sock: socket.socket, timeout: float) -> bool:
+    """Bytes to read now (TLS: decrypted ones buffered, or more on the wire) or within timeout."""
+    if isinstance(sock, ssl.SSLSocket) and sock.pending():
+        return True
+    return bool(select.select([sock], [], [], timeout)[0])
+
+
 def recv_exact(sock: socket.socket, buf: memoryview, spin_s: float = 0.0) -> bool:
     """Fill buf from a blocking socket; polls first for spin_s (no wake-up if the bytes come soon).
     False at EOF (the peer closed)."""
     got, n = 0, len(buf)
-    if spin_s and n:
+    if spin_s and n and isinstance(sock, ssl.SSLSocket):  # TLS: no MSG_DONTWAIT; poll, then read
+        end = time.perf_counter() + spin_s
+        while not readable(sock, 0) and time.perf_counter() < end:
+            os.sched_yield()
+    elif spin_s and n:
         end = time.perf_counter() + spin_s
         while True:
             try:
@@ -93,6 +125,9 @@ def send_parts(sock: socket.socket, parts) -> None:
     # numpy arrays as raw bytes (bfloat16 has no buffer-protocol format of its own)
     views = [memoryview(p.reshape(-1).view(np.uint8)) if isinstance(p, np.ndarray) else memoryview(p).cast("B")
              for p in parts]
+    if isinstance(sock, ssl.SSLSocket):  # no sendmsg on TLS sockets: one record write
+        sock.sendall(b"".join(views))
+        return
     sent = sock.sendmsg(views)
     total = sum(len(v) for v in views)
     if sent < total:
@@ -103,8 +138,9 @@ class DataServer:
     """The shard's data port: accepts connections that present a token from `offer()` and serves
     each on its own thread."""
 
-    def __init__(self, servicer, host: str, port: int):
+    def __init__(self, servicer, host: str, port: int, tls=None):
         self.servicer = servicer
+        self.ctx = server_context(tls) if tls is not None else None  # mTLS data connections
         self.sock = socket.create_server((host, port), reuse_port=False)
         self.port = self.sock.getsockname()[1]
         self.tokens: dict[bytes, float] = {}  # token -> expiry (monotonic)
@@ -131,6 +167,8 @@ class DataServer:
     def _hello(self, conn: socket.socket, peer) -> None:
         try:
             conn.settimeout(HELLO_TIMEOUT_S)
+            if self.ctx is not None:  # the handshake (client certificate required) before anything else
+                conn = self.ctx.wrap_socket(conn, server_side=True)
             tok = bytearray(TOKEN_BYTES)
             ok = recv_exact(conn, memoryview(tok))
             with self.lock:
@@ -142,10 +180,12 @@ class DataServer:
             conn.settimeout(None)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.sendall(ACK)
-        except OSError:
+        except OSError as e:  # ssl.SSLError included: no or a wrong client certificate
+            log.warning("tcp data path: %s:%s: %s; closed", peer[0], peer[1], e)
             conn.close()
             return
-        log.info("shard %s: tcp data path from %s:%s", self.servicer.shard_id, *peer[:2])
+        log.info("shard %s: tcp data path from %s:%s%s", self.servicer.shard_id, peer[0], peer[1],
+                 " (TLS)" if self.ctx is not None else "")
         _serve(self.servicer, conn)
 
     def close(self) -> None:

@@ -17,7 +17,7 @@ backoff. Channels use model-sized message limits, keepalive pings and optional m
 
 Fast paths: with `transport="auto"` (default) each replica is offered the shared-memory fast path
 at connect (gpu_service.shm_transport; same host), else the TCP data path (gpu_service.tcp_path;
-any host, not with TLS); calls to a replica that accepted one go through it, everything else (and
+any host, mTLS when the client has TLS); calls to a replica that accepted one go through it, everything else (and
 every call after a fast-path failure) over the stream.
 """
 from __future__ import annotations
@@ -349,9 +349,10 @@ class ExpertsClient:
         # observer(layer, replica address, rtt seconds, bytes sent, bytes received, ok)
         self.observer = None
         # layer calls off the gRPC stream: shared memory with co-located shards (gpu_service.shm_transport),
-        # else the TCP data path (gpu_service.tcp_path; plaintext, so never with TLS); transport "auto"
+        # else the TCP data path (gpu_service.tcp_path; mTLS when `tls`); transport "auto"
         # (the first a shard accepts), "grpc" (never), "shm" / "tcp" (required)
-        self.fast = FastPaths(transport, shm_dir, wire_dtype, tls=tls is not None, tcp_max_tokens=max_tokens)
+        self.fast = FastPaths(transport, shm_dir, wire_dtype, tls=tls, tls_server_name=tls_server_name,
+                              tcp_max_tokens=max_tokens)
         self._wire_np = np.dtype(_WIRE[wire_dtype])
 
     # ---- set-up -------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ again until the replica reconnects; a refused call (INVALID_ARGUMENT) fails like
 past its deadline fails with DEADLINE_EXCEEDED (the client then fails over to another replica).
 
 mode: "grpc" never negotiates; "auto" offers shared memory, then the cross-host TCP data path
-(gpu_service.tcp_path; never with TLS), and falls back silently (logged); "shm" / "tcp" insist on
+(gpu_service.tcp_path; TLS when the client has TLS), and falls back silently (logged); "shm" / "tcp" insist on
 that one: `connect()` fails if a replica refuses. numpy only, no torch.
 """
 from __future__ import annotations
@@ -375,12 +375,12 @@ class FastPaths:
     """The fast paths of one ExpertsClient, by replica address."""
 
     def __init__(self, mode: str = "auto", shm_dir: str | None = None, wire_dtype: str = "float32",
-                 max_tokens: int = DEFAULT_MAX_TOKENS, n_slots: int = DEFAULT_SLOTS, tls: bool = False,
-                 tcp_max_tokens: int = DEFAULT_MAX_TOKENS):
+                 max_tokens: int = DEFAULT_MAX_TOKENS, n_slots: int = DEFAULT_SLOTS, tls=None,
+                 tls_server_name: str | None = None, tcp_max_tokens: int = DEFAULT_MAX_TOKENS):
         if mode not in MODES:
             raise ValueError(f"transport {mode!r}: expected one of {', '.join(MODES)}")
         self.mode = mode
-        self.tls = tls  # a TLS client never takes the plaintext TCP data path
+        self.tls, self.tls_server_name = tls, tls_server_name  # TLSFiles: the TCP data path is TLS too
         self.tcp_max_tokens = int(tcp_max_tokens)  # rows per TCP call (the shard's --max-tokens bounds it too)
         self.shm_dir = shm_dir or P.default_dir()
         self.wire_dtype = wire_dtype
@@ -400,15 +400,13 @@ class FastPaths:
                 return fp, ""
             why.append(f"shm: {w}")
         if self.mode in ("auto", "tcp"):
-            if self.tls:
-                why.append("tcp: this client uses TLS and the TCP data path is plaintext")
-            else:
-                from gpu_service.tcp_path import negotiate_tcp
+            from gpu_service.tcp_path import negotiate_tcp
 
-                tp, w = negotiate_tcp(r.channel, r.address, cfg.hidden_size, self.wire_dtype, self.tcp_max_tokens)
-                if tp is not None:
-                    return tp, "; ".join(why)  # (auto: why shared memory was refused)
-                why.append(f"tcp: {w}")
+            tp, w = negotiate_tcp(r.channel, r.address, cfg.hidden_size, self.wire_dtype, self.tcp_max_tokens,
+                                  self.tls, self.tls_server_name)
+            if tp is not None:
+                return tp, "; ".join(why)  # (auto: why shared memory was refused)
+            why.append(f"tcp: {w}")
         return None, "; ".join(why)
 
     def attach_all(self, replicas, cfg) -> None:

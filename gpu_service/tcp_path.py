@@ -1,7 +1,8 @@
 """GPU side of the cross-host TCP data path (protocol: cpu_expert_service.tcp_transport).
 
 `negotiate_tcp` asks a replica for its data port (`AttachTcp`), connects to the replica's host at
-that port, presents the one-time token and returns a `TcpPath`: layer calls as binary frames on
+that port (with TLS: a handshake with the client's certificate, the shard's checked against the CA
+and its name), presents the one-time token and returns a `TcpPath`: layer calls as binary frames on
 that connection, answers received by the thread that waits for them (shm_transport.DrivenFuture),
 with the same deadline, break-and-fall-back-to-gRPC and refusal semantics as the shared-memory
 fast path (shm_transport._Path). numpy only, no torch.
@@ -9,7 +10,6 @@ fast path (shm_transport._Path). numpy only, no torch.
 from __future__ import annotations
 
 import os
-import select
 import socket
 import threading
 import time
@@ -101,16 +101,17 @@ class TcpPath(_Path):
         """Poll the connection for up to spin_s (yielding the CPU), then wait up to WATCH_S."""
         sock, end = self.sock, time.perf_counter() + self.spin_s
         while True:
-            if select.select([sock], [], [], 0)[0]:
+            if T.readable(sock, 0):
                 return True
             if time.perf_counter() >= end:
-                return bool(select.select([sock], [], [], WATCH_S)[0])
+                return T.readable(sock, WATCH_S)
             os.sched_yield()
 
 
 def negotiate_tcp(channel: grpc.Channel, address: str, hidden_size: int, wire_dtype: str, max_tokens: int,
-                  timeout_s: float = 10.0) -> tuple[TcpPath | None, str]:
-    """Ask `address` for its TCP data path. (TcpPath, "") or (None, why not)."""
+                  tls=None, server_name: str | None = None, timeout_s: float = 10.0) -> tuple[TcpPath | None, str]:
+    """Ask `address` for its TCP data path (TLS with `tls`, a TLSFiles, checking the shard's
+    certificate for `server_name` or the address's host). (TcpPath, "") or (None, why not)."""
     if not T.enabled():
         return None, f"disabled ({T.TCP_ENV}=0)"
     stub = experts_pb2_grpc.ExpertServiceStub(channel)
@@ -127,6 +128,8 @@ def negotiate_tcp(channel: grpc.Channel, address: str, hidden_size: int, wire_dt
         return None, f"cannot connect to the data port {host}:{resp.port}: {e}"
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls is not None:
+            sock = T.client_context(tls).wrap_socket(sock, server_hostname=server_name or host)
         sock.sendall(resp.token)
         ack = sock.recv(1)
         if ack != T.ACK:

@@ -1,9 +1,8 @@
 """The cross-host TCP data path (cpu_expert_service/tcp_transport.py, gpu_service/tcp_path.py) on
 real shard processes.
 
-Same answers, tokens and logits as gRPC; refused (and gRPC used) when the shard has it off or runs
-with TLS, and never asked for by a TLS client; a connection that breaks mid-run re-sends over
-gRPC; an invalid call is refused like gRPC's INVALID_ARGUMENT and the connection kept; a frame
+Same answers, tokens and logits as gRPC; refused (and gRPC used) when the shard has it off; a
+connection that breaks mid-run re-sends over gRPC (its mutual-TLS form: tests/test_tls.py); an invalid call is refused like gRPC's INVALID_ARGUMENT and the connection kept; a frame
 whose header cannot be trusted, or a connection without a valid token, is closed.
 """
 from __future__ import annotations
@@ -64,16 +63,6 @@ def test_refused_when_off_on_the_shard(model_dir, cfg):
             assert c.forward(layer, *args).shape == (4, cfg.hidden_size)
         with pytest.raises(ExpertsClientError, match="TCP data path was refused"):
             ExpertsClient(one.addresses, cfg, transport="tcp").connect()
-
-
-def test_a_tls_client_never_asks(shards, cfg):
-    from gpu_service.shm_transport import FastPaths
-
-    class R:  # the replica fields FastPaths reads
-        channel, address = grpc.insecure_channel(shards.addresses[0]), shards.addresses[0]
-
-    fp, why = FastPaths("tcp", tls=True)._negotiate(R, cfg)
-    assert fp is None and "uses TLS" in why
 
 
 def test_fallback_when_the_connection_breaks(shards, cfg):

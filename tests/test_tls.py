@@ -165,6 +165,43 @@ def test_client_without_valid_certificate_rejected(tls_shard, pki, model_dir, wh
         assert ei.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
+def test_tcp_data_path_with_mutual_tls(tls_shard, pki, model_dir):
+    """With TLS the TCP data path is TLS too: a client with its certificate gets it and the gRPC
+    answers; a connection to the data port without a client certificate is refused in the handshake."""
+    import socket
+    import ssl
+
+    from checkpoint.config import load_config
+    from gpu_service.experts_client import ExpertsClient
+    from protos.moesplit.v1 import experts_pb2, experts_pb2_grpc
+
+    cfg = load_config(model_dir)
+    addr = tls_shard.addresses[0]
+    layer = cfg.moe_layers[0]
+    with ExpertsClient([addr], cfg, timeout_s=10, tls=_files(pki, "client"), transport="tcp") as t, \
+            ExpertsClient([addr], cfg, timeout_s=10, tls=_files(pki, "client"), transport="grpc") as g:
+        assert t.fast.transport_of(addr) == "tcp"
+        for T in (1, 3, 70):
+            rng = np.random.default_rng(T)
+            x = rng.standard_normal((T, cfg.hidden_size)).astype(np.float32)
+            ids = rng.integers(0, cfg.n_routed_experts, (T, cfg.num_experts_per_tok)).astype(np.int64)
+            w = rng.random(ids.shape).astype(np.float32)
+            np.testing.assert_array_equal(t.forward(layer, x, ids, w), g.forward(layer, x, ids, w))
+        assert t.fast.paths[addr][0].calls == 3
+        # the data port, with a valid token but TLS without a client certificate: no handshake
+        resp = experts_pb2_grpc.ExpertServiceStub(g.replicas[0].channel).AttachTcp(
+            experts_pb2.AttachTcpRequest(), timeout=5)
+    assert resp.accepted
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.load_verify_locations(pki["ca"])
+    with socket.create_connection(("127.0.0.1", resp.port), timeout=5) as raw:
+        with pytest.raises((ssl.SSLError, OSError)):
+            with ctx.wrap_socket(raw, server_hostname="localhost") as s:
+                s.sendall(resp.token)
+                assert s.recv(1) == b""  # TLS 1.3 may finish the client's side first: then the shard closes
+                raise OSError("closed without an answer")  # no ACK either way
+
+
 def test_partial_tls_flags_refused(model_dir, pki):
     p = subprocess.run([sys.executable, "-m", "gpu_service.cli", "expert-server", "--model", model_dir,
                         "--tls-cert", pki["server"]["cert"]], capture_output=True, text=True, cwd=ROOT, timeout=60)

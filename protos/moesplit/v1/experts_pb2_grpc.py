@@ -93,7 +93,7 @@ class ExpertServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def AttachTcp(self, request, context):
-        """Offer the TCP data path (any host; plaintext, so never with TLS); refused with a reason otherwise.
+        """Offer the TCP data path (any host; mutual TLS when the shard has TLS); refused with a reason otherwise.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
