@@ -19,8 +19,9 @@ Python gRPC bidi-stream echo of the same bytes (grpcio, no protobuf: what any Py
 costs on this machine) and a shared-memory ping-pong with the same Unix-socket doorbell; and the
 shard's compute time of a real one-token call on the wide model. The hidden state is handed to
 the client in the wire dtype, as gpu_service.runner.RemoteExperts does. Calls follow each other
-at once, so both ends' bounded doorbell spin (MOESPLIT_SHM_SPIN_US) catches them; "shm_cold" are
-the same calls 2 ms apart, past the spin window: each end is woken by the kernel. Finally a projection of the transport's share of a
+at once, so both ends' bounded doorbell spin (MOESPLIT_SHM_SPIN_US, set to 200 here: the shards
+are pinned to CPUs of their own) catches them; "shm_cold" are the same calls 2 ms apart, past the
+spin window: each end is woken by the kernel. Finally a projection of the transport's share of a
 DeepSeek-V3 decode step (58 MoE layers), defined in the JSON.
 
 Writes bench/results/pipeline.json and bench/results/pipeline.png.
@@ -550,6 +551,9 @@ def main() -> int:
     # the "GPU side" runs on this CPU here: one thread, so that it does not fight the expert kernels
     # for the cores (torch's idle intra-op workers spin) - the same for every mode
     torch.set_num_threads(1)
+    # the shards get CPUs of their own (PinnedShards), as in the Helm chart: poll before blocking
+    # (cpu_expert_service.shm_transport; inherited by the shard processes)
+    os.environ.setdefault("MOESPLIT_SHM_SPIN_US", "200")
     t_start = time.perf_counter()
     backend = available_backends()[0]  # what "auto" picks in the shards and in-process
     rounds = 2 if args.quick else 8
