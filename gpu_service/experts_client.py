@@ -647,9 +647,12 @@ class ExpertsClient:
         parts: list[tuple[np.ndarray | None, Future]] = []
         sent: list[_Group] = []
         E = self.cfg.n_routed_experts
-        one = T == 1 and ids.size <= 64  # decode: k Python ints are cheaper than numpy calls per group
+        one = T == 1 and 0 < ids.size <= 64  # decode: k Python ints are cheaper than numpy calls per group
         row = ids[0].tolist() if one else None
-        in_range = (min(row) >= 0 and max(row) < E) if one else bool(ids.min() >= 0 and ids.max() < E)
+        if one:
+            in_range = min(row) >= 0 and max(row) < E
+        else:  # (k = 0: nothing routed, no shard called, zeros)
+            in_range = bool(ids.size == 0 or (ids.min() >= 0 and ids.max() < E))
         for g in self.groups:
             shard = g.desc
             if shard.all_experts:

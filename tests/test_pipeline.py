@@ -213,3 +213,13 @@ def test_same_answers_with_and_without_spinning(model_dir, cfg, monkeypatch, spi
             np.testing.assert_array_equal(s.forward(layer, x.astype(ml_dtypes.bfloat16), ids, w), want)
             np.testing.assert_array_equal(g.forward(layer, x.astype(ml_dtypes.bfloat16), ids, w), want)
         assert all(fp.calls >= 8 for fp, _ in s.fast.paths.values())
+
+
+def test_calls_that_route_nothing_give_zeros(shards, cfg):
+    """k = 0 (no routed expert) and T = 0: zeros of the right shape, no shard called, no error."""
+    with ExpertsClient(shards.addresses, cfg) as c:
+        for T, k in ((1, 0), (3, 0), (0, 2)):
+            y = c.forward(cfg.moe_layers[0], np.ones((T, cfg.hidden_size), np.float32), np.zeros((T, k), np.int64),
+                          np.zeros((T, k), np.float32))
+            assert y.shape == (T, cfg.hidden_size) and y.dtype == np.float32 and not y.any()
+        assert all(fp.calls == 0 for fp, _ in c.fast.paths.values())
