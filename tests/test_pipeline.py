@@ -111,16 +111,22 @@ def test_fallback_when_the_fast_path_breaks(shards, cfg):
         np.testing.assert_array_equal(c.forward(layer, *args), want)
 
 
-def test_invalid_call_refused_like_grpc(shards, cfg):
+def _invalid_calls(cfg):
+    """A valid call (x, ids, w) and three the shard refuses: (layer, x, ids, w, words of the reason)."""
     layer = cfg.moe_layers[0]
     x, ids, w = _call(cfg, 2)
     bad_ids = ids.copy()
     bad_ids[1, 0] = cfg.n_routed_experts + 5
     nan_x = x.copy()
     nan_x[0, 3] = np.nan
-    cases = [(0, x, ids, w, "not an MoE layer"),  # layer 0 is dense
-             (layer, x, bad_ids, w, "outside"),
-             (layer, nan_x, ids, w, "NaN")]
+    return (x, ids, w), [(0, x, ids, w, "not an MoE layer"),  # layer 0 is dense
+                         (layer, x, bad_ids, w, "outside"),
+                         (layer, nan_x, ids, w, "NaN")]
+
+
+def test_invalid_call_refused_like_grpc(shards, cfg):
+    layer = cfg.moe_layers[0]
+    (x, ids, w), cases = _invalid_calls(cfg)
     with ExpertsClient(shards.addresses, cfg, transport="shm") as c:
         fp = c.fast.paths[shards.addresses[0]][0]
         for lyr, xx, ii, ww, what in cases:

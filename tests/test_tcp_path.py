@@ -21,7 +21,7 @@ from gpu_service.experts_client import ExpertsClient, ExpertsClientError, ShardE
 from gpu_service.local_stack import start_shards
 from gpu_service.runner import ModelRunner, RemoteExperts
 from protos.moesplit.v1 import experts_pb2, experts_pb2_grpc
-from tests.test_pipeline import _call, cfg, model_dir, shards  # noqa: F401 - the same tiny model and 2 shards
+from tests.test_pipeline import _call, _invalid_calls, cfg, model_dir, shards  # noqa: F401 - the same tiny model and 2 shards
 
 pytestmark = pytest.mark.skipif(not TT.enabled(), reason="MOESPLIT_TCP=0")
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
@@ -80,12 +80,7 @@ def test_fallback_when_the_connection_breaks(shards, cfg):
 
 def test_invalid_call_refused_like_grpc(shards, cfg):
     layer = cfg.moe_layers[0]
-    x, ids, w = _call(cfg, 2)
-    bad_ids = ids.copy()
-    bad_ids[1, 0] = cfg.n_routed_experts + 5
-    nan_x = x.copy()
-    nan_x[0, 3] = np.nan
-    cases = [(0, x, ids, w, "not an MoE layer"), (layer, x, bad_ids, w, "outside"), (layer, nan_x, ids, w, "NaN")]
+    (x, ids, w), cases = _invalid_calls(cfg)  # the shared-memory path's cases
     with ExpertsClient(shards.addresses, cfg, transport="tcp") as c:
         tp = c.fast.paths[shards.addresses[0]][0]
         for lyr, xx, ii, ww, what in cases:

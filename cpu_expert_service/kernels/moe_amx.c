@@ -27,6 +27,7 @@
 void moe_panel_bf16_avx512(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch);
 void moe_panel_int8_avx512(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch);
 void moe_panel_int4_avx512(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch);
+void moe_scale_channels_avx512(const float *chs, float *C, int n);
 
 typedef struct {
     uint8_t palette_id;
@@ -178,14 +179,7 @@ static void panel_int_amx(const MoeMat *W, int p, const MoeRows *rows, float *C,
         }
     }
     _tile_release();
-    if (!int4) {
-        const float *chs = W->chscale + p * 32;
-        __m512 s0 = _mm512_loadu_ps(chs), s1 = _mm512_loadu_ps(chs + 16);
-        for (int m = 0; m < n; m++) {
-            _mm512_storeu_ps(C + m * 32, _mm512_mul_ps(_mm512_loadu_ps(C + m * 32), s0));
-            _mm512_storeu_ps(C + m * 32 + 16, _mm512_mul_ps(_mm512_loadu_ps(C + m * 32 + 16), s1));
-        }
-    }
+    if (!int4) moe_scale_channels_avx512(W->chscale + p * 32, C, n);
 }
 
 void moe_panel_int8_amx(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {

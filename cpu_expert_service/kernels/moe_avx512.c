@@ -288,6 +288,15 @@ static void mk_int4_n(int mr, const uint8_t *wp, int g0, int ng, const MoeRows *
     MK_INT_SWITCH(1)
 }
 
+/* int8 epilogue: C[m][0..32) *= the panel's 32 per-output-channel scales, for n tokens (also the AMX path's) */
+void moe_scale_channels_avx512(const float *chs, float *C, int n) {
+    __m512 s0 = _mm512_loadu_ps(chs), s1 = _mm512_loadu_ps(chs + 16);
+    for (int m = 0; m < n; m++) {
+        _mm512_storeu_ps(C + m * 32, _mm512_mul_ps(_mm512_loadu_ps(C + m * 32), s0));
+        _mm512_storeu_ps(C + m * 32 + 16, _mm512_mul_ps(_mm512_loadu_ps(C + m * 32 + 16), s1));
+    }
+}
+
 static void panel_int(const MoeMat *W, int p, const MoeRows *rows, float *C, int int4) {
     const uint8_t *wp = W->data + W->panel_bytes * (size_t)p;
     int G = W->Kp / MOE_GROUP, n = rows->n;
@@ -303,14 +312,7 @@ static void panel_int(const MoeMat *W, int p, const MoeRows *rows, float *C, int
             else mk_int8_n(mr, wp, g0, ng, rows, m0, C, g0 > 0);
         }
     }
-    if (!int4) {
-        const float *chs = W->chscale + p * 32;
-        __m512 s0 = _mm512_loadu_ps(chs), s1 = _mm512_loadu_ps(chs + 16);
-        for (int m = 0; m < n; m++) {
-            _mm512_storeu_ps(C + m * 32, _mm512_mul_ps(_mm512_loadu_ps(C + m * 32), s0));
-            _mm512_storeu_ps(C + m * 32 + 16, _mm512_mul_ps(_mm512_loadu_ps(C + m * 32 + 16), s1));
-        }
-    }
+    if (!int4) moe_scale_channels_avx512(W->chscale + p * 32, C, n);
 }
 
 void moe_panel_int8_avx512(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {
