@@ -60,7 +60,7 @@ MODES = ("in_process", "grpc", "shm", "tcp")
 
 # ---- checkpoints ------------------------------------------------------------------------------
 def tiny_model() -> str:
-    from gpu_service.tiny import make_tiny
+    from gpu_service.local.tiny import make_tiny
 
     d = os.path.join(CACHE, "tiny-bf16")
     if not os.path.exists(os.path.join(d, "config.json")):
@@ -84,7 +84,7 @@ def synthetic_model(name: str, overrides: dict) -> str:
     from checkpoint.config import load_config
     from checkpoint.names import expected_shapes
     from checkpoint.reader import write_safetensors
-    from gpu_service.tiny import tiny_config
+    from gpu_service.local.tiny import tiny_config
 
     cfg_dict = tiny_config("deepseek_v3", "bf16", overrides)
     d = os.path.join(CACHE, name)
@@ -230,7 +230,7 @@ def grpc_floor(nbytes: int, n: int) -> list[float]:
 def shm_floor(nbytes: int, n: int) -> list[float]:
     import mmap
 
-    from cpu_expert_service.shm_transport import default_dir
+    from wire.shm import default_dir
 
     d = default_dir() if os.access(default_dir(), os.W_OK) else tempfile.gettempdir()
     path = os.path.join(d, f"moesplit-bench-{os.getpid()}")
@@ -276,7 +276,7 @@ class PinnedShards:
 
     def __init__(self, model_dir: str, backend: str):
         from checkpoint.config import load_config
-        from gpu_service.local_stack import expert_ranges, start_shards
+        from gpu_service.local.stack import expert_ranges, start_shards
 
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         self.parts = []
@@ -312,8 +312,8 @@ def gen_rates(model_dir: str, shards, backend_name: str, prompt_len: int, new_to
 
     from checkpoint.reader import CheckpointReader
     from cpu_expert_service.server import load_shard
-    from gpu_service.experts_client import ExpertsClient
-    from gpu_service.runner import LocalExperts, ModelRunner, RemoteExperts
+    from gpu_service.experts.client import ExpertsClient
+    from gpu_service.runtime.runner import LocalExperts, ModelRunner, RemoteExperts
 
     torch.manual_seed(0)
     _, be, _ = load_shard(model_dir, None, None, backend_name)
@@ -378,7 +378,7 @@ def _one_token_calls(c, layer: int, x, ids, w, n: int, gap_s: float = 0.0) -> tu
 def _raw_calls(c, transport: str, layer: int, x, ids, w, n: int) -> tuple[list[float], list[float]]:
     """n one-token calls on shard 0's transport itself (no client routing / futures chain): the
     fast path (shm, tcp) or the replica's Forward stream with the request encoded per call (grpc)."""
-    from gpu_service.experts_client import _array, _tensor
+    from gpu_service.experts.client import _array, _tensor
     from protos.moesplit.v1 import experts_pb2
 
     r = next(r for r in c.replicas if 0 in r.desc.experts)
@@ -404,7 +404,7 @@ def _raw_calls(c, transport: str, layer: int, x, ids, w, n: int) -> tuple[list[f
 def layer_rtt(model_dir: str, shards, n: int, rounds: int) -> dict:
     """One-token layer calls to one shard (top-k experts it holds), per wire dtype, against the floors."""
     from checkpoint.config import load_config
-    from gpu_service.experts_client import ExpertsClient
+    from gpu_service.experts.client import ExpertsClient
 
     cfg = load_config(model_dir)
     H, k = cfg.hidden_size, cfg.num_experts_per_tok
@@ -455,7 +455,7 @@ def layer_rtt(model_dir: str, shards, n: int, rounds: int) -> dict:
 def wide_compute(model_dir: str, shards, n: int) -> dict:
     """One-token layer calls with real expert math on the wide model: shard compute_us and round trip."""
     from checkpoint.config import load_config
-    from gpu_service.experts_client import ExpertsClient
+    from gpu_service.experts.client import ExpertsClient
 
     cfg = load_config(model_dir)
     k = cfg.num_experts_per_tok
@@ -587,7 +587,7 @@ def main() -> int:
     d = echo_model()
     # numpy backend + routing weights 0: the shard decodes, validates and dispatches the call but does
     # no expert math (the kernels' thread pool would add its own wake-ups to the chain)
-    from gpu_service.local_stack import start_shards
+    from gpu_service.local.stack import start_shards
 
     with start_shards(d, 2, backend="numpy", timeout_s=300) as shards:  # unpinned: a wake-up takes any free CPU
         res["rtt"] = layer_rtt(d, shards, 1000 if args.quick else 3000, rounds)

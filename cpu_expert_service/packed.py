@@ -35,20 +35,15 @@ import time
 import numpy as np
 
 from checkpoint.config import ModelConfig, load_config
+from checkpoint.manifest import MANIFEST, VERSION, PackedError, read_manifest  # noqa: F401 (convert uses P.MANIFEST)
 from checkpoint.formats import as_format, pack_int4, quant_int8_channel
 from checkpoint.names import PROJS, expert_weight
 from checkpoint.reader import DTYPES, CheckpointError, SafetensorsFile, _ST_NAME
 
-MANIFEST = "moesplit-packed.json"
-VERSION = 1
 FORMATS = ("bf16", "int8", "int4")
 SPLITS = ("intermediate", "experts")
 INT4_GROUP = 32  # the kernels' (and Kimi-K2-Thinking's) group size
 PARTIAL = ".partial"  # temporary layer files: layer-003.safetensors.partial-<pid>
-
-
-class PackedError(ValueError):
-    """A packed directory that does not fit the request (other model, shard out of range, incomplete)."""
 
 
 # ---- layout ------------------------------------------------------------------------------------
@@ -229,21 +224,6 @@ def write_json(path: str, obj) -> None:
         json.dump(obj, f, indent=1)
         f.write("\n")
     os.replace(tmp, path)
-
-
-def read_manifest(packed_dir: str) -> dict:
-    path = os.path.join(packed_dir, MANIFEST)
-    if not os.path.exists(path):
-        raise PackedError(f"{packed_dir}: no {MANIFEST}; point --packed at the --out directory of `moesplit convert`")
-    try:
-        with open(path) as f:
-            m = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise PackedError(f"{path}: unreadable ({e}); re-run `moesplit convert`") from e
-    if m.get("moesplit_packed") != VERSION:
-        raise PackedError(f"{path}: packed format version {m.get('moesplit_packed')!r}, this moesplit reads "
-                          f"{VERSION}; re-run `moesplit convert` with this version")
-    return m
 
 
 def packed_config(packed_dir: str, model_dir: str | None = None) -> tuple[ModelConfig, dict]:

@@ -42,7 +42,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from checkpoint.config import ModelConfig, load_config
 from checkpoint.names import compact_ranges
-from cpu_expert_service import transport
+from wire import channel as transport
 from cpu_expert_service.backend import ExpertBackend, make_backend
 from protos.moesplit.v1 import experts_pb2, experts_pb2_grpc
 
@@ -460,7 +460,8 @@ def create_server(
     servicer = ExpertServicer(cfg, be, info, shard_id, max_tokens)
     servicer.shm_dir = shm_dir or None  # co-located clients may attach shared memory inside it
     if data_port is not None and data_port >= 0:
-        from cpu_expert_service.tcp_transport import DataServer, enabled
+        from cpu_expert_service.tcp_transport import DataServer
+        from wire.tcp import enabled
 
         if enabled():  # cross-host clients may attach to it (TLS with the gRPC files when given)
             servicer.data = DataServer(servicer, host, data_port, tls)
@@ -582,10 +583,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _shm_dir(arg: str | None) -> str | None:
-    from cpu_expert_service import shm_transport
+    from wire import shm
 
-    d = shm_transport.default_dir() if arg is None else arg
-    return d if d and shm_transport.enabled() else None
+    d = shm.default_dir() if arg is None else arg
+    return d if d and shm.enabled() else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,137 +1,26 @@
-"""Cross-host fast path: layer calls as binary frames on one plain TCP connection (no torch).
+"""The shard side of the cross-host TCP data path: the data port (`DataServer`) and the per-connection loop.
 
-A Python gRPC stream costs ~0.4-0.6 ms per round trip on a small VM even for a bare echo (thread
-hand-offs in grpcio), so shards on other hosts get a leaner data path beside it. The shard listens
-on a data port (`--data-port`, default 0 = any free port; -1 = off). A client asks for it with the
-`AttachTcp` RPC and gets the port and a one-time random token, connects to the shard's host at
-that port, sends the token (32 bytes) and reads one byte 0x01; from then on the connection carries
-layer calls. gRPC stays for control, health, reconnects, and every call the client does not send
-here; if the connection breaks, pending calls are re-sent over gRPC.
-
-With --tls-* the data connection is TLS as well, with the same files as gRPC: the shard presents
-its certificate and requires the client's, signed by --tls-ca (`server_context` / `client_context`);
-the token is only sent after the handshake. MOESPLIT_TCP=0 disables the path on either side.
-
-Frames (little-endian), request then response, matched by seq (answers come in order):
-
-    request   <QiIIII  seq, layer, T, k, hidden dtype code, output dtype code (28 bytes)
-              then hidden [T, H] (that dtype), ids [T, k] int64, weights [T, k] float32
-    response  <QIQQII  seq, status (gRPC code: 0 OK, 3 INVALID_ARGUMENT, 13 INTERNAL), compute_us,
-                       server_us, message length, T (36 bytes)
-              then output [T, H] (output dtype) if status is 0, else the UTF-8 message
-
-A request whose header is invalid (T above the shard's --max-tokens, k outside [1, E], unknown
-dtype codes) is answered with INVALID_ARGUMENT and the connection closed, since its payload length
-cannot be trusted; any other invalid call (layer not served, expert id out of range, NaN) is
-answered with INVALID_ARGUMENT and the connection kept, like the shared-memory path. Validation
-and compute are the gRPC path's (`ExpertServicer.check_and_forward`).
-
-Receivers poll without blocking for MOESPLIT_SHM_SPIN_US before they block, as on the
-shared-memory path (cpu_expert_service.shm_transport.recv_spin).
+Frames, the token hello and the TLS contexts are in `wire.tcp` (shared with the GPU side); see its
+docstring for the protocol.
 """
 from __future__ import annotations
 
 import logging
-import os
 import secrets
-import select
 import socket
-import ssl
-import struct
 import sys
 import threading
 import time
 
 import numpy as np
 
-from cpu_expert_service import shm_transport as S
+from wire.tcp import (
+    ACK, DTYPES, FLOAT_CODES, HELLO_TIMEOUT_S, INTERNAL, INVALID_ARGUMENT, MAX_MESSAGE, OK, recv_exact,
+    REQUEST, RESPONSE, send_parts, server_context, TOKEN_BYTES, TOKEN_TTL_S,
+)
+from wire.shm import spin_seconds
 
 log = logging.getLogger("moesplit.tcp")
-
-TCP_ENV = "MOESPLIT_TCP"  # "0" disables the cross-host data path (shard: refuse AttachTcp; client: never ask)
-REQUEST = struct.Struct("<QiIIII")
-RESPONSE = struct.Struct("<QIQQII")
-TOKEN_BYTES = 32
-ACK = b"\x01"
-TOKEN_TTL_S = 30.0
-HELLO_TIMEOUT_S = 5.0
-MAX_MESSAGE = 4096
-OK, INVALID_ARGUMENT, INTERNAL = S.OK, S.INVALID_ARGUMENT, S.INTERNAL
-DTYPES, FLOAT_CODES = S.DTYPES, S.FLOAT_CODES
-
-
-def enabled() -> bool:
-    return os.environ.get(TCP_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def server_context(tls) -> ssl.SSLContext:
-    """The shard's side of a TLS data connection: its certificate, the client's required (mTLS)."""
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.load_cert_chain(tls.cert, tls.key)
-    ctx.load_verify_locations(tls.ca)
-    ctx.verify_mode = ssl.CERT_REQUIRED
-    return ctx
-
-
-def client_context(tls) -> ssl.SSLContext:
-    """The GPU side of a TLS data connection: the shard's certificate checked against --tls-ca
-    (and its name), this client's presented."""
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.load_cert_chain(tls.cert, tls.key)
-    ctx.load_verify_locations(tls.ca)
-    return ctx
-
-
-def readable(sock: socket.socket, timeout: float) -> bool:
-    """Bytes to read now (TLS: decrypted ones buffered, or more on the wire) or within timeout."""
-    if isinstance(sock, ssl.SSLSocket) and sock.pending():
-        return True
-    return bool(select.select([sock], [], [], timeout)[0])
-
-
-def recv_exact(sock: socket.socket, buf: memoryview, spin_s: float = 0.0) -> bool:
-    """Fill buf from a blocking socket; polls first for spin_s (no wake-up if the bytes come soon).
-    False at EOF (the peer closed)."""
-    got, n = 0, len(buf)
-    if spin_s and n and isinstance(sock, ssl.SSLSocket):  # TLS: no MSG_DONTWAIT; poll, then read
-        end = time.perf_counter() + spin_s
-        while not readable(sock, 0) and time.perf_counter() < end:
-            os.sched_yield()
-    elif spin_s and n:
-        end = time.perf_counter() + spin_s
-        while True:
-            try:
-                k = sock.recv_into(buf, n, socket.MSG_DONTWAIT)
-            except (BlockingIOError, InterruptedError):
-                if time.perf_counter() >= end:
-                    break
-                os.sched_yield()
-                continue
-            if k == 0:
-                return False
-            got = k
-            break
-    while got < n:
-        k = sock.recv_into(buf[got:], n - got)
-        if k == 0:
-            return False
-        got += k
-    return True
-
-
-def send_parts(sock: socket.socket, parts) -> None:
-    """Send the byte-like parts in order as one write when the kernel takes it (sendmsg), the rest
-    after a short write."""
-    # numpy arrays as raw bytes (bfloat16 has no buffer-protocol format of its own)
-    views = [memoryview(p.reshape(-1).view(np.uint8)) if isinstance(p, np.ndarray) else memoryview(p).cast("B")
-             for p in parts]
-    if isinstance(sock, ssl.SSLSocket):  # no sendmsg on TLS sockets: one record write
-        sock.sendall(b"".join(views))
-        return
-    sent = sock.sendmsg(views)
-    total = sum(len(v) for v in views)
-    if sent < total:
-        sock.sendall(b"".join(bytes(v) for v in views)[sent:])
 
 
 class DataServer:
@@ -205,7 +94,7 @@ def _serve(servicer, conn: socket.socket) -> None:
     hdr = bytearray(REQUEST.size)
     hv = memoryview(hdr)
     payload = bytearray(0)
-    spin_s = S.spin_seconds()
+    spin_s = spin_seconds()
     try:
         while True:
             if not recv_exact(conn, hv, spin_s):

@@ -61,7 +61,7 @@ def chat_loop(client, args: argparse.Namespace, stdin=sys.stdin, stdout=sys.stdo
 def run(args: argparse.Namespace) -> int:
     import grpc
 
-    from gpu_service.grpc_client import GenerateClient
+    from gpu_service.api.grpc_client import GenerateClient
 
     with GenerateClient(args.address) as client:
         try:

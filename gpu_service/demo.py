@@ -13,12 +13,12 @@ PROMPT = "The experts live on the CPU and the attention lives on the GPU."
 
 
 def main() -> int:
-    from gpu_service.tiny import make_tiny
+    from gpu_service.local.tiny import make_tiny
 
     if not os.path.exists(os.path.join(MODEL, "config.json")):
         make_tiny(MODEL, fmt="fp8", seed=0)
         print(f"wrote tiny FP8 checkpoint to {MODEL}")
-    cmd = [sys.executable, "-m", "gpu_service.cli", "generate", "--model", MODEL, "--prompt", PROMPT,
+    cmd = [sys.executable, "-m", "moesplit", "generate", "--model", MODEL, "--prompt", PROMPT,
            "--max-new-tokens", "32", "--shards", "2", "--json"]
     print("$", " ".join(cmd[2:]))
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from gpu_service.placement import add_plan_arguments, placement_from_args
+from gpu_service.model.placement import add_plan_arguments, placement_from_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--kv-tokens", type=int, default=None, help="KV cache tokens (default: prompt + new tokens)")
     add_plan_arguments(p)
-    from gpu_service.experts_client import add_expert_client_arguments  # --expert-timeout, --tls-*
+    from gpu_service.experts.client import add_expert_client_arguments  # --expert-timeout, --tls-*
 
     add_expert_client_arguments(p)
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
@@ -45,10 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from checkpoint.reader import CheckpointReader
-    from gpu_service.experts_client import ExpertsClient
-    from gpu_service.local_stack import start_shards
-    from gpu_service.runner import ModelRunner, RemoteExperts
-    from gpu_service.sampling import SamplingParams
+    from gpu_service.experts.client import ExpertsClient
+    from gpu_service.local.stack import start_shards
+    from gpu_service.runtime.runner import ModelRunner, RemoteExperts
+    from gpu_service.runtime.sampling import SamplingParams
 
     if args.max_new_tokens < 1:
         print("moesplit generate: --max-new-tokens must be >= 1", file=sys.stderr)
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = reader.config
     tok = None
     if args.prompt is not None:
-        from gpu_service.tokenizer import Tokenizer
+        from gpu_service.api.tokenizer import Tokenizer
 
         tok = Tokenizer(args.model)
         ids = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     kv = args.kv_tokens or max(len(ids) + args.max_new_tokens, 64)
     placement = placement_from_args(args, cfg, kv, device=device)
 
-    from gpu_service.experts_client import expert_client_tls
+    from gpu_service.experts.client import expert_client_tls
 
     try:
         tls = expert_client_tls(args, "moesplit generate")

@@ -161,7 +161,7 @@ def category_of(name: str, modules: list[tuple[str, str]]) -> str:
 def actual_bytes(runner, placement=None) -> dict[tuple[str, str], int]:
     """{(category, device label): bytes} of the runner's parameters, buffers and KV pool, placed by
     the placement's map (the same rule as `placement.allocated_bytes_by_gpu`)."""
-    from gpu_service.placement import Placement
+    from gpu_service.model.placement import Placement
 
     placement = placement or getattr(runner, "placement", None) or Placement.single(runner.cfg, runner.device)
     mods = _module_categories(runner.cfg)
@@ -183,7 +183,7 @@ def planned_bytes(runner, plan=None, placement=None) -> dict[tuple[str, str], in
     its per-GPU items (workspace and reserve included); without one (a CPU run without --gpu), the
     plan's byte model applied to the runner's placement and KV pool size."""
     from gpu_service import plan as P
-    from gpu_service.placement import Placement
+    from gpu_service.model.placement import Placement
 
     out: dict[tuple[str, str], int] = {}
     if plan is not None:

@@ -75,12 +75,12 @@ def run(args: argparse.Namespace) -> int:
         if not plan.fits:
             print(f"moesplit plan: not writing {args.helm_values}: the plan does not fit", file=sys.stderr)
             return 3
-        from gpu_service.helm_values import write_helm_values
+        from gpu_service.plan.helm_values import write_helm_values
 
         write_helm_values(plan.to_json(), args.helm_values, args.model_path, kernel_isa=args.kernel_isa)
         print(f"wrote Helm values to {args.helm_values}", file=sys.stderr)
     if args.cluster:
-        from gpu_service.cluster import check_cluster
+        from gpu_service.plan.cluster import check_cluster
 
         try:
             verdicts = check_cluster(plan.to_json(), kernel_isa=args.kernel_isa)

@@ -21,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpu_service.local_stack import ShardStartError, start_shards
+    from gpu_service.local.stack import ShardStartError, start_shards
 
     setup_logging(args.log_level)
     err = (check_serving_args(args) or (f"--shards must be >= 1, got {args.shards}" if args.shards < 1 else None)

@@ -19,11 +19,11 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gpu_service.engine import Engine
-from gpu_service.placement import add_plan_arguments, placement_from_args
-from gpu_service.experts_client import add_expert_client_arguments, expert_client_tls
-from gpu_service.grpc_api import create_server as create_grpc_server
-from gpu_service.http_api import HTTPServer, create_app
+from gpu_service.runtime.engine import Engine
+from gpu_service.model.placement import add_plan_arguments, placement_from_args
+from gpu_service.experts.client import add_expert_client_arguments, expert_client_tls
+from gpu_service.api.grpc_api import create_server as create_grpc_server
+from gpu_service.api.http_api import create_app, HTTPServer
 from gpu_service.metrics import GpuMetrics
 
 log = logging.getLogger("moesplit.serve")
@@ -82,7 +82,7 @@ def shard_health_fn(addresses: list[str], timeout_s: float = 1.0, tls=None) -> C
     """A health check asking every shard's grpc.health.v1 service; keeps one channel per shard.
     (The serving stack uses `ExpertsClient.health`, which knows replicas: one SERVING replica per
     shard group is enough.) `tls`: TLSFiles for shards that require mutual TLS."""
-    from cpu_expert_service.transport import make_channel
+    from wire.channel import make_channel
 
     stubs = {a: health_pb2_grpc.HealthStub(make_channel(a, [], tls)) for a in addresses}
 
@@ -109,9 +109,9 @@ def build_runner(model_dir: str, addresses: list[str], device=None, dtype=None, 
     import torch
 
     from checkpoint.reader import CheckpointReader
-    from gpu_service.experts_client import ExpertsClient
-    from gpu_service.runner import ModelRunner, RemoteExperts
-    from gpu_service.tokenizer import Tokenizer, TokenizerError
+    from gpu_service.experts.client import ExpertsClient
+    from gpu_service.runtime.runner import ModelRunner, RemoteExperts
+    from gpu_service.api.tokenizer import Tokenizer, TokenizerError
 
     reader = CheckpointReader(model_dir)
     client = ExpertsClient(addresses, reader.config, timeout_s=expert_timeout, tls=tls,
@@ -246,7 +246,7 @@ def run_stack(args: argparse.Namespace, prog: str, addresses: list[str], closers
                 except Exception:  # noqa: BLE001
                     log.exception("error while shutting down")
         from checkpoint.reader import CheckpointError
-        from gpu_service.experts_client import ExpertsClientError
+        from gpu_service.experts.errors import ExpertsClientError
 
         if isinstance(e, (ExpertsClientError, CheckpointError, OSError, ValueError)):  # shards, ports, checkpoint
             print(f"{prog}: {e}", file=sys.stderr)

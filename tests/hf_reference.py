@@ -43,7 +43,7 @@ def reference_state_dict(reader: CheckpointReader) -> dict[str, torch.Tensor]:
 
 
 def _hf_config(model_dir: str):
-    from gpu_service.tiny import _hf_config as to_hf
+    from gpu_service.local.tiny import _hf_config as to_hf
 
     with open(os.path.join(model_dir, "config.json")) as f:
         return to_hf(json.load(f))

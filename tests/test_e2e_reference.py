@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from gpu_service.tiny import make_tiny
+from gpu_service.local.tiny import make_tiny
 from tests.hf_reference import load_reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,7 +25,7 @@ PROMPTS = {"short": [0, 17, 42], "long": [0] + [(i * 37 + 11) % 500 + 2 for i in
 
 
 def generate(model_dir, prompt, split="experts", n=N_NEW, backend="numpy"):
-    cmd = [sys.executable, "-m", "gpu_service.cli", "generate", "--model", model_dir,
+    cmd = [sys.executable, "-m", "moesplit", "generate", "--model", model_dir,
            "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", str(n),
            "--shards", "2", "--split", split, "--json", "--dtype", "float32", "--device", "cpu",
            "--backend", backend, "--ignore-eos"]
@@ -87,7 +87,7 @@ def test_split_by_intermediate_slice_gives_same_tokens(ckpts):
 
 def test_text_prompt_uses_tokenizer(ckpts):
     d = ckpts[("grouped", "fp8")]
-    cmd = [sys.executable, "-m", "gpu_service.cli", "generate", "--model", d, "--prompt", "Hello there",
+    cmd = [sys.executable, "-m", "moesplit", "generate", "--model", d, "--prompt", "Hello there",
            "--max-new-tokens", "5", "--json"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]

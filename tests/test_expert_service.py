@@ -24,13 +24,9 @@ from checkpoint.names import expert_weight
 from checkpoint.reader import CheckpointReader
 from cpu_expert_service.backend import ExpertBackend, NumpyExperts, make_backend
 from cpu_expert_service.server import parse_experts, parse_slice, slice_range
-from gpu_service.experts_client import (
-    CoverageError,
-    ExpertsClient,
-    FingerprintError,
-    ShardError,
-)
-from gpu_service.local_stack import expert_ranges, start_shards
+from gpu_service.experts.errors import CoverageError, FingerprintError, ShardError
+from gpu_service.experts.client import ExpertsClient
+from gpu_service.local.stack import expert_ranges, start_shards
 from protos.moesplit.v1 import experts_pb2, experts_pb2_grpc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,7 +78,7 @@ def _own_tiny(out_dir: str, fmt: str, seed: int) -> str:
 
 def make_ckpt(out_dir: str, fmt: str, seed: int = 0) -> str:
     try:
-        from gpu_service.tiny import make_tiny
+        from gpu_service.local.tiny import make_tiny
     except ImportError:
         return _own_tiny(out_dir, fmt, seed)
     return make_tiny(out_dir, fmt=fmt, seed=seed, overrides=dict(DIMS))
@@ -480,7 +476,7 @@ def test_shard_peak_memory_is_its_share(shards, cfg):
 def test_cli_ready_line_clean_sigterm_and_unavailable(bf16_dir, cfg, tmp_path):
     port_file = tmp_path / "port"
     p = subprocess.Popen(
-        [sys.executable, "-m", "gpu_service.cli", "expert-server", "--model", bf16_dir,
+        [sys.executable, "-m", "moesplit", "expert-server", "--model", bf16_dir,
          "--port-file", str(port_file), "--shard-id", "cli"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
     )

@@ -33,14 +33,14 @@ FORWARD_ONE = "/moesplit.v1.ExpertService/ForwardOne"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from gpu_service.tiny import make_tiny
+    from gpu_service.local.tiny import make_tiny
 
     return make_tiny(str(tmp_path_factory.mktemp("fuzz") / "tiny-fuzz"), "bf16", seed=7)
 
 
 @pytest.fixture(scope="module")
 def shard(model_dir):
-    from gpu_service.local_stack import start_shards
+    from gpu_service.local.stack import start_shards
 
     # backend auto: the kernels when built (what production runs), else numpy
     with start_shards(model_dir, 1, backend="auto", extra_args=["--max-tokens", str(MAX_TOKENS)]) as sh:
@@ -242,7 +242,7 @@ def test_fuzz_expert_service(shard, model_dir):
         b = bytearray(base_reqs[i % len(base_reqs)].SerializeToString())
         b[rng.integers(len(b))] ^= 0xFF
         send(bytes(b))
-    from cpu_expert_service.transport import max_message_bytes
+    from wire.channel import max_message_bytes
 
     too_big = experts_pb2.LayerRequest(seq=1, layer=cfg.moe_layers[0], hidden=experts_pb2.Tensor(
         dtype="float32", shape=[1, 1], data=b"\0" * (max_message_bytes(cfg, MAX_TOKENS) + 1024)))
@@ -304,9 +304,9 @@ def http_stack(model_dir):
 
     from checkpoint.reader import CheckpointReader
     from cpu_expert_service.server import load_shard
-    from gpu_service.runner import LocalExperts, ModelRunner
+    from gpu_service.runtime.runner import LocalExperts, ModelRunner
     from gpu_service.serving import ServingStack
-    from gpu_service.tokenizer import Tokenizer
+    from gpu_service.api.tokenizer import Tokenizer
 
     _, backend, _ = load_shard(model_dir, None, None, "numpy")
     runner = ModelRunner(CheckpointReader(model_dir), LocalExperts(backend), device=torch.device("cpu"),

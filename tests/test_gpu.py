@@ -6,9 +6,9 @@ import torch
 from checkpoint.reader import CheckpointReader
 from cpu_expert_service.server import load_shard
 from gpu_service import plan as P
-from gpu_service.placement import Placement
-from gpu_service.runner import LocalExperts, ModelRunner
-from gpu_service.tiny import make_tiny
+from gpu_service.model.placement import Placement
+from gpu_service.runtime.runner import LocalExperts, ModelRunner
+from gpu_service.local.tiny import make_tiny
 
 pytestmark = pytest.mark.gpu
 

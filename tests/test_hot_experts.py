@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from checkpoint.config import ModelConfig
-from gpu_service import hot_experts as H
-from gpu_service.tiny import make_tiny, tiny_config
+from gpu_service.plan import hot_experts as H
+from gpu_service.local.tiny import make_tiny, tiny_config
 
 OVERRIDES = {"num_hidden_layers": 4, "first_k_dense_replace": 1}  # MoE layers 1-3, 16 experts, top-4
 HOT = (3, 5)
@@ -121,8 +121,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from gpu_service.experts_client import ExpertsClient
-    from gpu_service.local_stack import start_shards
+    from gpu_service.experts.client import ExpertsClient
+    from gpu_service.local.stack import start_shards
 
     d = make_tiny(str(tmp_path_factory.mktemp("hot") / "bf16"), fmt="bf16", seed=7, overrides=OVERRIDES)
     ports = [_free_port(), _free_port()]
@@ -138,9 +138,9 @@ def stack(tmp_path_factory):
 def test_scraped_counts_pick_the_routed_experts_and_the_placement_holds_them(stack, tmp_path, cfg):
     from checkpoint.reader import CheckpointReader
     from gpu_service import plan as P
-    from gpu_service.cli import main
-    from gpu_service.placement import Placement, add_plan_arguments, placement_from_args
-    from gpu_service.runner import ModelRunner, RemoteExperts
+    from moesplit.cli import main
+    from gpu_service.model.placement import add_plan_arguments, Placement, placement_from_args
+    from gpu_service.runtime.runner import ModelRunner, RemoteExperts
 
     d, client, ports = stack
     E, k, T, calls = cfg.n_routed_experts, cfg.num_experts_per_tok, 7, 3

@@ -58,9 +58,9 @@ def _wait(pred, timeout: float, what: str, step: float = 0.2):
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from gpu_service.local_stack import start_shards
+    from gpu_service.local.stack import start_shards
     from gpu_service.serving import ServingStack, build_runner, shard_health_fn
-    from gpu_service.tiny import make_tiny
+    from gpu_service.local.tiny import make_tiny
 
     model_dir = make_tiny(str(tmp_path_factory.mktemp("ckpt") / MODEL), "bf16", seed=0)
     metrics_ports = [_free_port(), _free_port()]
@@ -309,7 +309,7 @@ def test_counters_match_the_traffic(stack, prometheus, traffic):
 
 
 def test_memory_matches_the_placement(stack, prometheus, traffic):
-    from gpu_service.placement import Placement, allocated_bytes_by_gpu
+    from gpu_service.model.placement import allocated_bytes_by_gpu, Placement
 
     *_, at = traffic
     runner = stack.engine.runner
@@ -331,8 +331,8 @@ def test_slice_shards_count_each_routing_once_and_see_queue_wait(tmp_path):
 
     from checkpoint.config import load_config
     from cpu_expert_service.server import create_server
-    from gpu_service.experts_client import ExpertsClient
-    from gpu_service.tiny import make_tiny
+    from gpu_service.experts.client import ExpertsClient
+    from gpu_service.local.tiny import make_tiny
 
     model_dir = make_tiny(str(tmp_path / "tiny"), "bf16", seed=2)
     cfg = load_config(model_dir)
@@ -387,9 +387,9 @@ def test_planned_and_actual_memory_agree_per_category_and_device(tmp_path):
     from checkpoint.reader import CheckpointReader
     from gpu_service import plan as P
     from gpu_service.metrics import actual_bytes, planned_bytes
-    from gpu_service.placement import Placement
-    from gpu_service.runner import ModelRunner
-    from gpu_service.tiny import make_tiny
+    from gpu_service.model.placement import Placement
+    from gpu_service.runtime.runner import ModelRunner
+    from gpu_service.local.tiny import make_tiny
 
     reader = CheckpointReader(make_tiny(str(tmp_path / "tiny"), "fp8", seed=0))
     plan = P.make_plan(reader.config, ["1GiB", "1GiB"], kv_tokens=256, gpu_experts=2, embeddings="cpu",

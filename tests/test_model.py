@@ -5,7 +5,8 @@ import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from checkpoint.config import ModelConfig
-from gpu_service.model import Chunk, KVPool, SeqKV, build_model
+from gpu_service.model.kv import Chunk, KVPool, SeqKV
+from gpu_service.model.deepseek import build_model
 
 BASE = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=512, hidden_size=96,
             intermediate_size=160, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,

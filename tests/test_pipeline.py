@@ -13,10 +13,11 @@ import torch
 
 from checkpoint.config import load_config
 from checkpoint.reader import CheckpointReader
-from cpu_expert_service import shm_transport as P
-from gpu_service.experts_client import ExpertsClient, ExpertsClientError, ShardError
-from gpu_service.local_stack import start_shards
-from gpu_service.runner import ModelRunner, RemoteExperts
+from wire import shm as P
+from gpu_service.experts.client import ExpertsClient
+from gpu_service.experts.errors import ExpertsClientError, ShardError
+from gpu_service.local.stack import start_shards
+from gpu_service.runtime.runner import ModelRunner, RemoteExperts
 
 pytestmark = pytest.mark.skipif(not P.enabled(), reason="MOESPLIT_SHM=0")
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
@@ -25,7 +26,7 @@ N_GEN = 8
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from gpu_service.tiny import make_tiny
+    from gpu_service.local.tiny import make_tiny
 
     return make_tiny(str(tmp_path_factory.mktemp("pipe") / "tiny"), "bf16", seed=5)
 

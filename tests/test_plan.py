@@ -6,7 +6,7 @@ import os
 import pytest
 
 from gpu_service import plan as P
-from gpu_service.cli import main as cli_main
+from moesplit.cli import main as cli_main
 
 GiB = 1 << 30
 # What torch reports as "total capacity" for the cards of the user reports.

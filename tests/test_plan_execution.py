@@ -9,10 +9,10 @@ import torch
 from checkpoint.reader import CheckpointReader
 from cpu_expert_service.server import load_shard
 from gpu_service import plan as P
-from gpu_service.model import Chunk
-from gpu_service.placement import Placement, allocated_bytes_by_gpu
-from gpu_service.runner import LocalExperts, ModelRunner
-from gpu_service.tiny import make_tiny
+from gpu_service.model.kv import Chunk
+from gpu_service.model.placement import allocated_bytes_by_gpu, Placement
+from gpu_service.runtime.runner import LocalExperts, ModelRunner
+from gpu_service.local.tiny import make_tiny
 from tests.hf_reference import load_reference
 
 KV = 512  # multiple of the page size, so the pool holds exactly the planned tokens
@@ -185,7 +185,7 @@ def test_plan_that_does_not_fit_stops_generate_before_loading(ckpt, tmp_path):
     import sys
 
     d, _, _ = ckpt
-    r = subprocess.run([sys.executable, "-m", "gpu_service.cli", "generate", "--model", d, "--prompt-ids", "1,2",
+    r = subprocess.run([sys.executable, "-m", "moesplit", "generate", "--model", d, "--prompt-ids", "1,2",
                         "--max-new-tokens", "2", "--gpu", "1MiB", "--attention-weights", "bf16",
                         "--embeddings", "gpu"], capture_output=True, text=True, timeout=300)
     assert r.returncode != 0
@@ -198,7 +198,7 @@ def test_serve_refuses_a_plan_that_does_not_fit_before_starting_anything(ckpt):
     import sys
 
     d, _, _ = ckpt
-    r = subprocess.run([sys.executable, "-m", "gpu_service.cli", "serve", "--model", d, "--port", "0",
+    r = subprocess.run([sys.executable, "-m", "moesplit", "serve", "--model", d, "--port", "0",
                         "--grpc-port", "0", "--gpu", "1MiB", "--gpu", "1MiB", "--attention-weights", "bf16",
                         "--embeddings", "gpu"], capture_output=True, text=True, timeout=300)
     assert r.returncode != 0
@@ -210,7 +210,7 @@ def test_serve_executes_a_two_gpu_plan(ckpt):
     """`serve --gpu X --gpu X` on a CPU-only machine lays the plan's two devices out on the CPU."""
     from openai import OpenAI
 
-    from gpu_service.local_stack import start_shards
+    from gpu_service.local.stack import start_shards
     from gpu_service.serving import ServingStack, build_runner
 
     d, reader, _ = ckpt
@@ -229,7 +229,7 @@ def test_serve_executes_a_two_gpu_plan(ckpt):
 def trained_dense_routing(tmp_path_factory):
     """The `dense_routing` checkpoint (same config and seeded init), trained for 500 AdamW steps on
     real text (gpu_service.tiny_train, ~25 s on one core), so its logits have a trained model's margins."""
-    from gpu_service.tiny_train import DENSE_ROUTING, train_tiny
+    from gpu_service.local.tiny_train import DENSE_ROUTING, train_tiny
 
     r = train_tiny(str(tmp_path_factory.mktemp("trained") / "bf16"), fmt="bf16", seed=7, overrides=DENSE_ROUTING,
                    steps=500)

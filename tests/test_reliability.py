@@ -28,14 +28,14 @@ N_GEN = 16
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from gpu_service.tiny import make_tiny
+    from gpu_service.local.tiny import make_tiny
 
     return make_tiny(str(tmp_path_factory.mktemp("rel") / MODEL), "bf16", seed=3)
 
 
 @pytest.fixture(scope="module")
 def stack(model_dir):
-    from gpu_service.local_stack import start_shards
+    from gpu_service.local.stack import start_shards
     from gpu_service.serving import ServingStack, build_runner
 
     shards = start_shards(model_dir, 2, split="experts", backend="numpy", replicas=2)
@@ -79,7 +79,7 @@ def reference(stack):
 
 
 def test_groups_and_options(stack, model_dir):
-    from cpu_expert_service.transport import max_message_bytes
+    from wire.channel import max_message_bytes
 
     c = stack.client
     assert len(c.groups) == 2 and all(len(g.replicas) == 2 for g in c.groups)
@@ -146,7 +146,7 @@ def test_all_replicas_dead_then_recover(stack, reference):
     """Both replicas of shard 1 killed: in-flight requests end within the deadline with 503 /
     UNAVAILABLE naming the shard; /health 503; the shard restarts on its ports and the service
     recovers without a restart."""
-    from gpu_service.grpc_client import GenerateClient
+    from gpu_service.api.grpc_client import GenerateClient
 
     eng, sh = stack.engine, stack.shards
     _wait(lambda: all(r.healthy for r in stack.client.replicas), 30, "every replica healthy")
@@ -231,7 +231,8 @@ def test_connect_with_a_replica_down(stack):
     """A missing replica-set member is fine when every group has a live replica; a group with none is not."""
     import socket
 
-    from gpu_service.experts_client import ExpertsClient, ShardError
+    from gpu_service.experts.client import ExpertsClient
+    from gpu_service.experts.errors import ShardError
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -286,7 +287,7 @@ def _cut(path, name):
 
 
 def _run_shard(model_dir, timeout=60):
-    return subprocess.run([sys.executable, "-m", "gpu_service.cli", "expert-server", "--model", model_dir,
+    return subprocess.run([sys.executable, "-m", "moesplit", "expert-server", "--model", model_dir,
                            "--backend", "numpy", "--port", "0"], capture_output=True, text=True, cwd=ROOT,
                           timeout=timeout)
 
@@ -340,7 +341,7 @@ def test_gpu_service_refuses_damaged_checkpoint(model_dir, stack, tmp_path, dama
     else:
         _rewrite(path, name, lambda a: a[:-1].copy())
     live = [stack.shards.addresses[stack.shards.groups.index(g)] for g in (0, 1)]
-    p = subprocess.run([sys.executable, "-m", "gpu_service.cli", "gpu-server", "--model", d, "--shards-addresses",
+    p = subprocess.run([sys.executable, "-m", "moesplit", "gpu-server", "--model", d, "--shards-addresses",
                         ",".join(live), "--port", "0", "--grpc-port", "0", "--device", "cpu", "--dtype", "float32",
                         "--kv-tokens", "256"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert p.returncode == 1 and "serving" not in p.stderr.split("\n")[-2:], p.stderr[-2000:]
@@ -352,7 +353,7 @@ def test_gpu_service_refuses_damaged_checkpoint(model_dir, stack, tmp_path, dama
 def test_generate_cli_with_replicas(stack, model_dir):
     """`moesplit generate --replicas 2`: 2 shards x 2 replicas, same greedy tokens as the stack."""
     ids = _prompts(stack.tokenizer)[1]
-    p = subprocess.run([sys.executable, "-m", "gpu_service.cli", "generate", "--model", model_dir, "--prompt-ids",
+    p = subprocess.run([sys.executable, "-m", "moesplit", "generate", "--model", model_dir, "--prompt-ids",
                         ",".join(map(str, ids)), "--max-new-tokens", "6", "--shards", "2", "--replicas", "2",
                         "--backend", "numpy", "--device", "cpu", "--dtype", "float32", "--ignore-eos",
                         "--expert-timeout", "10", "--json"], capture_output=True, text=True, cwd=ROOT, timeout=180)

@@ -25,14 +25,14 @@ MODEL = "tiny-serve"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from gpu_service.tiny import make_tiny
+    from gpu_service.local.tiny import make_tiny
 
     return make_tiny(str(tmp_path_factory.mktemp("ckpt") / MODEL), "bf16", seed=0)
 
 
 @pytest.fixture(scope="module")
 def stack(model_dir):
-    from gpu_service.local_stack import start_shards
+    from gpu_service.local.stack import start_shards
     from gpu_service.serving import ServingStack, build_runner, shard_health_fn
 
     shards = start_shards(model_dir, 2, split="experts", backend="numpy")
@@ -82,7 +82,7 @@ def test_health_503_when_a_shard_is_down(stack):
 
     from fastapi.testclient import TestClient
 
-    from gpu_service.http_api import create_app
+    from gpu_service.api.http_api import create_app
     from gpu_service.serving import shard_health_fn
 
     with socket.socket() as s:  # a port nobody listens on
@@ -221,7 +221,7 @@ def test_disconnect_frees_kv_pages(stack):
 def test_grpc_matches_http(stack, oai):
     import grpc
 
-    from gpu_service.grpc_client import GenerateClient
+    from gpu_service.api.grpc_client import GenerateClient
 
     ids = stack.tokenizer.encode("Once upon a time")
     with GenerateClient(stack.grpc_address) as gc:
@@ -249,7 +249,7 @@ def test_grpc_matches_http(stack, oai):
 
 def test_chat_cli_keeps_conversation(stack):
     from gpu_service.chat import chat_loop
-    from gpu_service.grpc_client import GenerateClient
+    from gpu_service.api.grpc_client import GenerateClient
 
     seen = []
 
@@ -272,7 +272,7 @@ def test_chat_cli_keeps_conversation(stack):
 def local_runner_factory(model_dir):
     from checkpoint.reader import CheckpointReader
     from cpu_expert_service.server import load_shard
-    from gpu_service.runner import LocalExperts, ModelRunner
+    from gpu_service.runtime.runner import LocalExperts, ModelRunner
 
     _, backend, _ = load_shard(model_dir, None, None, "numpy")
 
@@ -285,7 +285,7 @@ def local_runner_factory(model_dir):
 
 def test_batched_step_numerics(local_runner_factory):
     """A chunk's logits do not depend on what else is in the batch (beyond float reassociation)."""
-    from gpu_service.model import Chunk
+    from gpu_service.model.kv import Chunk
 
     r = local_runner_factory()
     a_ids, b_ids = list(range(10, 40)), list(range(100, 117))
@@ -307,9 +307,9 @@ def test_batched_step_numerics(local_runner_factory):
 
 
 def test_engine_preemption_seeds_and_stop(local_runner_factory, model_dir):
-    from gpu_service.engine import Engine, RequestError
-    from gpu_service.sampling import SamplingParams
-    from gpu_service.tokenizer import Tokenizer
+    from gpu_service.runtime.engine import Engine, RequestError
+    from gpu_service.runtime.sampling import SamplingParams
+    from gpu_service.api.tokenizer import Tokenizer
 
     tok = Tokenizer(model_dir)
     prompts = [tok.encode("alpha beta " * (1 + i)) for i in range(4)]
@@ -369,7 +369,7 @@ def _children(pid: int) -> list[int]:
 
 def _launch(args: list[str]) -> tuple[subprocess.Popen, str, str]:
     """Start `moesplit ARGS` on free ports; wait for its 'serving' line -> (proc, http url, grpc address)."""
-    cmd = [sys.executable, "-m", "gpu_service.cli", *args, "--port", "0", "--grpc-port", "0", "--kv-tokens", "512",
+    cmd = [sys.executable, "-m", "moesplit", *args, "--port", "0", "--grpc-port", "0", "--kv-tokens", "512",
            "--dtype", "float32", "--device", "cpu", "--log-level", "WARNING"]
     p = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     lines = []
@@ -406,7 +406,7 @@ def test_serve_cli_starts_and_stops_cleanly(model_dir):
 
 
 def test_gpu_server_cli_over_running_shards(stack, model_dir):
-    from gpu_service.grpc_client import GenerateClient
+    from gpu_service.api.grpc_client import GenerateClient
 
     p, url, grpc_addr = _launch(["gpu-server", "--model", model_dir,
                                  "--shards-addresses", ",".join(stack.shard_addresses)])

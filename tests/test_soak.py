@@ -23,9 +23,9 @@ N_PROMPTS = 12
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from gpu_service.local_stack import start_shards
+    from gpu_service.local.stack import start_shards
     from gpu_service.serving import ServingStack, build_runner
-    from gpu_service.tiny import make_tiny
+    from gpu_service.local.tiny import make_tiny
 
     model_dir = make_tiny(str(tmp_path_factory.mktemp("soak") / MODEL), "bf16", seed=11)
     shards = start_shards(model_dir, 2, split="experts", backend="numpy", replicas=2)

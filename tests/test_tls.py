@@ -99,14 +99,14 @@ def pki(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from gpu_service.tiny import make_tiny
+    from gpu_service.local.tiny import make_tiny
 
     return make_tiny(str(tmp_path_factory.mktemp("tls") / "tiny-tls"), "bf16", seed=5)
 
 
 @pytest.fixture(scope="module")
 def tls_shard(model_dir, pki):
-    from gpu_service.local_stack import start_shards
+    from gpu_service.local.stack import start_shards
 
     s = pki["server"]
     with start_shards(model_dir, 1, backend="numpy",
@@ -115,7 +115,7 @@ def tls_shard(model_dir, pki):
 
 
 def _files(pki, who, ca="ca"):
-    from cpu_expert_service.transport import TLSFiles
+    from wire.channel import TLSFiles
 
     return TLSFiles(pki[who]["cert"], pki[who]["key"], pki[ca])
 
@@ -129,7 +129,7 @@ def _x(cfg):
 
 def test_client_with_valid_certificate(tls_shard, pki, model_dir):
     from checkpoint.config import load_config
-    from gpu_service.experts_client import ExpertsClient
+    from gpu_service.experts.client import ExpertsClient
 
     cfg = load_config(model_dir)
     with ExpertsClient(tls_shard.addresses, cfg, timeout_s=10, tls=_files(pki, "client")) as c:
@@ -142,8 +142,9 @@ def test_client_with_valid_certificate(tls_shard, pki, model_dir):
 @pytest.mark.parametrize("who", ["rogue", "no_cert", "plaintext", "wrong_ca"])
 def test_client_without_valid_certificate_rejected(tls_shard, pki, model_dir, who):
     from checkpoint.config import load_config
-    from cpu_expert_service.transport import make_channel
-    from gpu_service.experts_client import ExpertsClient, ShardError
+    from wire.channel import make_channel
+    from gpu_service.experts.client import ExpertsClient
+    from gpu_service.experts.errors import ShardError
     from protos.moesplit.v1 import experts_pb2, experts_pb2_grpc
 
     cfg = load_config(model_dir)
@@ -172,7 +173,7 @@ def test_tcp_data_path_with_mutual_tls(tls_shard, pki, model_dir):
     import ssl
 
     from checkpoint.config import load_config
-    from gpu_service.experts_client import ExpertsClient
+    from gpu_service.experts.client import ExpertsClient
     from protos.moesplit.v1 import experts_pb2, experts_pb2_grpc
 
     cfg = load_config(model_dir)
@@ -203,7 +204,7 @@ def test_tcp_data_path_with_mutual_tls(tls_shard, pki, model_dir):
 
 
 def test_partial_tls_flags_refused(model_dir, pki):
-    p = subprocess.run([sys.executable, "-m", "gpu_service.cli", "expert-server", "--model", model_dir,
+    p = subprocess.run([sys.executable, "-m", "moesplit", "expert-server", "--model", model_dir,
                         "--tls-cert", pki["server"]["cert"]], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert p.returncode == 2 and "--tls-key" in p.stderr and "--tls-ca" in p.stderr
 
@@ -212,7 +213,7 @@ def test_serve_with_mutual_tls(model_dir, pki):
     """`moesplit serve --tls-*`: local shards serve mutual TLS, the GPU service connects with the
     same certificate, /health (which asks the shards over TLS) is 200 and a completion works."""
     b = pki["both"]
-    cmd = [sys.executable, "-m", "gpu_service.cli", "serve", "--model", model_dir, "--shards", "2", "--port", "0",
+    cmd = [sys.executable, "-m", "moesplit", "serve", "--model", model_dir, "--shards", "2", "--port", "0",
            "--grpc-port", "0", "--kv-tokens", "256", "--dtype", "float32", "--device", "cpu", "--log-level",
            "WARNING", "--tls-cert", b["cert"], "--tls-key", b["key"], "--tls-ca", pki["ca"]]
     p = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)

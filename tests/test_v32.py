@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from checkpoint.config import ModelConfig
-from gpu_service.model import Chunk, KVPool, SeqKV, build_model
-from gpu_service.tiny import build_hf_model, tiny_config
+from gpu_service.model.kv import Chunk, KVPool, SeqKV
+from gpu_service.model.deepseek import build_model
+from gpu_service.local.tiny import build_hf_model, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N_NEW = 32
@@ -152,7 +153,7 @@ def test_index_keys_cached_beside_mla_cache():
 
 def test_blocked_prefill_scoring_is_identical(setup, monkeypatch):
     """Long prefills score queries in blocks (bounded memory); the result must not change."""
-    import gpu_service.indexer as ix
+    import gpu_service.model.indexer as ix
 
     _, cfg, model, experts = setup
     a, la = _greedy(model, cfg, experts, PROMPT, 3)
@@ -164,7 +165,7 @@ def test_blocked_prefill_scoring_is_identical(setup, monkeypatch):
 # ------------------------------------------------------------------ end to end, 2 shard processes
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    from gpu_service.tiny import make_tiny
+    from gpu_service.local.tiny import make_tiny
 
     base = tmp_path_factory.mktemp("v32")
     return {name: make_tiny(str(base / name), fmt="bf16", seed=1, overrides={**OVERRIDES, "index_topk": k},
@@ -173,7 +174,7 @@ def ckpts(tmp_path_factory):
 
 
 def _generate(model_dir, prompt, n=N_NEW):
-    cmd = [sys.executable, "-m", "gpu_service.cli", "generate", "--model", model_dir,
+    cmd = [sys.executable, "-m", "moesplit", "generate", "--model", model_dir,
            "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", str(n),
            "--shards", "2", "--json", "--dtype", "float32", "--device", "cpu",
            "--backend", "numpy"]  # fp32 experts: the kernels round activations to bf16 (~5e-3 off)

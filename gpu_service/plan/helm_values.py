@@ -3,7 +3,7 @@
 The plan already knows what the hardware must provide; the chart turns these values into scheduling
 constraints: GPU count and GPU Feature Discovery memory affinity for the GPU pod, one Guaranteed-QoS
 StatefulSet per expert shard with the shard's CPUs and memory. `moesplit plan ... --helm-values FILE` calls
-`write_helm_values`. `gpu_service.cluster.check_cluster` reads the same values to say which nodes fit.
+`write_helm_values`. `gpu_service.plan.cluster.check_cluster` reads the same values to say which nodes fit.
 """
 from __future__ import annotations
 

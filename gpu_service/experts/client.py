@@ -13,10 +13,10 @@ round-robin per call); a replica that fails mid-call is replaced by another for 
 layer call has a deadline (`timeout_s`, `--expert-timeout`); a group with no replica left fails
 fast with ShardError(UNAVAILABLE); failed replicas are reconnected with capped exponential
 backoff. Channels use model-sized message limits, keepalive pings and optional mutual TLS
-(cpu_expert_service.transport).
+(wire.channel).
 
 Fast paths: with `transport="auto"` (default) each replica is offered the shared-memory fast path
-at connect (gpu_service.shm_transport; same host), else the TCP data path (gpu_service.tcp_path;
+at connect (gpu_service.experts.shm; same host), else the TCP data path (gpu_service.experts.tcp;
 any host, mTLS when the client has TLS); calls to a replica that accepted one go through it, everything else (and
 every call after a fast-path failure) over the stream.
 """
@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import random
 import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 
 import grpc
 import ml_dtypes
@@ -39,272 +37,19 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from checkpoint.config import ModelConfig
 from checkpoint.names import compact_ranges
-from cpu_expert_service.transport import (
-    DEFAULT_MAX_TOKENS,
-    TLSFiles,
-    add_tls_arguments,
-    channel_credentials,
-    channel_options,
-    make_channel,
-)
-from gpu_service.shm_transport import FastPaths
+from gpu_service.experts.errors import CoverageError, ExpertsClientError, FingerprintError, ShardError
+from gpu_service.experts.fast import FastPaths
+from gpu_service.experts.groups import _coverage_key, _Group, _Replica, check_coverage, ShardDesc
+from gpu_service.experts.stream import _retryable, _ShardStream
 from protos.moesplit.v1 import experts_pb2, experts_pb2_grpc
+from wire.channel import (
+    add_tls_arguments, channel_credentials, channel_options, DEFAULT_MAX_TOKENS, make_channel, TLSFiles,
+)
 
 log = logging.getLogger("moesplit.experts_client")
+
+
 _WIRE = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
-
-
-class ExpertsClientError(RuntimeError):
-    """Base class of the experts client's errors."""
-
-
-class ShardError(ExpertsClientError):
-    """A shard failed a request; names the shard address and the gRPC status."""
-
-    def __init__(self, address: str, code: grpc.StatusCode | None, details: str):
-        self.address = address
-        self.code = code
-        self.details = details
-        code_name = code.name if code is not None else "ERROR"
-        super().__init__(f"expert shard {address}: {code_name}: {details}")
-
-    @property
-    def unavailable(self) -> bool:
-        """The shard (every replica of it) is down or silent, not the request at fault: HTTP 503."""
-        return self.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-
-
-class FingerprintError(ExpertsClientError):
-    """A shard serves a different model than the GPU service's config."""
-
-
-class CoverageError(ExpertsClientError):
-    """The shards do not cover every (layer, expert, intermediate slice) exactly once."""
-
-    def __init__(self, message: str, missing: list, doubled: list):
-        super().__init__(message)
-        self.missing = missing  # [(layer, expert, i0, i1)]
-        self.doubled = doubled  # [(layer, expert, i0, i1, [addresses])]
-
-
-@dataclass
-class ShardDesc:
-    address: str
-    info: experts_pb2.ShardInfo
-    experts: np.ndarray  # sorted int64 ids held
-    all_experts: bool  # holds every routed expert (slice shards): gets every row
-
-
-# ---- coverage ---------------------------------------------------------------------------------
-def _describe_cells(cells: list[tuple[int, int, int, int]], intermediate: int) -> list[str]:
-    """[(layer, expert, i0, i1)] -> ['experts 8-15 in layers 1-2', 'intermediate [0:64) of expert 3 in layer 1']."""
-    by_range: dict[tuple[int, int], dict[int, set[int]]] = {}
-    for layer, e, i0, i1 in cells:
-        by_range.setdefault((i0, i1), {}).setdefault(layer, set()).add(e)
-    out = []
-    for (i0, i1), layers in sorted(by_range.items()):
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for layer, es in layers.items():
-            groups.setdefault(tuple(sorted(es)), []).append(layer)
-        for es, ls in sorted(groups.items(), key=lambda kv: min(kv[1])):
-            what = f"expert{'s' if len(es) > 1 else ''} {compact_ranges(es)}"
-            if (i0, i1) != (0, intermediate):
-                what = f"intermediate [{i0}:{i1}) of {what}"
-            out.append(f"{what} in layer{'s' if len(ls) > 1 else ''} {compact_ranges(ls)}")
-    return out
-
-
-def check_coverage(cfg: ModelConfig, shards: list[ShardDesc]) -> None:
-    """Every MoE layer x expert x intermediate position served exactly once, else CoverageError."""
-    I = cfg.moe_intermediate_size
-    # (layer, expert) -> [(i0, i1, address)]
-    held: dict[tuple[int, int], list[tuple[int, int, str]]] = {}
-    for s in shards:
-        i0, i1 = int(s.info.intermediate_start), int(s.info.intermediate_stop)
-        for layer in s.info.layers:
-            for e in s.info.experts:
-                held.setdefault((int(layer), int(e)), []).append((i0, i1, s.address))
-    missing: list[tuple[int, int, int, int]] = []
-    doubled: list[tuple[int, int, int, int, list[str]]] = []
-    for layer in cfg.moe_layers:
-        for e in range(cfg.n_routed_experts):
-            pieces = held.get((layer, e), [])
-            bounds = sorted({0, I, *(p for a, b, _ in pieces for p in (a, b) if 0 <= p <= I)})
-            for a, b in zip(bounds[:-1], bounds[1:]):
-                owners = [addr for i0, i1, addr in pieces if i0 <= a and b <= i1]
-                if not owners:
-                    missing.append((layer, e, a, b))
-                elif len(owners) > 1:
-                    doubled.append((layer, e, a, b, owners))
-    extra = sorted({(int(l), s.address) for s in shards for l in s.info.layers if not cfg.is_moe_layer(int(l))})
-    if not missing and not doubled and not extra:
-        return
-    lines = []
-    if missing:
-        lines.append("missing " + "; ".join(_describe_cells(missing, I)))
-    if doubled:
-        by_owners: dict[tuple[str, ...], list] = {}
-        for layer, e, a, b, owners in doubled:
-            by_owners.setdefault(tuple(owners), []).append((layer, e, a, b))
-        for owners, cells in by_owners.items():
-            lines.append(f"doubled {'; '.join(_describe_cells(cells, I))} (served by {', '.join(owners)})")
-    if extra:
-        lines.append("shards serve non-MoE layers: " + ", ".join(f"{a} layer {l}" for l, a in extra))
-    raise CoverageError(
-        "expert shards do not cover every (MoE layer, expert, intermediate slice) exactly once: "
-        + " | ".join(lines)
-        + ". Fix the --experts / --slice of the shards.",
-        missing,
-        doubled,
-    )
-
-
-# ---- one persistent stream per replica ---------------------------------------------------------
-RETRYABLE = frozenset({
-    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.ABORTED, grpc.StatusCode.UNKNOWN,
-})  # the replica (or the way to it) failed, not the request: another replica may answer
-
-
-def _retryable(e: BaseException) -> bool:
-    return isinstance(e, ShardError) and e.code in RETRYABLE
-
-
-class _ShardStream:
-    """A bidi Forward stream fed by a queue; a reader thread resolves futures by seq.
-
-    If the stream breaks (INVALID_ARGUMENT, UNAVAILABLE...), every pending future fails with a
-    ShardError naming the shard, and the next request opens a new stream. `expire()` enforces
-    each request's deadline: a request past it fails every pending one with DEADLINE_EXCEEDED
-    and cancels the stream (a shard that stopped answering)."""
-
-    _CLOSE = object()
-
-    def __init__(self, address: str, stub: experts_pb2_grpc.ExpertServiceStub):
-        self.address = address
-        self.stub = stub
-        self.lock = threading.Lock()
-        self.pending: dict[int, tuple[Future, float]] = {}  # seq -> (future, monotonic deadline)
-        self.queue: queue.Queue | None = None
-        self.call = None
-
-    def _open(self) -> None:
-        q: queue.Queue = queue.Queue()
-
-        def requests():
-            while True:
-                item = q.get()
-                if item is self._CLOSE:
-                    return
-                yield item
-
-        call = self.stub.Forward(requests())
-        self.queue, self.call = q, call
-        threading.Thread(target=self._read, args=(call, q), name=f"experts-rx-{self.address}", daemon=True).start()
-
-    def _read(self, call, q) -> None:
-        err: ShardError | None = None
-        try:
-            for resp in call:
-                with self.lock:
-                    fut, _ = self.pending.pop(resp.seq, (None, 0.0))
-                if fut is not None and not fut.done():
-                    fut.set_result(resp)
-        except grpc.RpcError as e:
-            err = ShardError(self.address, e.code(), e.details() or str(e))
-        except Exception as e:  # noqa: BLE001 - surface anything on the waiting futures
-            err = ShardError(self.address, None, repr(e))
-        with self.lock:
-            if self.call is not call:  # already failed by expire() / close()
-                return
-            self.call, self.queue = None, None  # this stream is finished; the next send opens a new one
-            q.put(self._CLOSE)
-            failed = list(self.pending.values())
-            self.pending.clear()
-        if err is None:
-            err = ShardError(self.address, grpc.StatusCode.UNAVAILABLE, "stream closed by the shard")
-        for fut, _ in failed:
-            if not fut.done():
-                fut.set_exception(err)
-
-    def send(self, req: experts_pb2.LayerRequest, timeout_s: float) -> Future:
-        fut: Future = Future()
-        with self.lock:
-            if self.call is None:
-                self._open()
-            self.pending[req.seq] = (fut, time.monotonic() + timeout_s)
-            self.queue.put(req)
-        return fut
-
-    def expire(self, now: float) -> bool:
-        """Fail everything pending if a request is past its deadline; True if it did."""
-        with self.lock:
-            if not any(d <= now for _, d in self.pending.values()):
-                return False
-        self._fail_all(ShardError(self.address, grpc.StatusCode.DEADLINE_EXCEEDED, "no answer within the deadline"))
-        return True
-
-    def _fail_all(self, err: ShardError) -> None:
-        with self.lock:
-            q, call = self.queue, self.call
-            self.queue = self.call = None
-            failed = list(self.pending.values())
-            self.pending.clear()
-        if q is not None:
-            q.put(self._CLOSE)
-        if call is not None:
-            call.cancel()
-        for fut, _ in failed:
-            if not fut.done():
-                fut.set_exception(err)
-
-    def close(self) -> None:
-        self._fail_all(ShardError(self.address, grpc.StatusCode.CANCELLED, "experts client closed"))
-
-
-# ---- replicas and groups -----------------------------------------------------------------------
-class _Replica:
-    """One shard address: its channel, stream, health and reconnect backoff."""
-
-    def __init__(self, address: str):
-        self.address = address
-        self.channel: grpc.Channel | None = None
-        self.stream: _ShardStream | None = None
-        self.desc: ShardDesc | None = None  # None until a Describe answered
-        self.group: "_Group | None" = None
-        self.healthy = False
-        self.backoff_s = 0.0
-        self.next_try = 0.0  # monotonic time of the next reconnect attempt
-        self.probing = False
-        self.last_error = "not connected yet"
-        self.refused: str | None = None  # answered, but serves something we cannot use
-
-
-def _coverage_key(info: experts_pb2.ShardInfo) -> tuple:
-    return (tuple(sorted(int(l) for l in info.layers)), tuple(sorted(int(e) for e in info.experts)),
-            int(info.intermediate_start), int(info.intermediate_stop))
-
-
-class _Group:
-    """Replicas serving the same (layers, experts, intermediate slice); any one answers a call."""
-
-    def __init__(self, desc: ShardDesc, cfg: ModelConfig):
-        self.desc = desc
-        self.key = _coverage_key(desc.info)
-        self.replicas: list[_Replica] = []
-        self.rr = itertools.count()
-        what = f"experts {compact_ranges(desc.experts)}"
-        I = cfg.moe_intermediate_size
-        if (desc.info.intermediate_start, desc.info.intermediate_stop) != (0, I):
-            what += f" intermediate [{desc.info.intermediate_start}:{desc.info.intermediate_stop})"
-        self.name = what
-
-    @property
-    def addresses(self) -> str:
-        return ",".join(r.address for r in self.replicas)
-
-    def label(self) -> str:
-        return f"shard group {self.name} ({self.addresses})"
 
 
 class ExpertsClient:

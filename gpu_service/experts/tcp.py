@@ -18,9 +18,9 @@ from concurrent.futures import Future
 import grpc
 import numpy as np
 
-from cpu_expert_service import shm_transport as P
-from cpu_expert_service import tcp_transport as T
-from gpu_service.shm_transport import WATCH_S, FastResponse, _Path, shard_error
+from gpu_service.experts.path import WATCH_S, FastResponse, _Path, shard_error
+from wire import shm as P
+from wire import tcp as T
 from protos.moesplit.v1 import experts_pb2, experts_pb2_grpc
 
 

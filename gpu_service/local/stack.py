@@ -142,7 +142,7 @@ def start_shards(
         raise ValueError(f"metrics_ports: {len(metrics_ports)} ports for {n * replicas} shard processes")
     cfg = load_config(model_dir)
     if packed is not None:
-        from cpu_expert_service.packed import read_manifest
+        from checkpoint.manifest import read_manifest
 
         have = len(read_manifest(packed)["shards"])
         if have != n:

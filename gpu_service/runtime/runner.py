@@ -14,9 +14,10 @@ import numpy as np
 import torch
 
 from checkpoint.config import ModelConfig
-from gpu_service.model import Chunk, DeepseekV3, KVPool, SeqKV, build_model
-from gpu_service.placement import Placement
-from gpu_service.sampling import SamplingParams, sample
+from gpu_service.model.kv import Chunk, KVPool, SeqKV
+from gpu_service.model.deepseek import build_model, DeepseekV3
+from gpu_service.model.placement import Placement
+from gpu_service.runtime.sampling import sample, SamplingParams
 
 
 def default_device() -> torch.device:

@@ -14,9 +14,9 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from gpu_service.engine import Engine, EngineStopped, RequestError
-from gpu_service.sampling import SamplingParams
-from gpu_service.tokenizer import TokenizerError
+from gpu_service.runtime.engine import Engine, EngineStopped, RequestError
+from gpu_service.runtime.sampling import SamplingParams
+from gpu_service.api.tokenizer import TokenizerError
 from protos.moesplit.v1 import generate_pb2, generate_pb2_grpc
 
 log = logging.getLogger("moesplit.grpc")

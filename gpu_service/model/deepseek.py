@@ -14,7 +14,6 @@ only to the top-`index_topk` positions its `Indexer` selects (gpu_service/indexe
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import numpy as np
@@ -23,8 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from checkpoint.config import ModelConfig
-from gpu_service.qlinear import make_quantized, weight_of
-from gpu_service.indexer import Indexer
+from gpu_service.model.qlinear import make_quantized, weight_of
+from gpu_service.model.indexer import Indexer
+from gpu_service.model.kv import Chunk, KVPool
 
 
 class ExpertsFn(Protocol):
@@ -106,73 +106,6 @@ class Rope:
         else:
             x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
         return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-
-
-# ------------------------------------------------------------------------------------- KV cache
-class KVPool:
-    """Paged pool for MLA's compressed cache: per layer [pages * page_size, kv_lora_rank + rope].
-
-    A sequence owns a list of pages; token position p lives in slot page[p // S] * S + p % S.
-    """
-
-    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
-                 layer_devices: list[torch.device]):
-        self.cfg, self.page_size, self.num_pages = cfg, page_size, num_pages
-        self.kv = [torch.zeros(num_pages * page_size, cfg.kv_cache_dim, dtype=dtype, device=d)
-                   for d in layer_devices]  # c_kv (normalised) ++ k_pe (roped)
-        # DeepSeek-V3.2: the lightning indexer's keys, [slots, index_head_dim] per layer, same slots
-        self.index_k = ([torch.zeros(num_pages * page_size, cfg.index_head_dim, dtype=dtype, device=d)
-                         for d in layer_devices] if cfg.is_v32 else None)
-        self.free_pages: list[int] = list(range(num_pages - 1, -1, -1))
-
-    @property
-    def pages_in_use(self) -> int:
-        return self.num_pages - len(self.free_pages)
-
-    def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kv + (self.index_k or []))
-
-
-class PoolExhausted(RuntimeError):
-    """The KV pool has no free page: wait for a request to finish or lower the load."""
-
-
-@dataclass
-class SeqKV:
-    """One sequence's view of the pool."""
-
-    pool: KVPool
-    pages: list[int] = field(default_factory=list)
-    length: int = 0  # tokens whose KV has been written
-
-    def reserve(self, n_tokens: int) -> None:
-        need = -(-n_tokens // self.pool.page_size) - len(self.pages)
-        if need > len(self.pool.free_pages):
-            raise PoolExhausted(
-                f"KV pool exhausted: need {need} more pages of {self.pool.page_size} tokens, "
-                f"{len(self.pool.free_pages)} free of {self.pool.num_pages}"
-            )
-        for _ in range(max(need, 0)):
-            self.pages.append(self.pool.free_pages.pop())
-
-    def free(self) -> None:
-        self.pool.free_pages.extend(reversed(self.pages))
-        self.pages.clear()
-        self.length = 0
-
-    def slots(self, start: int, end: int, device: torch.device) -> torch.Tensor:
-        pos = torch.arange(start, end)
-        pages = torch.tensor(self.pages, dtype=torch.long)[pos // self.pool.page_size]
-        return (pages * self.pool.page_size + pos % self.pool.page_size).to(device)
-
-
-@dataclass
-class Chunk:
-    """A run of consecutive tokens of one sequence inside a batch."""
-
-    seq: SeqKV
-    start: int  # position of the first token
-    n: int
 
 
 # ------------------------------------------------------------------------------------ attention

@@ -62,7 +62,7 @@ class Placement:
             # pass `hot_experts` (gpu_service.hot_experts: the shards' activation counts) to choose better.
             hot_experts = {layer: list(range(o.gpu_experts)) for layer in cfg.moe_layers} if o.gpu_experts else {}
         elif o.gpu_experts or hot_experts:
-            from gpu_service.hot_experts import resolve
+            from gpu_service.plan.hot_experts import resolve
 
             hot_experts = resolve(hot_experts, cfg, o.gpu_experts)  # checked against the plan, every MoE layer
         return Placement(cfg, list(devices), layer_gpu, o.embeddings == "cpu", o.attention_weights,
@@ -177,7 +177,7 @@ def placement_from_args(args, cfg: ModelConfig, kv_tokens: int, chunk_tokens: in
         return None
     spec = None
     if hot_file:  # read and shape-check before planning, so a bad file stops before anything else
-        from gpu_service.hot_experts import HotExpertsError, load_file
+        from gpu_service.plan.hot_experts import HotExpertsError, load_file
 
         try:
             spec = load_file(hot_file)
@@ -203,7 +203,7 @@ def placement_from_args(args, cfg: ModelConfig, kv_tokens: int, chunk_tokens: in
         devices = [torch.device("cpu")] * len(plan.gpus)
     hot = None
     if spec is not None:
-        from gpu_service.hot_experts import HotExpertsError, resolve
+        from gpu_service.plan.hot_experts import HotExpertsError, resolve
 
         try:
             hot = resolve(spec, cfg, plan.options.gpu_experts)

@@ -30,8 +30,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gpu_service.engine import Engine, EngineStopped, RequestError
-from gpu_service.sampling import SamplingParams
+from gpu_service.runtime.engine import Engine, EngineStopped, RequestError
+from gpu_service.runtime.sampling import SamplingParams
 
 log = logging.getLogger("moesplit.http")
 

@@ -21,7 +21,7 @@ import math
 import os
 import time
 
-from gpu_service import tiny
+from gpu_service.local import tiny
 
 DENSE_ROUTING = {"num_hidden_layers": 4, "n_routed_experts": 4, "num_experts_per_tok": 4,
                  "n_group": 1, "topk_group": 1}  # every token uses every expert (no top-k knife edges)

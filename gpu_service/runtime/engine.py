@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpu_service.model import Chunk, PoolExhausted, SeqKV
-from gpu_service.sampling import SamplingParams, sample
+from gpu_service.model.kv import Chunk, PoolExhausted, SeqKV
+from gpu_service.runtime.sampling import sample, SamplingParams
 
 log = logging.getLogger("moesplit.engine")
 

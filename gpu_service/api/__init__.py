@@ -1,0 +1,8 @@
+"""api/: how clients talk to the GPU service.
+
+- `http_api`: the OpenAI-compatible HTTP API (FastAPI/uvicorn), `/health`, `/metrics`;
+- `grpc_api`: the gRPC GenerateService; `grpc_client`: its client (`moesplit chat`);
+- `tokenizer`: the checkpoint's tokenizer and chat template.
+
+Imports `gpu_service.runtime` (the engine and sampling parameters) and `protos`.
+"""

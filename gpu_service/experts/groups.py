@@ -1,0 +1,135 @@
+"""Shards as the client sees them: Describe answers, the coverage check, replicas and shard groups.
+
+Addresses with identical coverage (layers, experts, intermediate slice) are replicas of one shard
+group; `check_coverage` requires every (MoE layer, expert, slice) exactly once over the groups.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from checkpoint.config import ModelConfig
+from checkpoint.names import compact_ranges
+from gpu_service.experts.errors import CoverageError
+from gpu_service.experts.stream import _ShardStream
+from protos.moesplit.v1 import experts_pb2
+
+
+@dataclass
+class ShardDesc:
+    address: str
+    info: experts_pb2.ShardInfo
+    experts: np.ndarray  # sorted int64 ids held
+    all_experts: bool  # holds every routed expert (slice shards): gets every row
+
+
+# ---- coverage ---------------------------------------------------------------------------------
+def _describe_cells(cells: list[tuple[int, int, int, int]], intermediate: int) -> list[str]:
+    """[(layer, expert, i0, i1)] -> ['experts 8-15 in layers 1-2', 'intermediate [0:64) of expert 3 in layer 1']."""
+    by_range: dict[tuple[int, int], dict[int, set[int]]] = {}
+    for layer, e, i0, i1 in cells:
+        by_range.setdefault((i0, i1), {}).setdefault(layer, set()).add(e)
+    out = []
+    for (i0, i1), layers in sorted(by_range.items()):
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for layer, es in layers.items():
+            groups.setdefault(tuple(sorted(es)), []).append(layer)
+        for es, ls in sorted(groups.items(), key=lambda kv: min(kv[1])):
+            what = f"expert{'s' if len(es) > 1 else ''} {compact_ranges(es)}"
+            if (i0, i1) != (0, intermediate):
+                what = f"intermediate [{i0}:{i1}) of {what}"
+            out.append(f"{what} in layer{'s' if len(ls) > 1 else ''} {compact_ranges(ls)}")
+    return out
+
+
+def check_coverage(cfg: ModelConfig, shards: list[ShardDesc]) -> None:
+    """Every MoE layer x expert x intermediate position served exactly once, else CoverageError."""
+    I = cfg.moe_intermediate_size
+    # (layer, expert) -> [(i0, i1, address)]
+    held: dict[tuple[int, int], list[tuple[int, int, str]]] = {}
+    for s in shards:
+        i0, i1 = int(s.info.intermediate_start), int(s.info.intermediate_stop)
+        for layer in s.info.layers:
+            for e in s.info.experts:
+                held.setdefault((int(layer), int(e)), []).append((i0, i1, s.address))
+    missing: list[tuple[int, int, int, int]] = []
+    doubled: list[tuple[int, int, int, int, list[str]]] = []
+    for layer in cfg.moe_layers:
+        for e in range(cfg.n_routed_experts):
+            pieces = held.get((layer, e), [])
+            bounds = sorted({0, I, *(p for a, b, _ in pieces for p in (a, b) if 0 <= p <= I)})
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                owners = [addr for i0, i1, addr in pieces if i0 <= a and b <= i1]
+                if not owners:
+                    missing.append((layer, e, a, b))
+                elif len(owners) > 1:
+                    doubled.append((layer, e, a, b, owners))
+    extra = sorted({(int(l), s.address) for s in shards for l in s.info.layers if not cfg.is_moe_layer(int(l))})
+    if not missing and not doubled and not extra:
+        return
+    lines = []
+    if missing:
+        lines.append("missing " + "; ".join(_describe_cells(missing, I)))
+    if doubled:
+        by_owners: dict[tuple[str, ...], list] = {}
+        for layer, e, a, b, owners in doubled:
+            by_owners.setdefault(tuple(owners), []).append((layer, e, a, b))
+        for owners, cells in by_owners.items():
+            lines.append(f"doubled {'; '.join(_describe_cells(cells, I))} (served by {', '.join(owners)})")
+    if extra:
+        lines.append("shards serve non-MoE layers: " + ", ".join(f"{a} layer {l}" for l, a in extra))
+    raise CoverageError(
+        "expert shards do not cover every (MoE layer, expert, intermediate slice) exactly once: "
+        + " | ".join(lines)
+        + ". Fix the --experts / --slice of the shards.",
+        missing,
+        doubled,
+    )
+
+
+# ---- replicas and groups -----------------------------------------------------------------------
+class _Replica:
+    """One shard address: its channel, stream, health and reconnect backoff."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self.channel: grpc.Channel | None = None
+        self.stream: _ShardStream | None = None
+        self.desc: ShardDesc | None = None  # None until a Describe answered
+        self.group: "_Group | None" = None
+        self.healthy = False
+        self.backoff_s = 0.0
+        self.next_try = 0.0  # monotonic time of the next reconnect attempt
+        self.probing = False
+        self.last_error = "not connected yet"
+        self.refused: str | None = None  # answered, but serves something we cannot use
+
+
+def _coverage_key(info: experts_pb2.ShardInfo) -> tuple:
+    return (tuple(sorted(int(l) for l in info.layers)), tuple(sorted(int(e) for e in info.experts)),
+            int(info.intermediate_start), int(info.intermediate_stop))
+
+
+class _Group:
+    """Replicas serving the same (layers, experts, intermediate slice); any one answers a call."""
+
+    def __init__(self, desc: ShardDesc, cfg: ModelConfig):
+        self.desc = desc
+        self.key = _coverage_key(desc.info)
+        self.replicas: list[_Replica] = []
+        self.rr = itertools.count()
+        what = f"experts {compact_ranges(desc.experts)}"
+        I = cfg.moe_intermediate_size
+        if (desc.info.intermediate_start, desc.info.intermediate_stop) != (0, I):
+            what += f" intermediate [{desc.info.intermediate_start}:{desc.info.intermediate_stop})"
+        self.name = what
+
+    @property
+    def addresses(self) -> str:
+        return ",".join(r.address for r in self.replicas)
+
+    def label(self) -> str:
+        return f"shard group {self.name} ({self.addresses})"

@@ -1,0 +1,165 @@
+"""GPU side of the co-located shared-memory fast path (wire format: wire.shm; shard side:
+cpu_expert_service.shm_transport).
+
+A replica on the same host that accepts `AttachShm` gets a shared file of slots and a doorbell
+socket (`negotiate`); `FastPath` sends layer calls through it.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import secrets
+import select
+import socket
+import time
+from concurrent.futures import Future
+
+import grpc
+import numpy as np
+
+from gpu_service.experts.path import _Path, DEFAULT_MAX_TOKENS, DEFAULT_SLOTS, FastResponse, shard_error, WATCH_S
+from protos.moesplit.v1 import experts_pb2, experts_pb2_grpc
+from wire import shm as P
+
+log = logging.getLogger("moesplit.shm")
+
+
+class FastPath(_Path):
+    """One replica's shared mapping (n_slots slots) and doorbell socket (same host)."""
+
+    kind = "shm"
+
+    def __init__(self, address: str, mm: mmap.mmap, lay: P.Layout, sock: socket.socket, wire_dtype: str):
+        super().__init__(address, sock)
+        self.mm, self.lay = mm, lay
+        self.hc = P.code_of(wire_dtype)
+        H, M, K = lay.hidden_size, lay.max_tokens, lay.max_k
+        bases = [lay.slot_base(s) for s in range(lay.n_slots)]
+        # zero-copy views of every slot, made once: hidden [M, H], ids / weights flat [M * K], output [M, H]
+        self.hidden = [P.view(mm, b + lay.hidden_off, (M, H), P.DTYPES[self.hc]) for b in bases]
+        self.ids = [P.view(mm, b + lay.ids_off, (M * K,), np.dtype(np.int64)) for b in bases]
+        self.w = [P.view(mm, b + lay.w_off, (M * K,), np.dtype(np.float32)) for b in bases]
+        self.out = [P.view(mm, b + lay.out_off, (M, H), P.DTYPES[self.hc]) for b in bases]
+        self.bases = bases
+        self.free = list(range(lay.n_slots))
+        sock.setblocking(False)  # receivers poll (spin), then wait in select() up to WATCH_S
+
+    def describe(self) -> str:
+        return f"shared-memory fast path ({self.lay.n_slots} slots x {self.lay.max_tokens} tokens)"
+
+    def send(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray, timeout_s: float,
+             fallback) -> Future | None:
+        """Start one layer call (x [T, H] f32, ids [T, k] int64, w [T, k] f32); None: use gRPC.
+        `fallback()` re-sends the call over gRPC (a Future of a LayerResponse) if the fast path breaks."""
+        T, k = ids.shape
+        if not self.usable or T > self.lay.max_tokens or k > self.lay.max_k:
+            return None
+        fut: Future = Future()
+        with self.lock:
+            if not self.free or not self.usable:
+                return None
+            slot = self.free.pop()
+            seq = next(self.seq)
+            self.pending[seq] = (slot, fut, time.monotonic() + timeout_s, T, fallback)
+        self.hidden[slot][:T] = x  # [T, H], cast to the wire dtype like gRPC's encoding
+        self.ids[slot][:T * k] = ids.reshape(-1)
+        self.w[slot][:T * k] = w.reshape(-1)
+        P.CALL.pack_into(self.mm, self.bases[slot], layer, T, k, self.hc, 4, 0, self.hc, 0, 0, 0)
+        # the call as the shard sees it, stable while it is pending (a gRPC re-send encodes these)
+        fut.inputs = (self.hidden[slot][:T], self.ids[slot][:T * k].reshape(T, k), self.w[slot][:T * k].reshape(T, k))
+        try:
+            self.sock.send(P.DOORBELL.pack(P.OP_FORWARD, slot, seq))
+        except OSError as e:
+            self._send_failed(seq, f"doorbell send failed: {e}")
+            return None
+        self.calls += 1
+        return fut
+
+    def _receive(self) -> tuple | None:
+        try:
+            msg = P.recv_spin(self.sock, self.spin_s)  # poll first: no wake-up when the answer is quick
+            if msg is None:
+                if not select.select([self.sock], [], [], WATCH_S)[0]:
+                    self.expire(time.monotonic())
+                    return None
+                msg = self.sock.recv(P.DOORBELL.size)
+        except (BlockingIOError, InterruptedError):
+            return None  # a spurious wake-up: the caller pumps again
+        except (OSError, ValueError) as e:  # ValueError: select() on a socket closed meanwhile
+            msg, why = b"", f"doorbell failed: {e}"
+        else:
+            why = "the shard closed the fast path"
+        if len(msg) != P.DOORBELL.size:
+            self._break(why)
+            return None
+        status, slot, seq = P.DOORBELL.unpack(msg)
+        with self.lock:
+            entry = self.pending.pop(seq, None)
+        if entry is None:
+            return None
+        _, fut, _, T, _ = entry
+        base = self.bases[slot]
+        compute_us, server_us, mlen = P.RESULT.unpack_from(self.mm, base + P.RESULT_OFFSET)
+        if status == P.OK:
+            done = (fut, FastResponse(self.out[slot][:T].astype(np.float32), compute_us, server_us), None)
+        else:
+            text = bytes(self.mm[base + P.MSG_OFFSET:base + P.MSG_OFFSET + mlen]).decode(errors="replace")
+            done = (fut, None, shard_error(self.address, status, text))
+        with self.lock:
+            self.free.append(slot)
+        return done
+
+
+def negotiate(channel: grpc.Channel, address: str, hidden_size: int, max_k: int, shm_dir: str, wire_dtype: str,
+              max_tokens: int = DEFAULT_MAX_TOKENS, n_slots: int = DEFAULT_SLOTS,
+              timeout_s: float = 10.0) -> tuple[FastPath | None, str]:
+    """Offer `address` a shared file + doorbell in shm_dir. (FastPath, "") or (None, why not)."""
+    if not P.enabled():
+        return None, f"disabled ({P.SHM_ENV}=0)"
+    if not os.path.isdir(shm_dir) or not os.access(shm_dir, os.W_OK):
+        return None, f"shared directory {shm_dir!r} missing or not writable here"
+    lay = P.Layout(n_slots, hidden_size, max_tokens, max_k)
+    path = os.path.join(os.path.abspath(shm_dir), f"moesplit-{os.getpid()}-{secrets.token_hex(6)}")
+    sock_path = path + ".sock"
+    if len(sock_path.encode()) > 100:
+        return None, f"socket path {sock_path!r} too long for a Unix socket"
+    token = secrets.token_bytes(P.TOKEN_BYTES)
+    listener = mm = None
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            os.ftruncate(fd, lay.file_bytes)  # sparse: pages exist once written
+            mm = mmap.mmap(fd, lay.file_bytes)
+        finally:
+            os.close(fd)
+        header = lay.pack_header(token)
+        mm[:len(header)] = header
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind(sock_path)
+        listener.listen(1)
+        listener.settimeout(timeout_s)
+        stub = experts_pb2_grpc.ExpertServiceStub(channel)
+        try:
+            resp = stub.AttachShm(experts_pb2.AttachShmRequest(path=path, token=token, socket_path=sock_path),
+                                  timeout=timeout_s)
+        except grpc.RpcError as e:
+            return None, f"AttachShm failed: {e.code().name}: {e.details()}"
+        if not resp.accepted:
+            return None, f"shard refused: {resp.reason}"
+        conn, _ = listener.accept()
+        fp = FastPath(address, mm, lay, conn, wire_dtype)
+        mm = None  # owned by the fast path now
+        return fp, ""
+    except OSError as e:
+        return None, f"cannot set up shared memory in {shm_dir}: {e}"
+    finally:
+        if listener is not None:
+            listener.close()
+        for p in (path, sock_path):  # both sides hold what they need; leave nothing behind
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
+        if mm is not None:
+            mm.close()

@@ -1,0 +1,23 @@
+"""plan/: the memory plan, before a byte is allocated.
+
+- `bytes`: the byte model of every item (weights by format, KV cache, workspace, reserve, shards);
+- `search`: `make_plan` places the items and searches the auto options; `Plan` and its JSON;
+- `report`: the table of `moesplit plan`, presets, `load_model_config`;
+- `helm_values`: chart values that encode a plan; `cluster`: which nodes can run it;
+- `hot_experts`: which routed experts a plan puts on the GPU.
+
+Imports `checkpoint` only (and the Kubernetes client lazily in `cluster`); torch-free. The names
+of bytes, search and report are re-exported here: `from gpu_service import plan as P; P.make_plan(...)`.
+"""
+from __future__ import annotations
+
+from gpu_service.plan.bytes import (  # noqa: F401 (re-exported)
+    ATTENTION_WEIGHTS, CATEGORIES, checkpoint_format, CUDA_CONTEXT_BYTES, DEFAULT_CHUNK_TOKENS,
+    DEFAULT_KV_TARGET, DEFAULT_MAX_BATCH, DEFAULT_MIN_KV_TOKENS, EMBEDDINGS, expert_bytes, EXPERT_FORMATS,
+    fmt_gib, FP8_BLOCK, fp8_block, FRAGMENTATION_FRACTION, FRAGMENTATION_MIN_BYTES, GiB, gpu_modules,
+    gpu_reserve, GPU_SERVICE_HOST_BYTES, HOST_OS_RESERVE_BYTES, INT4_GROUP, KiB, kv_bytes_per_token_layer,
+    KV_ROUND, linear_bytes, MiB, Module, module_bytes, Options, param_bytes_by_module, param_counts,
+    parse_size, PRESETS_DIR, SHARD_BASELINE_BYTES, TiB, workspace_bytes,
+)
+from gpu_service.plan.search import GpuPlan, host_summary, make_plan, Plan, shard_plans, ShardPlan  # noqa: F401
+from gpu_service.plan.report import load_model_config, presets, render_table  # noqa: F401
