@@ -25,6 +25,7 @@ from checkpoint.config import ModelConfig
 from gpu_service.model.qlinear import make_quantized, weight_of
 from gpu_service.model.indexer import Indexer
 from gpu_service.model.kv import Chunk, KVPool
+from gpu_service.model import paged_attention
 
 
 class ExpertsFn(Protocol):
@@ -137,6 +138,9 @@ class MLA(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
                 chunks: list[Chunk], ik: torch.Tensor | None = None) -> torch.Tensor:
         # x: [T, H]; kv: this layer's pool tensor [slots, r + rope]; ik: its index keys [slots, index_head_dim]
+        meta = getattr(chunks, "paged", None)  # a StepView: the batched paged path (paged_attention.py)
+        if meta is not None:
+            return paged_attention.mla_forward(self, x, cos, sin, kv, meta, ik)
         T = x.shape[0]
         if self.indexer is None:
             q = self._q(x).view(T, self.nh, self.nope + self.rdim)
@@ -361,6 +365,7 @@ class DeepseekV3(nn.Module):
         self.rope = Rope(cfg)
         hot_experts = hot_experts or {}
         self.ping_pong = True  # two micro-batches overlap attention with remote experts
+        self.batched_attention = True  # False: MLA's per-sequence reference path
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.model.layers = nn.ModuleList(Block(cfg, i, self.rope, hot_experts.get(i, ()))
@@ -376,12 +381,14 @@ class DeepseekV3(nn.Module):
                 experts: ExpertsFn):
         """Generator over all layers for one micro-batch; yields while its experts are remote."""
         cos_sin: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        views: dict[torch.device, list[Chunk]] = {}  # per device: the chunks, or a StepView with metadata
         for i, blk in enumerate(self.model.layers):
             dev = pool.kv[i].device
             x = x.to(dev)
             if dev not in cos_sin:
                 cos_sin[dev] = self.rope.cos_sin(positions.to(dev), x.dtype)
-            x = yield from blk.steps(x, *cos_sin[dev], pool.kv[i], chunks, experts,
+                views[dev] = paged_attention.step_view(chunks, pool, dev) if self.batched_attention else chunks
+            x = yield from blk.steps(x, *cos_sin[dev], pool.kv[i], views[dev], experts,
                                      pool.index_k[i] if pool.index_k is not None else None)
         return x
 

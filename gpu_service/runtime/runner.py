@@ -5,6 +5,7 @@ engine (continuous batching) drives `ModelRunner.step` directly with many sequen
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -136,6 +137,18 @@ class ModelRunner:
         self.page_size = page_size
         self.pool = KVPool(self.cfg, -(-self.placement.kv_tokens // page_size), page_size, self.dtype,
                            self.placement.layer_devices)
+        self.set_decode_path(os.environ.get("MOESPLIT_DECODE_PATH", "fast"))
+
+    DECODE_PATHS = ("fast", "plain")
+
+    def set_decode_path(self, path: str) -> None:
+        """'fast' (default): batched paged attention over step metadata built once per step
+        (gpu_service.model.paged_attention); 'plain': MLA's per-sequence reference path
+        (MOESPLIT_DECODE_PATH=plain selects it at start-up, for comparisons)."""
+        if path not in self.DECODE_PATHS:
+            raise ValueError(f"decode path {path!r}: expected one of {self.DECODE_PATHS}")
+        self.decode_path = path
+        self.model.batched_attention = path == "fast"
 
     def new_seq(self) -> SeqKV:
         return SeqKV(self.pool)

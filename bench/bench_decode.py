@@ -1,0 +1,322 @@
+"""The decode step's fixed cost per MoE layer, and what concurrent streams get out of batching.
+
+Part 1, fixed cost (issue 20). Tiny bf16 checkpoints (gpu_service.local.tiny) with 3 and 27 layers
+(first_k_dense_replace=1: 2 and 26 MoE layers). The runner's decode step (`ModelRunner.step`, one
+token per sequence, every sequence with a 16-token history) is timed with
+
+  null  an experts function that returns zeros at once (no transport, no expert math),
+  shm   2 real shard processes over the shared-memory fast path (RemoteExperts),
+  tcp   the same shards over the TCP data path,
+
+at batch 1 and 8, for the decode paths `plain` (the per-sequence reference, MLA's Python loop over
+sequences) and `fast` (what the runner uses by default: batched paged attention, step metadata built
+once per step), in interleaved rounds in one run (the machine is shared: compare ratios).
+Per MoE layer = (t27 - t3) / 24: what one more MoE layer costs a step outside the expert math
+(for shm / tcp including the round trip to the shards and their tiny expert math).
+A profile of the 27-layer fast path at batch 1 (null experts) lists the top torch ops and Python
+frames.
+
+Part 2, streams: `moesplit serve` (tiny bf16, 3 layers, 2 shards, default backend and flags) with
+1, 8 and 32 concurrent streaming completions (64 tokens each, ignore_eos): aggregate decode
+tokens/s, with the default decode path and with MOESPLIT_DECODE_PATH=plain.
+
+Writes bench/results/decode.json.
+
+    python bench/bench_decode.py [--quick] [--skip-serve]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import http.client
+import json
+import os
+import platform
+import pstats
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+RESULTS = os.path.join(ROOT, "bench", "results")
+CACHE = os.environ.get("MOESPLIT_BENCH_CACHE", os.path.join(tempfile.gettempdir(), "moesplit-bench-cache"))
+DEPTHS = (3, 27)
+HISTORY = 16  # tokens each sequence has cached before the timed decode steps
+
+
+def tiny(layers: int) -> str:
+    from gpu_service.local.tiny import make_tiny
+
+    d = os.path.join(CACHE, f"tiny-bf16-{layers}l")
+    if not os.path.exists(os.path.join(d, "generation_config.json")):
+        make_tiny(d, "bf16", seed=0, overrides={"num_hidden_layers": layers})
+    return d
+
+
+class NullExperts:
+    """An experts function that starts nothing and returns zeros: the step's own cost only."""
+
+    def __call__(self, layer, h, ids, w):
+        z = h.new_zeros(h.shape)
+        return lambda: z
+
+
+def set_path(runner, path: str) -> None:
+    """Select the decode path of a runner ('plain' reference or 'fast'), where the runner has one."""
+    if hasattr(runner, "set_decode_path"):
+        runner.set_decode_path(path)
+    elif path != "plain":
+        raise SystemExit("this tree has no fast decode path")
+
+
+def time_steps(runner, batch: int, steps: int) -> float:
+    """Seconds per decode step at `batch` sequences (median of `steps`), after a 16-token prefill."""
+    from gpu_service.model.kv import Chunk
+
+    rng = np.random.default_rng(batch)
+    V = runner.cfg.vocab_size
+    seqs = [runner.new_seq() for _ in range(batch)]
+    try:
+        prompt = [int(t) for t in rng.integers(4, V, HISTORY * batch)]
+        runner.step(prompt, [Chunk(s, 0, HISTORY) for s in seqs])
+        out = []
+        for _ in range(steps):
+            toks = [int(t) for t in rng.integers(4, V, batch)]
+            t0 = time.perf_counter()
+            runner.step(toks, [Chunk(s, s.length, 1) for s in seqs])
+            out.append(time.perf_counter() - t0)
+        return float(np.median(out))
+    finally:
+        for s in seqs:
+            s.free()
+
+
+def fixed_cost(rounds: int, steps: int, transports: tuple[str, ...], paths: tuple[str, ...]) -> dict:
+    import torch
+
+    from checkpoint.reader import CheckpointReader
+    from gpu_service.experts.client import ExpertsClient
+    from gpu_service.local.stack import start_shards
+    from gpu_service.runtime.runner import ModelRunner, RemoteExperts
+
+    runners, experts, stacks, clients = {}, {}, [], []
+    try:
+        for L in DEPTHS:
+            d = tiny(L)
+            reader = CheckpointReader(d)
+            ex = {"null": NullExperts()}
+            if set(transports) - {"null"}:
+                sh = start_shards(d, 2, backend="auto", timeout_s=300)
+                stacks.append(sh)
+                for t in transports:
+                    if t != "null":
+                        c = ExpertsClient(sh.addresses, reader.config, transport=t, timeout_s=60).connect()
+                        clients.append(c)
+                        ex[t] = RemoteExperts(c)
+            experts[L] = ex
+            runners[L] = ModelRunner(reader, ex["null"], device=torch.device("cpu"), dtype=torch.float32,
+                                     kv_tokens=64 * (HISTORY + steps + 64), page_size=16)
+        rec: dict = {}
+        keys = [(t, p, b) for t in transports for p in paths for b in (1, 8)]
+        for L in DEPTHS:  # warm-up
+            for t, p, b in keys:
+                runners[L].experts = experts[L][t]
+                set_path(runners[L], p)
+                time_steps(runners[L], b, 3)
+        for r in range(rounds):
+            order = keys[r % len(keys):] + keys[:r % len(keys)]
+            for t, p, b in order:
+                for L in DEPTHS:
+                    runners[L].experts = experts[L][t]
+                    set_path(runners[L], p)
+                    rec.setdefault(f"{t}/{p}/b{b}", {}).setdefault(L, []).append(time_steps(runners[L], b, steps))
+        out = {}
+        for key, by_L in rec.items():
+            t3, t27 = np.array(by_L[3]), np.array(by_L[27])
+            per_layer = (t27 - t3) / 24  # paired per round
+            out[key] = {"step_us_3_layers": round(float(np.median(t3)) * 1e6, 1),
+                        "step_us_27_layers": round(float(np.median(t27)) * 1e6, 1),
+                        "per_moe_layer_us": round(float(np.median(per_layer)) * 1e6, 1),
+                        "per_moe_layer_us_rounds": [round(float(x) * 1e6, 1) for x in per_layer]}
+        prof = profile(runners[27], experts[27]["null"], paths[-1])
+        return {"results": out, "profile": prof}
+    finally:
+        for c in clients:
+            c.close()
+        for s in stacks:
+            s.stop()
+
+
+def profile(runner, null, path: str, steps: int = 30) -> dict:
+    """Top torch ops (self CPU time) and Python frames (tottime) of 27-layer decode steps at batch 1."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    runner.experts = null
+    set_path(runner, path)
+    time_steps(runner, 1, 3)
+    with tprofile(activities=[ProfilerActivity.CPU]) as p:
+        time_steps(runner, 1, steps)
+    ops = sorted(p.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]
+    top_ops = [{"op": e.key, "calls_per_step": round(e.count / (steps + 1), 1),
+                "self_us_per_step": round(e.self_cpu_time_total / (steps + 1), 1)} for e in ops]
+    pr = cProfile.Profile()
+    pr.enable()
+    time_steps(runner, 1, steps)
+    pr.disable()
+    st = pstats.Stats(pr)
+    frames = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:15]
+    top_frames = [{"frame": f"{os.path.relpath(f, ROOT) if f.startswith(ROOT) else os.path.basename(f)}:{ln}({fn})",
+                   "calls_per_step": round(v[1] / (steps + 1), 1), "tottime_us_per_step": round(v[2] / (steps + 1) * 1e6, 1)}
+                  for (f, ln, fn), v in frames]
+    del torch
+    return {"what": f"27 layers, batch 1, null experts, {path} path; per step (incl. the prefill step, /steps+1)",
+            "top_torch_ops": top_ops, "top_python_frames": top_frames}
+
+
+# ---- part 2: moesplit serve with concurrent streams ---------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stream(port: int, max_tokens: int, seed: int, rec: list) -> None:
+    body = json.dumps({"model": "tiny", "prompt": f"Hello number {seed}, the quick brown fox", "max_tokens": max_tokens,
+                       "temperature": 0, "stream": True, "ignore_eos": True})
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = c.getresponse()
+    stamps = []
+    for line in resp:
+        if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+            stamps.append(time.perf_counter())
+    c.close()
+    rec.append(stamps)
+
+
+def serve_streams(streams: tuple[int, ...], rounds: int, max_tokens: int, decode_path: str) -> dict:
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    if decode_path == "plain":
+        env["MOESPLIT_DECODE_PATH"] = "plain"
+    else:
+        env.pop("MOESPLIT_DECODE_PATH", None)
+    log = tempfile.NamedTemporaryFile(prefix="bench-serve-", suffix=".log", delete=False)
+    p = subprocess.Popen([sys.executable, "-m", "moesplit", "serve", "--model", tiny(3), "--served-model-name", "tiny",
+                          "--port", str(port), "--grpc-port", "0", "--log-level", "WARNING"],
+                         stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+                c.request("GET", "/health")
+                if c.getresponse().status == 200:
+                    break
+            except OSError:
+                pass
+            if p.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"moesplit serve did not come up; log {log.name}")
+            time.sleep(0.5)
+        _run_streams(port, 4, 8)  # warm-up
+        out = {}
+        for n in streams:
+            rates = []
+            for _ in range(rounds):
+                recs = _run_streams(port, n, max_tokens)
+                first = min(r[0] for r in recs)
+                last = max(r[-1] for r in recs)
+                toks = sum(len(r) - 1 for r in recs)  # tokens after each stream's first
+                rates.append(toks / (last - first))
+            out[n] = round(float(np.median(rates)), 1)
+        return out
+    finally:
+        p.terminate()
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def _run_streams(port: int, n: int, max_tokens: int) -> list:
+    rec: list = []
+    th = [threading.Thread(target=_stream, args=(port, max_tokens, i, rec)) for i in range(n)]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join()
+    if len(rec) != n or any(len(r) < 2 for r in rec):
+        raise RuntimeError("a stream returned fewer than 2 chunks")
+    return rec
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer rounds and steps (a smoke run)")
+    ap.add_argument("--skip-serve", action="store_true", help="part 1 only")
+    ap.add_argument("--paths", default="plain,fast", help="decode paths to compare (plain: the reference)")
+    ap.add_argument("--transports", default="null,shm,tcp")
+    args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(1)  # as bench_pipeline: the "GPU side" on one CPU thread, the shards on the rest
+    t_start = time.perf_counter()
+    os.makedirs(CACHE, exist_ok=True)
+    paths = tuple(args.paths.split(","))
+    res: dict = {"machine": {"cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg(),
+                             "python": platform.python_version(), "torch": torch.__version__, "torch_threads": 1},
+                 "definition": __doc__}
+    fc = fixed_cost(2 if args.quick else 5, 10 if args.quick else 40, tuple(args.transports.split(",")), paths)
+    res["fixed_cost"] = fc
+    for k, v in fc["results"].items():
+        print(f"[fixed cost] {k}: 3 layers {v['step_us_3_layers']} us, 27 layers {v['step_us_27_layers']} us, "
+              f"per MoE layer {v['per_moe_layer_us']} us", flush=True)
+    if not args.skip_serve:
+        res["serve_decode_tokens_per_s"] = {}
+        for p in paths:
+            r = serve_streams((1, 8, 32), 1 if args.quick else 2, 64, p)
+            res["serve_decode_tokens_per_s"][p] = {**r, "x32_over_x1": round(r[32] / r[1], 2)}
+            print(f"[serve, {p}] aggregate decode tok/s {r} (32 / 1 = {r[32] / r[1]:.2f}x)", flush=True)
+    R = fc["results"]
+    if "fast" in paths:
+        res["targets"] = {
+            "in_process_per_moe_layer_us_b1": {"value": R["null/fast/b1"]["per_moe_layer_us"], "target": "<= 150"},
+        }
+        if "shm/fast/b1" in R:
+            res["targets"]["shm_per_moe_layer_us_b1"] = {"value": R["shm/fast/b1"]["per_moe_layer_us"], "target": "<= 250"}
+        if "serve_decode_tokens_per_s" in res:
+            res["targets"]["serve_32_over_1_streams"] = {
+                "value": res["serve_decode_tokens_per_s"]["fast"]["x32_over_x1"], "target": ">= 6"}
+        for t in res["targets"].values():
+            op, lim = t["target"].split()
+            t["met"] = bool(t["value"] <= float(lim)) if op == "<=" else bool(t["value"] >= float(lim))
+        print(json.dumps(res["targets"], indent=1))
+    if "plain" in paths and "fast" in paths:
+        res["fast_over_plain_per_moe_layer"] = {
+            k.replace("/fast", ""): round(R[k]["per_moe_layer_us"] / R[k.replace("/fast", "/plain")]["per_moe_layer_us"], 3)
+            for k in R if "/fast/" in k}
+        print("fast / plain per MoE layer:", res["fast_over_plain_per_moe_layer"])
+    if fc.get("profile"):
+        for e in fc["profile"]["top_torch_ops"][:8]:
+            print("  op", e)
+        for e in fc["profile"]["top_python_frames"][:8]:
+            print("  py", e)
+    res["machine"]["loadavg_at_end"] = os.getloadavg()
+    res["wall_s"] = round(time.perf_counter() - t_start, 1)
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "decode.json"), "w") as f:
+        json.dump(res, f, indent=2)
+    print(f"wrote {RESULTS}/decode.json in {res['wall_s']}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""Batched paged MLA attention: every decode sequence of a step in one call over the page table.
+
+The plain path (`MLA.forward` in deepseek.py, kept as the reference) loops over the step's chunks
+in Python: per chunk and layer it builds the chunk's slot indices, gathers its whole history
+(`kv[slots]`) and runs its own einsums. Here the step's metadata is built once per step and device
+(`StepView`, a list of the chunks that also carries `.paged`, a `PagedMeta`), and each MLA layer
+
+- writes all new c_kv/k_pe (and V3.2 index keys) with one `index_copy_` at precomputed slots;
+- attends for all one-token (decode) chunks at once, in the weight-absorbed form:
+  on CUDA with FlashInfer's MLA paged kernel when `flashinfer` imports (reads c_kv/k_pe in place
+  through the slot list, page size 1; V3.2's top-k selection passed as each query's slot list),
+  else a batched torch path: one gather of the step's pages through the padded page table
+  [B, P * page_size] and one set of bmm / softmax, padded key positions masked to -inf (so they
+  contribute exact zeros: no padding enters the arithmetic of a sequence's real keys);
+- runs prefill chunks (n > 1) through the reference expanded path (`MLA._attend`) per chunk.
+
+DeepSeek-V3.2: the lightning indexer's scores for the decode queries are computed batched over
+the same padded slots (`select_decode`), top-`index_topk` per query, as a keep-mask.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gpu_service.model.kv import Chunk, KVPool
+from gpu_service.model.qlinear import weight_of
+
+try:  # optional: the `flashinfer` extra, installed only where CUDA is
+    import flashinfer as _flashinfer  # type: ignore
+except Exception:  # noqa: BLE001 - absent or broken: the torch path
+    _flashinfer = None
+
+
+@dataclass
+class PagedMeta:
+    """One micro-batch's attention metadata on one device, built once per step."""
+
+    write_slots: torch.Tensor  # [T] long: the pool slot of every new token (chunks concatenated)
+    dec_rows: torch.Tensor | None  # [Bd] rows of x that are decode tokens; None: every row is one
+    key_slots: torch.Tensor | None  # [Bd, Smax] long: padded page table expanded to slots
+    invalid: torch.Tensor | None  # [Bd, 1, Smax] bool: key position >= the sequence's length
+    lengths: list[int]  # [Bd] keys each decode query sees (its position + 1)
+    prefill: list[tuple[slice, torch.Tensor, int]]  # per chunk of n > 1: (rows, history slots, start)
+    fi_indptr: torch.Tensor | None = None  # FlashInfer (CUDA): kv_indptr [Bd + 1] int32
+    fi_indices: torch.Tensor | None = None  # FlashInfer: valid slots concatenated, int32
+
+
+class StepView(list):
+    """The chunks of one micro-batch (a plain list of `Chunk` to every reader) plus `.paged`."""
+
+    paged: PagedMeta
+
+
+def build_meta(chunks: list[Chunk], pool: KVPool, device: torch.device) -> PagedMeta:
+    """Slot indices and masks of a step, from the chunks' page lists (pages already reserved)."""
+    ps = pool.page_size
+    write, dec_rows, dec_pages, lengths, prefill = [], [], [], [], []
+    t0 = 0
+    for ch in chunks:
+        pages = ch.seq.pages
+        write.extend(pages[p // ps] * ps + p % ps for p in range(ch.start, ch.start + ch.n))
+        if ch.n == 1:
+            dec_rows.append(t0)
+            dec_pages.append(pages[: -(-(ch.start + 1) // ps)])
+            lengths.append(ch.start + 1)
+        else:
+            hist = [pages[p // ps] * ps + p % ps for p in range(ch.start + ch.n)]
+            prefill.append((slice(t0, t0 + ch.n), torch.tensor(hist, dtype=torch.long).to(device), ch.start))
+        t0 += ch.n
+    meta = PagedMeta(torch.tensor(write, dtype=torch.long).to(device),
+                     None if len(dec_rows) == t0 else torch.tensor(dec_rows, dtype=torch.long).to(device),
+                     None, None, lengths, prefill)
+    if dec_rows:
+        P = max(max(len(p) for p in dec_pages), -(-MIN_KEYS // ps))  # at least MIN_KEYS columns
+        table = torch.tensor([p + [0] * (P - len(p)) for p in dec_pages], dtype=torch.long)  # [Bd, P] padded
+        slots = (table[:, :, None] * ps + torch.arange(ps)).view(len(dec_pages), P * ps)  # [Bd, Smax]
+        invalid = torch.arange(P * ps)[None, None, :] >= torch.tensor(lengths)[:, None, None]  # [Bd, 1, Smax]
+        meta.key_slots, meta.invalid = slots.to(device), invalid.to(device)
+        if device.type == "cuda" and _flashinfer is not None:
+            flat = torch.cat([slots[i, :n] for i, n in enumerate(lengths)])
+            meta.fi_indices = flat.to(device=device, dtype=torch.int32)
+            meta.fi_indptr = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(device=device,
+                                                                                            dtype=torch.int32)
+    return meta
+
+
+def step_view(chunks: list[Chunk], pool: KVPool, device: torch.device) -> StepView:
+    view = StepView(chunks)
+    view.paged = build_meta(chunks, pool, device)
+    return view
+
+
+def mla_forward(mla, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
+                meta: PagedMeta, ik: torch.Tensor | None = None) -> torch.Tensor:
+    """`MLA.forward` over a `PagedMeta`: the same projections, one KV write, batched decode attention."""
+    T = x.shape[0]
+    q_resid = None
+    if mla.indexer is None:
+        q = mla._q(x).view(T, mla.nh, mla.nope + mla.rdim)
+    else:
+        q_resid = mla.q_a_layernorm(mla.q_a_proj(x))  # [T, q_lora_rank]
+        q = mla.q_b_proj(q_resid).view(T, mla.nh, mla.nope + mla.rdim)
+        ik.index_copy_(0, meta.write_slots, mla.indexer.keys(x, cos, sin).to(ik.dtype))
+    q_nope, q_pe = q[..., : mla.nope], mla.rope.apply(q[..., mla.nope:], cos, sin)  # [T,nh,nope],[T,nh,rope]
+    ckv = mla.kv_a_proj_with_mqa(x)  # [T, r + rope]
+    k_pe = mla.rope.apply(ckv[:, None, mla.r:], cos, sin)[:, 0]  # [T, rope]
+    kv.index_copy_(0, meta.write_slots, torch.cat([mla.kv_a_layernorm(ckv[:, : mla.r]), k_pe], dim=-1).to(kv.dtype))
+    out = None if meta.dec_rows is None else x.new_empty(T, mla.nh * mla.vdim)
+    for sl, hist, start in meta.prefill:  # the reference expanded path, per prefill chunk
+        cache = kv[hist].to(x.dtype)
+        keep = None
+        if mla.indexer is not None:
+            keep = mla.indexer.select(x[sl], q_resid[sl], cos[sl], sin[sl], ik[hist].to(x.dtype), start)
+        out[sl] = mla._attend(q_nope[sl], q_pe[sl], cache, start, keep)
+    if meta.key_slots is not None:
+        rows = meta.dec_rows
+        pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
+        keep = None
+        if mla.indexer is not None:
+            keep = select_decode(mla.indexer, pick(x), pick(q_resid), pick(cos), pick(sin), ik, meta)
+        o = decode_attention(mla, pick(q_nope), pick(q_pe), kv, meta, keep)
+        if rows is None:
+            out = o
+        else:
+            out.index_copy_(0, rows, o)
+    return mla.o_proj(out)
+
+
+def decode_attention(mla, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, meta: PagedMeta,
+                     keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Weight-absorbed attention of one query per decode sequence. q_nope [B, nh, nope], q_pe
+    [B, nh, rope]; keep [B, Smax] bool (V3.2 selection) or None. Returns [B, nh * v_head_dim]."""
+    B, r = q_nope.shape[0], mla.r
+    wkv = weight_of(mla.kv_b_proj, q_nope.dtype).view(mla.nh, mla.nope + mla.vdim, r)
+    q_abs = torch.einsum("bhd,hdr->bhr", _min_rows(q_nope), wkv[:, : mla.nope])[:B]  # [B, nh, r]
+    if meta.fi_indices is not None and kv.device.type == "cuda":
+        o_lat = _flashinfer_decode(mla, q_abs, q_pe, kv, meta, keep)  # [B, nh, r]
+    else:
+        cache = kv[meta.key_slots].to(q_nope.dtype)  # [B, Smax, r + rope]: one gather for the step
+        # keys as the GEMM's rows (M = Smax, K and N fixed): a key's score does not depend on Smax
+        scores = torch.bmm(cache, torch.cat([q_abs, q_pe], dim=-1).transpose(1, 2))  # [B, Smax, nh]
+        scores = scores.transpose(1, 2).float().contiguous()  # [B, nh, Smax]: softmax over a contiguous dim
+        mask = meta.invalid if keep is None else ~keep[:, None, :]
+        p = torch.softmax(scores.masked_fill_(mask, float("-inf")).mul_(mla.scaling), dim=-1).to(q_nope.dtype)
+        o_lat = torch.bmm(p, cache[..., :r])  # [B, nh, r]
+    o = torch.einsum("bhr,hvr->bhv", _min_rows(o_lat), wkv[:, mla.nope:])[:B]  # [B, nh, v]
+    return o.reshape(B, -1)
+
+
+MIN_ROWS = 4
+# Padded key columns at least: below a vector's worth or so the CPU softmax takes a scalar path
+# (another exp, another summation order) that a longer padded row in a batch would not take.
+MIN_KEYS = 64
+
+
+def _min_rows(t: torch.Tensor) -> torch.Tensor:
+    """t padded with zero rows to at least MIN_ROWS: the CPU GEMM takes another code path (and
+    another summation order) for 1-3 rows, so a sequence alone would differ in the last bits from
+    the same sequence in a batch (tests/test_paged_attention.py checks bit-identity)."""
+    if t.shape[0] >= MIN_ROWS or t.device.type != "cpu":
+        return t
+    return torch.cat([t, t.new_zeros((MIN_ROWS - t.shape[0],) + tuple(t.shape[1:]))])
+
+
+def select_decode(indexer, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  ik: torch.Tensor, meta: PagedMeta) -> torch.Tensor | None:
+    """V3.2 lightning-indexer selection for the decode queries (one per sequence), batched over
+    the padded slots: keep [B, Smax] bool (valid AND among the top-`index_topk`), or None when
+    every sequence has at most index_topk keys (dense)."""
+    from gpu_service.model.indexer import rope_half_split
+
+    if max(meta.lengths) <= indexer.topk:
+        return None
+    B = x.shape[0]
+    q = indexer.wq_b(q_resid).view(B, indexer.nh, indexer.hd)
+    q = torch.cat([rope_half_split(q[..., : indexer.rdim], cos, sin), q[..., indexer.rdim:]], dim=-1)
+    w = indexer.weights_proj(x.to(indexer.weights_proj.weight.dtype)).float() * indexer.nh ** -0.5  # [B, nh]
+    keys = ik[meta.key_slots].float()  # [B, Smax, hd]
+    scores = torch.relu(torch.bmm(q.float(), keys.transpose(1, 2)) * indexer.softmax_scale)  # [B, nh, Smax]
+    index = torch.bmm(w[:, None, :], scores)[:, 0].masked_fill_(meta.invalid[:, 0], float("-inf"))  # [B, Smax]
+    top = index.topk(min(indexer.topk, index.shape[1]), dim=-1).indices
+    return torch.zeros_like(meta.invalid[:, 0]).scatter_(1, top, True) & ~meta.invalid[:, 0]
+
+
+# ---- CUDA: FlashInfer's MLA paged kernel (optional; not exercised on CPU-only machines) ----------
+_FI_WRAPPERS: dict = {}
+
+
+def _flashinfer_decode(mla, q_abs, q_pe, kv, meta: PagedMeta, keep):
+    """o_lat [B, nh, r] from FlashInfer's BatchMLAPagedAttentionWrapper, page size 1: kv_indices are
+    the slots each query reads (V3.2: only its selected slots), c_kv / k_pe views of the pool."""
+    dev = kv.device
+    if keep is None:
+        indptr, indices = meta.fi_indptr, meta.fi_indices
+    else:
+        sel = [meta.key_slots[i][keep[i]] for i in range(keep.shape[0])]
+        indices = torch.cat(sel).to(torch.int32)
+        indptr = torch.tensor([0] + [len(s) for s in sel], device=dev, dtype=torch.int32).cumsum(0).to(torch.int32)
+    wrapper = _FI_WRAPPERS.get(dev)
+    if wrapper is None:
+        ws = torch.empty(128 * 1024 * 1024, dtype=torch.int8, device=dev)
+        wrapper = _FI_WRAPPERS[dev] = _flashinfer.mla.BatchMLAPagedAttentionWrapper(ws, backend="auto")
+    B = q_abs.shape[0]
+    lens = (indptr[1:] - indptr[:-1]).to(torch.int32)
+    wrapper.plan(torch.arange(B + 1, device=dev, dtype=torch.int32), indptr, indices, lens, mla.nh, mla.r,
+                 mla.rdim, 1, False, mla.scaling, q_abs.dtype, kv.dtype)
+    ckv = kv[:, None, : mla.r]  # [slots, 1, r]: pages of one token, read in place
+    kpe = kv[:, None, mla.r:]
+    return wrapper.run(q_abs.contiguous(), q_pe.contiguous(), ckv, kpe)
