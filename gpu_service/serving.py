@@ -40,7 +40,7 @@ def add_serving_arguments(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $MOESPLIT_API_KEY, else none)")
     p.add_argument("--kv-tokens", type=int, default=8192, help="KV cache size in tokens, shared by all requests")
     p.add_argument("--page-size", type=int, default=64, help="tokens per KV page")
-    p.add_argument("--max-batch", type=int, default=16, help="most requests running at once")
+    p.add_argument("--max-batch", type=int, default=32, help="most requests running at once (default 32)")
     p.add_argument("--chunk-tokens", type=int, default=512,
                    help="token budget of one step (decodes + prefill chunks)")
     p.add_argument("--device", default=None, help="cuda|cpu (default: cuda when available)")
