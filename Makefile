@@ -5,7 +5,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-test protos build test soak demo bench bench-kernels gpu-check chart-check clean
+.PHONY: setup setup-test protos build test soak demo bench bench-decode bench-kernels gpu-check chart-check clean
 
 setup: $(STAMP)
 
@@ -41,6 +41,11 @@ bench-kernels: build
 
 bench: setup
 	$(PY) bench/bench_pipeline.py
+	$(PY) bench/bench_decode.py
+
+# the decode step's fixed cost per MoE layer (3 vs 27 layers) and 1/8/32 streams through `moesplit serve`
+bench-decode: setup
+	$(PY) bench/bench_decode.py
 
 gpu-check: setup
 	scripts/gpu_check.sh

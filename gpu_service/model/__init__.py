@@ -4,6 +4,7 @@
   lm_head, micro-batch ping-pong, `build_model` from a checkpoint;
 - `kv`: the paged pool of MLA's compressed KV cache (and V3.2's index keys), sequences, chunks;
 - `indexer`: DeepSeek-V3.2's lightning indexer (sparse attention);
+- `paged_attention`: batched paged MLA attention for all decode sequences of a step;
 - `qlinear`: weight-only FP8 / INT8 linears;
 - `placement`: executes a memory plan (device of every weight, format of every linear, KV size,
   hot experts) and the preflight check against free GPU memory.

@@ -102,9 +102,10 @@ def mla_forward(mla, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: 
         q_resid = mla.q_a_layernorm(mla.q_a_proj(x))  # [T, q_lora_rank]
         q = mla.q_b_proj(q_resid).view(T, mla.nh, mla.nope + mla.rdim)
         ik.index_copy_(0, meta.write_slots, mla.indexer.keys(x, cos, sin).to(ik.dtype))
-    q_nope, q_pe = q[..., : mla.nope], mla.rope.apply(q[..., mla.nope:], cos, sin)  # [T,nh,nope],[T,nh,rope]
     ckv = mla.kv_a_proj_with_mqa(x)  # [T, r + rope]
-    k_pe = mla.rope.apply(ckv[:, None, mla.r:], cos, sin)[:, 0]  # [T, rope]
+    # one RoPE for the queries' and the new key's rope parts (elementwise: the same values as two)
+    pe = mla.rope.apply(torch.cat([q[..., mla.nope:], ckv[:, None, mla.r:]], dim=1), cos, sin)  # [T, nh + 1, rope]
+    q_nope, q_pe, k_pe = q[..., : mla.nope], pe[:, : mla.nh], pe[:, mla.nh]  # [T,nh,nope], [T,nh,rope], [T,rope]
     kv.index_copy_(0, meta.write_slots, torch.cat([mla.kv_a_layernorm(ckv[:, : mla.r]), k_pe], dim=-1).to(kv.dtype))
     out = None if meta.dec_rows is None else x.new_empty(T, mla.nh * mla.vdim)
     for sl, hist, start in meta.prefill:  # the reference expanded path, per prefill chunk
