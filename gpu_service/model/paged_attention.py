@@ -32,6 +32,9 @@ except Exception:  # noqa: BLE001 - absent or broken: the torch path
     _flashinfer = None
 
 
+FLASHINFER_MLA_DIMS = {(512, 64)}  # (kv_lora_rank, rope) FlashInfer's MLA kernels are built for (DeepSeek's)
+
+
 @dataclass
 class PagedMeta:
     """One micro-batch's attention metadata on one device, built once per step."""
@@ -77,7 +80,8 @@ def build_meta(chunks: list[Chunk], pool: KVPool, device: torch.device) -> Paged
         slots = (table[:, :, None] * ps + torch.arange(ps)).view(len(dec_pages), P * ps)  # [Bd, Smax]
         invalid = torch.arange(P * ps)[None, None, :] >= torch.tensor(lengths)[:, None, None]  # [Bd, 1, Smax]
         meta.key_slots, meta.invalid = slots.to(device), invalid.to(device)
-        if device.type == "cuda" and _flashinfer is not None:
+        if device.type == "cuda" and _flashinfer is not None and (pool.cfg.kv_lora_rank, pool.cfg.qk_rope_head_dim) \
+                in FLASHINFER_MLA_DIMS:
             flat = torch.cat([slots[i, :n] for i, n in enumerate(lengths)])
             meta.fi_indices = flat.to(device=device, dtype=torch.int32)
             meta.fi_indptr = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(device=device,
