@@ -20,7 +20,7 @@ Part 2, streams: `moesplit serve` (tiny bf16, 3 layers, 2 shards, default backen
 1, 8 and 32 concurrent streaming completions (64 tokens each, ignore_eos): aggregate decode
 tokens/s, with the default decode path and with MOESPLIT_DECODE_PATH=plain.
 
-Writes bench/results/decode.json.
+Writes bench/results/decode.json and decode.png.
 
     python bench/bench_decode.py [--quick] [--skip-serve]
 """
@@ -258,6 +258,37 @@ def _run_streams(port: int, n: int, max_tokens: int) -> list:
     return rec
 
 
+def plot(res: dict, path: str) -> None:
+    """Per-MoE-layer fixed cost by transport / batch (plain vs fast) and serve streams' tok/s."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    R = res["fixed_cost"]["results"]
+    keys = sorted({k.replace("/plain", "").replace("/fast", "") for k in R})
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    xs = np.arange(len(keys))
+    for j, p in enumerate(("plain", "fast")):
+        vals = [R.get(k.replace("/", f"/{p}/", 1), {}).get("per_moe_layer_us", 0) for k in keys]
+        axes[0].bar(xs + (j - 0.5) * 0.4, vals, 0.4, label=p)
+    axes[0].set_xticks(xs, keys)
+    axes[0].set_ylabel("µs per MoE layer (median)")
+    axes[0].set_title("decode step fixed cost per MoE layer")
+    axes[0].legend()
+    sv = res.get("serve_decode_tokens_per_s", {})
+    for j, p in enumerate(sv):
+        n = [1, 8, 32]
+        axes[1].bar(np.arange(3) + (j - 0.5) * 0.4, [sv[p].get(k, sv[p].get(str(k), 0)) for k in n], 0.4, label=p)
+        axes[1].set_xticks(np.arange(3), [f"{k} streams" for k in n])
+    axes[1].set_ylabel("aggregate decode tokens/s")
+    axes[1].set_title("moesplit serve, tiny bf16, 2 shards")
+    axes[1].legend()
+    fig.suptitle(f"moesplit decode step ({res['machine']['cpus']} CPUs, shared: compare ratios)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds and steps (a smoke run)")
@@ -314,7 +345,8 @@ def main() -> int:
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "decode.json"), "w") as f:
         json.dump(res, f, indent=2)
-    print(f"wrote {RESULTS}/decode.json in {res['wall_s']}s")
+    plot(res, os.path.join(RESULTS, "decode.png"))
+    print(f"wrote {RESULTS}/decode.json and decode.png in {res['wall_s']}s")
     return 0
 
 

@@ -199,9 +199,9 @@ def _flashinfer_decode(mla, q_abs, q_pe, kv, meta: PagedMeta, keep):
     if keep is None:
         indptr, indices = meta.fi_indptr, meta.fi_indices
     else:
-        sel = [meta.key_slots[i][keep[i]] for i in range(keep.shape[0])]
-        indices = torch.cat(sel).to(torch.int32)
-        indptr = torch.tensor([0] + [len(s) for s in sel], device=dev, dtype=torch.int32).cumsum(0).to(torch.int32)
+        indices = meta.key_slots[keep].to(torch.int32)  # each query's selected slots, rows in order
+        indptr = torch.cat([keep.new_zeros(1, dtype=torch.int32),
+                            keep.sum(1).cumsum(0).to(torch.int32)])
     wrapper = _FI_WRAPPERS.get(dev)
     if wrapper is None:
         ws = torch.empty(128 * 1024 * 1024, dtype=torch.int8, device=dev)
