@@ -47,6 +47,8 @@ class PagedMeta:
     prefill: list[tuple[slice, torch.Tensor, int]]  # per chunk of n > 1: (rows, history slots, start)
     fi_indptr: torch.Tensor | None = None  # FlashInfer (CUDA): kv_indptr [Bd + 1] int32
     fi_indices: torch.Tensor | None = None  # FlashInfer: valid slots concatenated, int32
+    fi_slot: int = 0  # which of the device's FlashInfer wrappers (one per live micro-batch)
+    fi_planned: bool = False  # the wrapper holds this step's dense plan (V3: once per step)
 
 
 class StepView(list):
@@ -84,6 +86,7 @@ def build_meta(chunks: list[Chunk], pool: KVPool, device: torch.device) -> Paged
                 in FLASHINFER_MLA_DIMS:
             flat = torch.cat([slots[i, :n] for i, n in enumerate(lengths)])
             meta.fi_indices = flat.to(device=device, dtype=torch.int32)
+            meta.fi_slot = _FI_TURN[device] = (_FI_TURN.get(device, -1) + 1) % FI_SLOTS
             meta.fi_indptr = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(device=device,
                                                                                             dtype=torch.int32)
     return meta
@@ -189,7 +192,10 @@ def select_decode(indexer, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Te
 
 
 # ---- CUDA: FlashInfer's MLA paged kernel (optional; not exercised on CPU-only machines) ----------
-_FI_WRAPPERS: dict = {}
+_FI_WRAPPERS: dict = {}  # (device, slot) -> wrapper; the float workspace is shared per device
+_FI_WORKSPACE: dict = {}
+_FI_TURN: dict = {}
+FI_SLOTS = 2  # micro-batches alive in one step (ping-pong): each plans its own wrapper
 
 
 def _flashinfer_decode(mla, q_abs, q_pe, kv, meta: PagedMeta, keep):
@@ -202,14 +208,18 @@ def _flashinfer_decode(mla, q_abs, q_pe, kv, meta: PagedMeta, keep):
         indices = meta.key_slots[keep].to(torch.int32)  # each query's selected slots, rows in order
         indptr = torch.cat([keep.new_zeros(1, dtype=torch.int32),
                             keep.sum(1).cumsum(0).to(torch.int32)])
-    wrapper = _FI_WRAPPERS.get(dev)
+    wrapper = _FI_WRAPPERS.get((dev, meta.fi_slot))
     if wrapper is None:
-        ws = torch.empty(128 * 1024 * 1024, dtype=torch.int8, device=dev)
-        wrapper = _FI_WRAPPERS[dev] = _flashinfer.mla.BatchMLAPagedAttentionWrapper(ws, backend="auto")
-    B = q_abs.shape[0]
-    lens = (indptr[1:] - indptr[:-1]).to(torch.int32)
-    wrapper.plan(torch.arange(B + 1, device=dev, dtype=torch.int32), indptr, indices, lens, mla.nh, mla.r,
-                 mla.rdim, 1, False, mla.scaling, q_abs.dtype, kv.dtype)
+        if dev not in _FI_WORKSPACE:
+            _FI_WORKSPACE[dev] = torch.empty(128 * 1024 * 1024, dtype=torch.int8, device=dev)
+        wrapper = _FI_WRAPPERS[(dev, meta.fi_slot)] = _flashinfer.mla.BatchMLAPagedAttentionWrapper(
+            _FI_WORKSPACE[dev], backend="auto")
+    if keep is not None or not meta.fi_planned:  # dense: one plan serves every layer of the step
+        B = q_abs.shape[0]
+        lens = (indptr[1:] - indptr[:-1]).to(torch.int32)
+        wrapper.plan(torch.arange(B + 1, device=dev, dtype=torch.int32), indptr, indices, lens, mla.nh, mla.r,
+                     mla.rdim, 1, False, mla.scaling, q_abs.dtype, kv.dtype)
+        meta.fi_planned = keep is None
     ckv = kv[:, None, : mla.r]  # [slots, 1, r]: pages of one token, read in place
     kpe = kv[:, None, mla.r:]
     return wrapper.run(q_abs.contiguous(), q_pe.contiguous(), ckv, kpe)
