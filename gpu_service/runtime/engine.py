@@ -167,6 +167,20 @@ class RequestHandle:
                 pass
 
 
+def _grammar_compiler(tokenizer, cfg):
+    """The grammar compiler over the tokenizer's vocabulary; None without a tokenizer it knows."""
+    if tokenizer is None:
+        return None
+    from gpu_service.runtime.grammar import GrammarCompiler
+    from gpu_service.runtime.vocab import vocabulary_for
+
+    try:
+        return GrammarCompiler(vocabulary_for(tokenizer, cfg.vocab_size, cfg.eos_token_ids))
+    except ValueError as e:
+        log.warning("structured outputs off: %s", e)
+        return None
+
+
 def _resolve(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -234,6 +248,7 @@ class Engine:
                              prompt_tokens=0, generated_tokens=0, step_tokens=0, prefill_tokens_computed=0,
                              structured_requests=0)
         self.last_error: str | None = None
+        self.grammars = _grammar_compiler(tokenizer, self.cfg)  # GrammarCompiler (structured outputs) or None
         self.observer = None  # metrics hooks (gpu_service.metrics.EngineObserver): submit/admit/token/finish/preempt
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -250,6 +265,8 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
         self._abort_all("cancelled", None)
+        if self.grammars is not None:
+            self.grammars.close()
 
     @property
     def alive(self) -> bool:
