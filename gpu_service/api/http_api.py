@@ -251,10 +251,9 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
         hs = []
         try:
             for ids in prompts:
-                for i in range(n):
-                    p = params if params.seed is None else OP.with_seed(params, params.seed + i)
-                    hs.append(engine.submit(ids, p, max_tokens, stop=stop, ignore_eos=ignore_eos, grammar=grammar,
-                                            prompt_logprobs=prompt_lp))
+                ps = [params if params.seed is None else OP.with_seed(params, params.seed + i) for i in range(n)]
+                hs += engine.submit_n(ids, ps, max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos,
+                                      grammar=grammar, prompt_logprobs=prompt_lp)
         except RequestError as e:
             for h in hs:
                 h.cancel()

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gpu_service.model.kv import Chunk, PoolExhausted, SeqKV
+from gpu_service.runtime.grammar import compiler_for
 from gpu_service.runtime.logits import choose_tokens, prompt_logprobs, TokenLogprob
 from gpu_service.runtime.sampling import SamplingParams
 
@@ -167,20 +168,6 @@ class RequestHandle:
                 pass
 
 
-def _grammar_compiler(tokenizer, cfg):
-    """The grammar compiler over the tokenizer's vocabulary; None without a tokenizer it knows."""
-    if tokenizer is None:
-        return None
-    from gpu_service.runtime.grammar import GrammarCompiler
-    from gpu_service.runtime.vocab import vocabulary_for
-
-    try:
-        return GrammarCompiler(vocabulary_for(tokenizer, cfg.vocab_size, cfg.eos_token_ids))
-    except ValueError as e:
-        log.warning("structured outputs off: %s", e)
-        return None
-
-
 def _resolve(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -201,6 +188,7 @@ class _Request:
     banned_early: tuple[int, ...] = ()  # EOS + stop_token_ids while fewer than min_tokens are out
     prompt_lp: int | None = None  # top-k of the prompt's logprobs to report (echo), None = off
     prompt_lps: list = field(default_factory=list)
+    followers: list = field(default_factory=list)  # choices 2..n of the same prompt: fork off this one's KV
     arrival: float = field(default_factory=time.monotonic)
     # incremental detokenisation (prefix/read offsets into the generated ids) and stop handling
     prefix_offset: int = 0
@@ -248,7 +236,7 @@ class Engine:
                              prompt_tokens=0, generated_tokens=0, step_tokens=0, prefill_tokens_computed=0,
                              structured_requests=0)
         self.last_error: str | None = None
-        self.grammars = _grammar_compiler(tokenizer, self.cfg)  # GrammarCompiler (structured outputs) or None
+        self.grammars = compiler_for(tokenizer, self.cfg)  # GrammarCompiler (structured outputs) or None
         self.observer = None  # metrics hooks (gpu_service.metrics.EngineObserver): submit/admit/token/finish/preempt
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -283,7 +271,7 @@ class Engine:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, max_tokens: int | None = None,
                stop: list[str] | tuple[str, ...] = (), ignore_eos: bool = False, grammar=None,
-               prompt_logprobs: int | None = None) -> RequestHandle:
+               prompt_logprobs: int | None = None, _leader: _Request | None = None) -> RequestHandle:
         """Queue a request. `max_tokens=None` means up to the context (or pool) size.
 
         `grammar`: a gpu_service.runtime.grammar.CompiledGrammar the output must match (compile it
@@ -331,18 +319,57 @@ class Engine:
                                "response_format")
         rid = f"req-{next(self._ids)}"
         handle = RequestHandle(rid, n, max_tokens, self._wake)
-        req = _Request(handle, n, list(prompt_ids), params, params.generator(), max_tokens, stop, ignore_eos,
+        handle._request = req = _Request(handle, n, list(prompt_ids), params, params.generator(), max_tokens, stop, ignore_eos,
                        self.runner.new_seq(), grammar.matcher() if grammar is not None else None,
                        tuple(sorted(self.eos | set(params.stop_token_ids))), prompt_logprobs)
         if self.observer is not None:
             self.observer.submit(handle)
         with self._lock:
-            self._inbox.append(req)
+            if _leader is not None:
+                _leader.followers.append(req)
+            else:
+                self._inbox.append(req)
             self.counters["requests"] += 1
             self.counters["structured_requests"] += grammar is not None
             self.counters["prompt_tokens"] += n
         self._wake()
         return handle
+
+    def submit_n(self, prompt_ids: list[int], params: list[SamplingParams], **kw) -> list[RequestHandle]:
+        """len(params) requests on one prompt (OpenAI's `n`): the first prefills it; when it has, the
+        others copy its KV pages for all but the last prompt token and compute only that one (their
+        own first logits), so the prompt is prefilled once. A choice that cannot fork then (pool or
+        batch full, the first choice cancelled) is prefilled on its own: same tokens, more work."""
+        hs = [self.submit(prompt_ids, params[0], **kw)]
+        try:
+            for p in params[1:]:
+                hs.append(self.submit(prompt_ids, p, _leader=hs[0]._request, **kw))
+        except BaseException:
+            for h in hs:
+                h.cancel()
+            raise
+        return hs
+
+    def _fork(self, r: _Request) -> None:
+        """r's prompt KV is complete: start its followers from a copy of it (see submit_n)."""
+        followers, r.followers = r.followers, []
+        n = r.prompt_len - 1
+        for f in followers:
+            if f.handle.cancelled:
+                self._finish(f, "cancelled")
+                continue
+            try:
+                if len(self.running) >= self.max_batch or n < 1:
+                    raise PoolExhausted("batch full")
+                f.seq.reserve(r.prompt_len + 1)
+            except PoolExhausted:
+                self.waiting.appendleft(f)  # prefilled on its own
+                continue
+            self.runner.copy_prefix(r.seq, f.seq, n)
+            f.prompt_lps = list(r.prompt_lps)
+            self.running.append(f)
+            if self.observer is not None:
+                self.observer.admit(f.handle)
 
     # ---- stats --------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -469,6 +496,9 @@ class Engine:
                                                         r.tokens[start + 1:upto + 1], r.prompt_lp)
             logits = logits[[e - 1 for e in ends]]
         rows = [j for j, (r, start, n) in enumerate(batch) if start + n >= len(r.tokens)]  # the rest: mid-prompt
+        for j in rows:
+            if batch[j][0].followers and len(batch[j][0].out) == 0:
+                self._fork(batch[j][0])
         picks = choose_tokens(logits[rows], [batch[j][0] for j in rows])
         for j, (tok, lp) in zip(rows, picks):
             r = batch[j][0]
@@ -543,6 +573,9 @@ class Engine:
 
     def _finish(self, r: _Request, reason: str, error: str | None = None, unavailable: bool = False) -> None:
         """End a request without a new token (cancelled, error, shutdown) and free its pages."""
+        followers, r.followers = r.followers, []  # not forked yet: end them too, or queue them on their own
+        for f in reversed(followers):
+            self._finish(f, reason, error) if self._stopping else self.waiting.appendleft(f)
         r.seq.free()
         self.counters["cancelled" if reason == "cancelled" else "errors"] += 1
         r.handle._push(Output([], "", reason, error, unavailable))

@@ -206,6 +206,22 @@ class GrammarCompiler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def compiler_for(tokenizer, cfg) -> GrammarCompiler | None:
+    """The grammar compiler over a serving tokenizer's vocabulary (gpu_service.runtime.vocab);
+    None without a tokenizer, or one whose vocabulary the engine does not know (logged)."""
+    if tokenizer is None:
+        return None
+    from gpu_service.runtime.vocab import vocabulary_for
+
+    try:
+        return GrammarCompiler(vocabulary_for(tokenizer, cfg.vocab_size, cfg.eos_token_ids))
+    except ValueError as e:
+        import logging
+
+        logging.getLogger("moesplit.grammar").warning("structured outputs off: %s", e)
+        return None
+
+
 _EXECUTOR = None
 _BITS = {}
 
