@@ -392,3 +392,32 @@ def test_greedy_independent_of_batch(stack):
         batched = ex.submit(_post, stack, "/v1/chat/completions", body).result().json()["choices"][0]["token_ids"]
         [f.result() for f in noise]
     assert batched == alone
+
+
+# ---- gRPC ---------------------------------------------------------------------------------------
+def test_grpc_constraint_logprobs_and_bias(stack, ref):
+    import grpc
+
+    from protos.moesplit.v1 import generate_pb2, generate_pb2_grpc
+
+    ids = _chat_ids(stack, "grpc")
+    with grpc.insecure_channel(stack.grpc_address) as ch:
+        stub = generate_pb2_grpc.GenerateServiceStub(ch)
+
+        def run(**kw):
+            rs = list(stub.Generate(generate_pb2.GenerateRequest(prompt_ids=ids, **{"max_tokens": 200, **kw}), timeout=60))
+            return rs, "".join(r.text for r in rs), [t for r in rs for t in r.token_ids]
+        rs, text, _ = run(json_schema=json.dumps(SCHEMA), temperature=1.0, seed=11)
+        assert rs[-1].finish_reason == "stop"
+        jsonschema.validate(json.loads(text), SCHEMA)
+        rs, text, _ = run(choice=generate_pb2.Choices(options=["left", "right"]), temperature=1.0, seed=2)
+        assert text in ("left", "right") and rs[-1].finish_reason == "stop"
+        rs, _, out = run(max_tokens=5, logprobs=3, ignore_eos=True, temperature=0.7, seed=1, logit_bias={9: -100})
+        lp = torch.log_softmax(ref(ids + out), -1)[len(ids) - 1:]
+        got = [x for r in rs for x in r.logprobs]
+        assert [x.token_id for x in got] == out and 9 not in out
+        for t, x in enumerate(got):
+            assert abs(x.logprob - lp[t, x.token_id].item()) < 1e-4 and len(x.top) == 3
+        with pytest.raises(grpc.RpcError) as e:
+            run(json_schema=json.dumps({"type": "object", "dependentSchemas": {"a": {}}}))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "dependentSchemas" in e.value.details()
