@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gpu_service.runtime.engine import Engine, EngineStopped, RequestError
-from gpu_service.runtime.grammar import GrammarError, GrammarSpec
+from gpu_service.runtime.grammar import GrammarError, GrammarSpec, InvalidSchema
 from gpu_service.runtime.sampling import SamplingParams
 from gpu_service.api.tokenizer import TokenizerError
 from protos.moesplit.v1 import generate_pb2, generate_pb2_grpc
@@ -69,6 +69,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                     "grammar": GrammarSpec.grammar}[kind](*(() if kind == "json_object" else (getattr(request, kind),)))
         try:
             return self.engine.grammars.compile(spec).result()
+        except InvalidSchema:
+            raise
         except GrammarError as e:
             raise GrammarError(f"{kind}: the grammar engine cannot compile this: {e}") from None
 

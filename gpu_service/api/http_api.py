@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpu_service.api import openai_params as OP
 from gpu_service.runtime.engine import Engine, EngineStopped, RequestError
-from gpu_service.runtime.grammar import GrammarError
+from gpu_service.runtime.grammar import GrammarError, InvalidSchema
 from gpu_service.runtime.sampling import SamplingParams
 
 log = logging.getLogger("moesplit.http")
@@ -234,6 +234,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
             raise APIError(400, "structured outputs need the checkpoint's tokenizer.json", param=key)
         try:
             return await asyncio.wrap_future(engine.grammars.compile(spec))
+        except InvalidSchema as e:
+            raise APIError(400, f"{key}: {e}", param=key, code="invalid_schema") from None
         except GrammarError as e:
             raise APIError(400, f"{key}: the grammar engine cannot compile this: {e}", param=key,
                            code="invalid_grammar") from None

@@ -499,7 +499,7 @@ class Engine:
         for j in rows:
             if batch[j][0].followers and len(batch[j][0].out) == 0:
                 self._fork(batch[j][0])
-        picks = choose_tokens(logits[rows], [batch[j][0] for j in rows])
+        picks = choose_tokens(logits if len(rows) == len(batch) else logits[rows], [batch[j][0] for j in rows])
         for j, (tok, lp) in zip(rows, picks):
             r = batch[j][0]
             if r.max_tokens == 0:  # scoring the prompt only (echo with max_tokens 0)

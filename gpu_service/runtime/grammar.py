@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import json
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -45,6 +46,10 @@ class GrammarError(ValueError):
     """A grammar the engine cannot use; the message carries the library's reason."""
 
 
+class InvalidSchema(GrammarError):
+    """A json_schema that is not a valid JSON Schema (its metaschema says why)."""
+
+
 @dataclass(frozen=True)
 class GrammarSpec:
     """What a request constrains its output to: `kind` (one of KINDS) and its canonical `source` text."""
@@ -58,8 +63,10 @@ class GrammarSpec:
 
     @classmethod
     def json_schema(cls, schema: dict | bool) -> "GrammarSpec":
-        """A JSON Schema (draft 2020-12 subset llguidance implements; unknown keywords are errors)."""
-        check_json_schema(schema)
+        """A JSON Schema (draft 2020-12 subset llguidance implements; unknown keywords are errors).
+        Checked against its metaschema when compiled (~0.1 s for a large one: on the compiler's threads)."""
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidSchema(f"a JSON schema must be an object, got {type(schema).__name__}")
         return cls("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")))
 
     @classmethod
@@ -110,14 +117,14 @@ class GrammarSpec:
 def check_json_schema(schema) -> None:
     """GrammarError unless `schema` is a valid JSON Schema (checked against its metaschema)."""
     if not isinstance(schema, (dict, bool)):
-        raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
+        raise InvalidSchema(f"a JSON schema must be an object, got {type(schema).__name__}")
     import jsonschema
 
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
         where = "/".join(str(p) for p in e.absolute_path) or "(root)"
-        raise GrammarError(f"invalid JSON schema at {where}: {e.message}") from None
+        raise InvalidSchema(f"invalid JSON schema at {where}: {e.message}") from None
 
 
 class GrammarMatcher:
@@ -189,6 +196,8 @@ class GrammarCompiler:
         t0 = time.perf_counter()
         ok = False
         try:
+            if spec.kind == "json_schema":
+                check_json_schema(json.loads(spec.source))
             text = spec.to_llguidance()
             m = llguidance.LLMatcher(self.vocab.lltokenizer(), text, log_level=0)  # drops the GIL while building
             if m.is_error():
@@ -224,6 +233,9 @@ def compiler_for(tokenizer, cfg) -> GrammarCompiler | None:
 
 _EXECUTOR = None
 _BITS = {}
+# rows from which masks are computed on llguidance's thread pool: with few cores, handing off to
+# threads that compete with torch's own costs far more than it saves (measured: bench/bench_grammar.py)
+PARALLEL_MIN_ROWS = 8 if (os.cpu_count() or 1) >= 8 else 1 << 30
 
 
 def _executor():
@@ -239,9 +251,10 @@ def fill_bitmasks(matchers: list[GrammarMatcher], vocab_size: int) -> torch.Tens
     """[len(matchers), ceil(vocab_size / 32)] int32 on the CPU: bit t of row i set = token t allowed."""
     words = (vocab_size + 31) // 32
     mask = torch.full((len(matchers), words), -1, dtype=torch.int32)
-    if len(matchers) == 1:
-        matchers[0]._m.unsafe_compute_mask_ptr(mask.data_ptr(), words * 4)
-    elif matchers:
+    if len(matchers) < PARALLEL_MIN_ROWS:  # on the calling thread: no hand-off to (possibly busy) cores
+        for i, m in enumerate(matchers):
+            m._m.unsafe_compute_mask_ptr(mask.data_ptr() + i * words * 4, words * 4)
+    else:
         _executor().unsafe_compute_mask_ptr([(m._m, i) for i, m in enumerate(matchers)], mask.data_ptr(),
                                             words * 4, len(matchers))
     return mask

@@ -75,8 +75,10 @@ def choose_tokens(logits: torch.Tensor, rows: list) -> list[tuple[int, TokenLogp
             process_row(x[i], r.params, r.tokens, r.prompt_len, r.banned_early)
     if constrained:
         mask = fill_bitmasks([rows[i].matcher for i in constrained], x.shape[-1])
-        sub = x[constrained]
-        x[constrained] = apply_bitmask(sub, mask)
+        if len(constrained) == len(rows):  # no gather / scatter (each indexing op is a kernel launch)
+            apply_bitmask(x, mask)
+        else:
+            x[constrained] = apply_bitmask(x[constrained], mask)
     greedy = x.argmax(-1).tolist() if any(r.params.greedy for r in rows) else None
     toks = [greedy[i] if r.params.greedy else sample(x[i], r.params, r.gen) for i, r in enumerate(rows)]
     out: list[tuple[int, TokenLogprob | None]] = [(t, None) for t in toks]
