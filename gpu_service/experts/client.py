@@ -334,7 +334,23 @@ class ExpertsClient:
                 f = Future()
                 f.set_exception(ShardError(r.address, grpc.StatusCode.UNAVAILABLE, repr(e)))
             return f, req.ByteSize()
+
+        def send_unary(r: _Replica) -> Future:
+            """ForwardOne: for a shard whose stream slots are all taken (RESOURCE_EXHAUSTED)."""
+            req = experts_pb2.LayerRequest(seq=next(self._seq), layer=layer, hidden=tensors[0],
+                                           topk_ids=tensors[1], topk_weights=tensors[2])
+            f: Future = Future()
+
+            def done(g):
+                try:
+                    f.set_result(g.result())
+                except grpc.RpcError as e:
+                    f.set_exception(ShardError(r.address, e.code(), e.details() or str(e)))
+            experts_pb2_grpc.ExpertServiceStub(r.channel).ForwardOne.future(req, timeout=self.timeout_s) \
+                .add_done_callback(done)
+            return f
         errors: list[str] = []
+        unary_tried: list[_Replica] = []
 
         def attempt():
             r = self._pick(g, tried)
@@ -362,6 +378,10 @@ class ExpertsClient:
             e = f.exception()
             if e is None:
                 out.set_result(f.result())
+            elif (isinstance(e, ShardError) and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and tensors
+                  and r not in unary_tried and r.channel is not None):
+                unary_tried.append(r)  # the shard's stream slots are taken: this call as a unary RPC
+                send_unary(r).add_done_callback(lambda f, r=r: finished(r, f))
             elif _retryable(e) and not self._stop.is_set():
                 self._mark_down(r, e)
                 errors.append(f"{r.address}: {e.code.name}: {e.details}")
