@@ -17,12 +17,14 @@ import time
 from typing import Callable
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gpu_service.runtime.engine import Engine
 from gpu_service.model.placement import add_plan_arguments, placement_from_args
 from gpu_service.experts.client import add_expert_client_arguments, expert_client_tls
-from gpu_service.api.grpc_api import create_server as create_grpc_server
+from gpu_service.api.grpc_api import ApiTLS, create_server as create_grpc_server
+from gpu_service.api.guard import (
+    DEFAULT_HEADER_TIMEOUT_S, DEFAULT_LIMIT_CONCURRENCY, DEFAULT_MAX_BODY_BYTES, ServerLimits,
+)
 from gpu_service.api.http_api import create_app, HTTPServer
 from gpu_service.metrics import GpuMetrics
 
@@ -37,7 +39,23 @@ def add_serving_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="HTTP (OpenAI API) port; 0 picks a free one")
     p.add_argument("--grpc-port", type=int, default=50050, help="gRPC Generate port; 0 picks a free one")
     p.add_argument("--api-key", default=os.environ.get("MOESPLIT_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: $MOESPLIT_API_KEY, else none)")
+                   help="require 'Authorization: Bearer KEY' on /v1 and on gRPC Generate (default: "
+                        "$MOESPLIT_API_KEY, else none; prefer the variable: a flag shows in `ps`)")
+    p.add_argument("--grpc-tls-cert", help="PEM certificate: serve gRPC Generate over TLS (needs --grpc-tls-key)")
+    p.add_argument("--grpc-tls-key", help="PEM private key of --grpc-tls-cert")
+    p.add_argument("--grpc-tls-ca", help="PEM CA: require gRPC Generate clients to present a certificate it signed")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"largest HTTP request body; larger: 413 before reading it (default {DEFAULT_MAX_BODY_BYTES})")
+    p.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="longest text prompt, checked before tokenizing (default: 16 x the tokens a request may hold)")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="most requests queued for admission; beyond: HTTP 429 / gRPC RESOURCE_EXHAUSTED (default 256)")
+    p.add_argument("--max-new-tokens", type=int, default=8192,
+                   help="longest completion (and the default when a request omits max_tokens; default 8192)")
+    p.add_argument("--limit-concurrency", type=int, default=DEFAULT_LIMIT_CONCURRENCY,
+                   help=f"most open HTTP connections; beyond: 503 (default {DEFAULT_LIMIT_CONCURRENCY})")
+    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                   help=f"seconds a connection may take to send a request's headers (default {DEFAULT_HEADER_TIMEOUT_S:g})")
     p.add_argument("--kv-tokens", type=int, default=8192, help="KV cache size in tokens, shared by all requests")
     p.add_argument("--page-size", type=int, default=64, help="tokens per KV page")
     p.add_argument("--max-batch", type=int, default=16, help="most requests running at once")
@@ -64,13 +82,17 @@ def plan_or_exit(args: argparse.Namespace, prog: str):
 
 def check_serving_args(args: argparse.Namespace) -> str | None:
     """An error message for impossible sizes, else None."""
-    for name in ("kv_tokens", "page_size", "max_batch", "chunk_tokens"):
+    for name in ("kv_tokens", "page_size", "max_batch", "chunk_tokens", "max_body_bytes", "max_waiting",
+                 "max_new_tokens", "limit_concurrency"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
     if args.expert_timeout <= 0:
         return f"--expert-timeout must be > 0, got {args.expert_timeout}"
+    if args.header_timeout <= 0 or (args.max_prompt_chars is not None and args.max_prompt_chars < 1):
+        return "--header-timeout must be > 0 and --max-prompt-chars >= 1"
     try:
         expert_client_tls(args, "")
+        ApiTLS.from_args(args.grpc_tls_cert, args.grpc_tls_key, args.grpc_tls_ca)
     except ValueError as e:
         return str(e).lstrip(": ")
     if not os.path.isfile(os.path.join(args.model, "config.json")):
@@ -84,19 +106,13 @@ def shard_health_fn(addresses: list[str], timeout_s: float = 1.0, tls=None) -> C
     shard group is enough.) `tls`: TLSFiles for shards that require mutual TLS."""
     from wire.channel import make_channel
 
-    stubs = {a: health_pb2_grpc.HealthStub(make_channel(a, [], tls)) for a in addresses}
+    from gpu_service.experts.health import check_parallel
 
-    def check() -> tuple[bool, dict]:
-        out, ok = {}, True
-        for a, stub in stubs.items():
-            try:
-                r = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
-                status = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
-            except grpc.RpcError as e:
-                status = f"{e.code().name}: {e.details()}"
-            out[a] = status
-            ok = ok and status == "SERVING"
-        return ok, out
+    channels = {a: make_channel(a, [], tls) for a in addresses}
+
+    def check() -> tuple[bool, dict]:  # every shard asked at once: at most timeout_s in all
+        out = check_parallel(channels, timeout_s)
+        return all(v == "SERVING" for v in out.values()), out
 
     return check
 
@@ -136,14 +152,19 @@ class ServingStack:
 
     def __init__(self, runner, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000,
                  grpc_port: int = 50050, api_key: str | None = None, max_batch: int = 16,
-                 chunk_tokens: int = 512, health_fn=None, closers: list[Callable[[], None]] | None = None):
-        self.engine = Engine(runner, tokenizer, max_batch=max_batch, chunk_tokens=chunk_tokens)
+                 chunk_tokens: int = 512, health_fn=None, closers: list[Callable[[], None]] | None = None,
+                 limits: ServerLimits | None = None, max_waiting: int = 256, max_new_tokens: int = 8192,
+                 grpc_tls: ApiTLS | None = None):
+        self.engine = Engine(runner, tokenizer, max_batch=max_batch, chunk_tokens=chunk_tokens,
+                             max_waiting=max_waiting, max_new_tokens=max_new_tokens)
+        self.limits = limits or ServerLimits()
+        self.api_key, self.grpc_tls = api_key, grpc_tls
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.host, self.port, self.grpc_port = host, port, grpc_port
         self.metrics = GpuMetrics(self.engine, runner, health_fn=health_fn)  # GET /metrics; own registry
         self.app = create_app(self.engine, tokenizer, model_name, api_key=api_key, health_fn=health_fn,
-                              metrics=self.metrics)
+                              metrics=self.metrics, limits=self.limits)
         self.closers = list(closers or [])
         self.http: HTTPServer | None = None
         self.grpc_server: grpc.Server | None = None
@@ -152,9 +173,10 @@ class ServingStack:
     def start(self) -> "ServingStack":
         try:
             self.engine.start()
-            self.http = HTTPServer(self.app, self.host, self.port).start()
-            self.grpc_server, self.grpc_port = create_grpc_server(self.engine, self.tokenizer, self.host,
-                                                                  self.grpc_port)
+            self.http = HTTPServer(self.app, self.host, self.port, limits=self.limits).start()
+            self.grpc_server, self.grpc_port = create_grpc_server(
+                self.engine, self.tokenizer, self.host, self.grpc_port, api_key=self.api_key, tls=self.grpc_tls,
+                max_prompt_chars=self.limits.prompt_chars_for(self.engine.max_request_tokens))
         except BaseException:
             self.stop()
             raise
@@ -236,7 +258,11 @@ def run_stack(args: argparse.Namespace, prog: str, addresses: list[str], closers
         name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
         stack = ServingStack(runner, tokenizer, name, host=args.host, port=args.port, grpc_port=args.grpc_port,
                              api_key=args.api_key, max_batch=args.max_batch, chunk_tokens=chunk,
-                             health_fn=client.health, closers=closers)
+                             health_fn=client.health, closers=closers,
+                             limits=ServerLimits(args.max_body_bytes, args.max_prompt_chars, args.header_timeout,
+                                                 args.limit_concurrency),
+                             max_waiting=args.max_waiting, max_new_tokens=args.max_new_tokens,
+                             grpc_tls=ApiTLS.from_args(args.grpc_tls_cert, args.grpc_tls_key, args.grpc_tls_ca))
         stack.start()  # on failure it stops itself, running the closers
     except BaseException as e:
         if stack is None:

@@ -3,7 +3,8 @@
     POST /v1/chat/completions   chat prompt through the checkpoint's chat template
     POST /v1/completions        text prompt, or token ids
     GET  /v1/models             the one served model
-    GET  /health                200 when the engine and every expert shard serve, else 503
+    GET  /health                readiness: 200 when the engine and every expert shard group serve, else 503
+    GET  /live                  liveness: 200 while the engine's scheduler runs (shards not asked)
     GET  /metrics               Prometheus metrics (gpu_service.metrics), unauthenticated like /health
 
 `stream: true` answers with server-sent events ending in `data: [DONE]`; `stream_options:
@@ -16,6 +17,11 @@ seed + i), penalties and `logit_bias` are implemented; any other field is refuse
 Every error has OpenAI's shape `{"error": {"message", "type", "param", "code"}}`, including
 malformed JSON (400, not FastAPI's 422 shape) and a wrong API key (401). A client that goes away
 cancels its request: the engine frees its KV pages at the next step boundary.
+
+Limits before work (gpu_service.api.guard): a body over --max-body-bytes is 413 before it is read,
+a prompt over --max-prompt-chars is 400 before it is tokenized (tokenizing runs off the event
+loop), a full waiting queue is 429 with Retry-After, malformed JSON (too deep, integers too long)
+is 400; a 500 names no internal detail (the server log has it).
 """
 from __future__ import annotations
 
@@ -35,7 +41,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpu_service.api import openai_params as OP
-from gpu_service.runtime.engine import Engine, EngineStopped, RequestError
+from gpu_service.api.guard import BodyTooLarge, Guard, ServerLimits
+from gpu_service.runtime.engine import Engine, EngineStopped, QueueFull, RequestError
 from gpu_service.runtime.grammar import GrammarError, InvalidSchema
 from gpu_service.runtime.sampling import SamplingParams
 
@@ -46,9 +53,10 @@ HealthFn = Callable[[], "tuple[bool, dict]"]
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -57,7 +65,7 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
 
 
 def _error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status)
+    return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status, headers=e.headers)
 
 
 # ---- request parsing ---------------------------------------------------------------------------
@@ -68,8 +76,15 @@ def _get(body: dict, key: str, types, default=None, *, name: str | None = None):
     if isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
         raise APIError(400, f"'{key}' must be {_type_names(types)}, got {v!r}", param=name or key)
     if not isinstance(v, types):
-        raise APIError(400, f"'{key}' must be {_type_names(types)}, got {v!r}", param=name or key)
+        raise APIError(400, f"'{key}' must be {_type_names(types)}, got {_short(v)}", param=name or key)
+    if isinstance(v, int) and not isinstance(v, bool) and not -2**63 <= v < 2**63:
+        raise APIError(400, f"'{key}' must fit in 64 bits, got a {len(str(abs(v)))}-digit integer", param=name or key)
     return v
+
+
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 80 else r[:77] + "..."
 
 
 def _type_names(types) -> str:
@@ -101,8 +116,8 @@ def _sampling(body: dict, vocab_size: int = 1 << 31, chat: bool = True) -> tuple
     elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise APIError(400, "'stop' must be a string or an array of strings", param="stop")
     stop = [s for s in stop if s]
-    if len(stop) > 16:
-        raise APIError(400, "at most 16 stop strings", param="stop")
+    if len(stop) > Engine.MAX_STOP:
+        raise APIError(400, f"at most {Engine.MAX_STOP} stop strings", param="stop")
     ignore_eos = _get(body, "ignore_eos", bool, False)
     return params, stop, ignore_eos
 
@@ -131,8 +146,15 @@ def _message_text(m: dict, i: int) -> str:
     raise APIError(400, f"messages[{i}].content must be a string or an array of text parts", param="messages")
 
 
-def chat_prompt_ids(tokenizer, messages) -> list[int]:
-    """Chat messages -> prompt ids through the chat template; APIError on a malformed list."""
+def _check_chars(n: int, max_chars: int | None, param: str) -> None:
+    if max_chars is not None and n > max_chars:
+        raise APIError(400, f"the prompt has {n} characters; this server takes at most {max_chars} "
+                            f"(--max-prompt-chars); shorten it", param=param, code="context_length_exceeded")
+
+
+def chat_prompt_ids(tokenizer, messages, max_chars: int | None = None) -> list[int]:
+    """Chat messages -> prompt ids through the chat template; APIError on a malformed list or a
+    prompt over `max_chars` characters (checked before the template runs)."""
     if tokenizer is None:
         raise APIError(400, "this model has no tokenizer.json; use /v1/completions with token ids", param="messages")
     if not isinstance(messages, list) or not messages:
@@ -145,26 +167,30 @@ def chat_prompt_ids(tokenizer, messages) -> list[int]:
             raise APIError(400, f"messages[{i}].role {m['role']!r} is not one of system, user, assistant",
                            param="messages")
         msgs.append({"role": "system" if m["role"] == "developer" else m["role"], "content": _message_text(m, i)})
+    _check_chars(sum(len(m["content"]) for m in msgs), max_chars, "messages")
     try:
         return tokenizer.encode_chat(msgs)
     except ValueError as e:  # TokenizerError: no template, or the template refused the messages
         raise APIError(400, f"chat template: {e}", param="messages") from None
 
 
-def completion_prompts(tokenizer, prompt) -> list[list[int]]:
+def completion_prompts(tokenizer, prompt, max_chars: int | None = None) -> list[list[int]]:
     """A completions `prompt`: a string, token ids, or an array of either (a batch: one choice each)."""
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         if len(prompt) > 64:
             raise APIError(400, f"at most 64 prompts in one request, got {len(prompt)}", param="prompt")
-        return [completion_prompt_ids(tokenizer, p) for p in prompt]
-    return [completion_prompt_ids(tokenizer, prompt)]
+        if max_chars is not None:
+            _check_chars(sum(len(p) for p in prompt if isinstance(p, str)), max_chars, "prompt")
+        return [completion_prompt_ids(tokenizer, p, max_chars) for p in prompt]
+    return [completion_prompt_ids(tokenizer, prompt, max_chars)]
 
 
-def completion_prompt_ids(tokenizer, prompt) -> list[int]:
+def completion_prompt_ids(tokenizer, prompt, max_chars: int | None = None) -> list[int]:
     """One completions prompt: a string or token ids."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer.json; send the prompt as token ids", param="prompt")
+        _check_chars(len(prompt), max_chars, "prompt")
         return tokenizer.encode(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return prompt
@@ -173,10 +199,13 @@ def completion_prompt_ids(tokenizer, prompt) -> list[int]:
 
 # ---- the app -----------------------------------------------------------------------------------
 def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None = None,
-               health_fn: HealthFn | None = None, metrics=None) -> FastAPI:
-    """`metrics`: a gpu_service.metrics.GpuMetrics served at GET /metrics (no API key, like /health)."""
+               health_fn: HealthFn | None = None, metrics=None, limits: ServerLimits | None = None) -> FastAPI:
+    """`metrics`: a gpu_service.metrics.GpuMetrics served at GET /metrics (no API key, like /health).
+    `limits`: body / prompt sizes (gpu_service.api.guard.ServerLimits; default: its defaults)."""
     app = FastAPI(title="moesplit", docs_url=None, redoc_url=None)
     created = int(time.time())
+    limits = limits or ServerLimits()
+    max_chars = limits.prompt_chars_for(engine.max_request_tokens)
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
@@ -191,20 +220,17 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
         type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return _error_response(APIError(e.status_code, str(e.detail), type_))
 
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(request, e: BodyTooLarge):
+        return _error_response(APIError(413, str(e), code="request_too_large", headers={"Connection": "close"}))
+
     @app.exception_handler(Exception)
     async def _internal(request, e: Exception):
-        log.exception("unhandled error")
-        return _error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
+        log.exception("unhandled error")  # the detail stays in the log: clients learn nothing internal
+        return _error_response(APIError(500, "internal error (the server log has the details)", "server_error"))
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            auth = request.headers.get("authorization", "")
-            if auth != f"Bearer {api_key}":
-                return _error_response(APIError(
-                    401, "Incorrect API key provided: send 'Authorization: Bearer <key>' with the server's --api-key",
-                    code="invalid_api_key"))
-        return await call_next(request)
+    # auth + body cap: pure ASGI (a BaseHTTPMiddleware would hide client disconnects from _collect)
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes)
 
     async def _body(request: Request) -> dict:
         raw = await request.body()
@@ -212,6 +238,10 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        except RecursionError:
+            raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
+        except ValueError:  # e.g. an integer literal past Python's 4300-digit limit
+            raise APIError(400, "the request body has a number too long to parse", code="invalid_json") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
         model = body.get("model")
@@ -256,6 +286,11 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
                 ps = [params if params.seed is None else OP.with_seed(params, params.seed + i) for i in range(n)]
                 hs += engine.submit_n(ids, ps, max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos,
                                       grammar=grammar, prompt_logprobs=prompt_lp)
+        except QueueFull as e:
+            for h in hs:
+                h.cancel()
+            raise APIError(429, str(e), "rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(e.retry_after_s)}) from None
         except RequestError as e:
             for h in hs:
                 h.cancel()
@@ -291,7 +326,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
         task = asyncio.ensure_future(consume())
         try:
             while not task.done():
-                await asyncio.wait({task}, timeout=0.5)
+                await asyncio.wait({task}, timeout=0.25)
                 if not task.done() and await request.is_disconnected():
                     h.cancel()
             await task
@@ -387,7 +422,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
         body = await _body(request)
         if "messages" not in body:
             raise APIError(400, "'messages' is required", param="messages")
-        ids = chat_prompt_ids(tokenizer, body["messages"])
+        ids = await asyncio.to_thread(chat_prompt_ids, tokenizer, body["messages"], max_chars)  # off the loop
         stream = _get(body, "stream", bool, False)
         include_usage = _include_usage(body) if stream else False
         want_ids = _get(body, "return_token_ids", bool, False)
@@ -422,7 +457,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
         body = await _body(request)
         if "prompt" not in body:
             raise APIError(400, "'prompt' is required", param="prompt")
-        prompts = completion_prompts(tokenizer, body["prompt"])
+        prompts = await asyncio.to_thread(completion_prompts, tokenizer, body["prompt"], max_chars)  # off the loop
         stream = _get(body, "stream", bool, False)
         include_usage = _include_usage(body) if stream else False
         want_ids = _get(body, "return_token_ids", bool, False)
@@ -483,8 +518,13 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
             "id": model_name, "object": "model", "created": created, "owned_by": "moesplit",
             "max_model_len": engine.max_request_tokens}]}
 
+    @app.get("/live")
+    async def live():  # liveness: the engine alone (a shard outage must not restart this pod)
+        ok = engine.alive
+        return JSONResponse({"status": "ok" if ok else "stopped"}, status_code=200 if ok else 503)
+
     @app.get("/health")
-    def health():  # sync: runs in the thread pool (the shard checks block)
+    def health():  # sync: runs in the thread pool (the shard checks may block on a first call)
         ok, detail = engine.alive, {"engine": "serving" if engine.alive else "stopped"}
         if health_fn is not None:
             shards_ok, shards = health_fn()
@@ -507,8 +547,13 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
 class HTTPServer:
     """uvicorn serving `app` from a background thread on a socket bound up front (port 0 works)."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning"):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning",
+                 limits: ServerLimits | None = None):
         import uvicorn
+
+        from gpu_service.api.guard import header_timeout_protocol
+
+        limits = limits or ServerLimits()
 
         fam = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(fam, socket.SOCK_STREAM)
@@ -522,8 +567,10 @@ class HTTPServer:
             self.sock.close()
             raise OSError(f"cannot bind the HTTP API to {host}:{port}: {e}; pick another --port") from None
         self.host, self.port = host, self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5,
-                                                    lifespan="off"))
+        self.server = uvicorn.Server(uvicorn.Config(
+            app, log_level=log_level, timeout_graceful_shutdown=5, lifespan="off",
+            http=header_timeout_protocol(limits.header_timeout_s), limit_concurrency=limits.limit_concurrency,
+            timeout_keep_alive=5))
         self.thread: threading.Thread | None = None
 
     def start(self, timeout: float = 30.0) -> "HTTPServer":

@@ -55,6 +55,15 @@ class RequestError(ValueError):
         self.code = code
 
 
+class QueueFull(RequestError):
+    """The waiting queue holds `max_waiting` requests already: retry after `retry_after_s`
+    (HTTP 429 with Retry-After, gRPC RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message, None, "queue_full")
+        self.retry_after_s = retry_after_s
+
+
 class EngineStopped(RuntimeError):
     """The engine is shutting down and takes no new requests."""
 
@@ -207,10 +216,18 @@ class _Request:
 
 
 class Engine:
-    """Continuous batching over a `ModelRunner` (see the module docstring)."""
+    """Continuous batching over a `ModelRunner` (see the module docstring).
+
+    Limits every API gets (checked in `submit`, before any work): at most `max_waiting` requests
+    queued (QueueFull beyond), at most MAX_STOP stop strings of MAX_STOP_CHARS characters, and a
+    completion of at most `max_new_tokens` (also the default when max_tokens is omitted)."""
+
+    MAX_STOP = 16
+    MAX_STOP_CHARS = 256
 
     def __init__(self, runner, tokenizer=None, max_batch: int = 16, chunk_tokens: int = 512,
-                 eos_token_ids: tuple[int, ...] | None = None, max_context: int | None = None):
+                 eos_token_ids: tuple[int, ...] | None = None, max_context: int | None = None,
+                 max_waiting: int = 256, max_new_tokens: int = 8192):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if chunk_tokens < 1:
@@ -222,6 +239,10 @@ class Engine:
         self.chunk_tokens = chunk_tokens
         self.eos = frozenset(self.cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.max_context = int(max_context or self.cfg.max_position_embeddings)
+        if max_waiting < 1 or max_new_tokens < 1:
+            raise ValueError(f"max_waiting and max_new_tokens must be >= 1, got {max_waiting}, {max_new_tokens}")
+        self.max_waiting = int(max_waiting)
+        self.max_new_tokens = int(max_new_tokens)
         self.pool = runner.pool
         self.pool_tokens = self.pool.num_pages * self.pool.page_size
         self._inbox: collections.deque[_Request] = collections.deque()
@@ -272,15 +293,23 @@ class Engine:
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, max_tokens: int | None = None,
                stop: list[str] | tuple[str, ...] = (), ignore_eos: bool = False, grammar=None,
                prompt_logprobs: int | None = None, _leader: _Request | None = None) -> RequestHandle:
-        """Queue a request. `max_tokens=None` means up to the context (or pool) size.
+        """Queue a request. `max_tokens=None` means up to `max_new_tokens` (within the context / pool).
 
         `grammar`: a gpu_service.runtime.grammar.CompiledGrammar the output must match (compile it
         first, off this thread: `GrammarCompiler.compile(spec)`); its end stops the request.
         `prompt_logprobs=k`: report each prompt token's logprob (and top k) in the first Output;
         then `max_tokens=0` is allowed (score the prompt only, finish "length").
-        Raises RequestError for a request that can never be served, EngineStopped when stopping."""
+        Raises RequestError for a request that can never be served, QueueFull when `max_waiting`
+        requests wait already, EngineStopped when stopping."""
         if self._stopping:
             raise EngineStopped("the engine is shutting down")
+        stop = tuple(stop or ())
+        if len(stop) > self.MAX_STOP or any(isinstance(s, str) and len(s) > self.MAX_STOP_CHARS for s in stop):
+            raise RequestError(f"at most {self.MAX_STOP} stop strings of at most {self.MAX_STOP_CHARS} characters "
+                               f"each, got {len(stop)} (longest {max((len(s) for s in stop if isinstance(s, str)), default=0)})",
+                               "stop")
+        if len(self.waiting) + len(self._inbox) >= self.max_waiting:
+            raise QueueFull(f"{self.max_waiting} requests are waiting already (--max-waiting); retry shortly")
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise RequestError("empty prompt: give at least one token", "prompt")
@@ -295,16 +324,18 @@ class Engine:
                 f"the prompt has {n} tokens but the {where} is {limit} tokens; shorten the prompt",
                 "messages", "context_length_exceeded")
         if max_tokens is None:
-            max_tokens = limit - n
+            max_tokens = min(limit - n, self.max_new_tokens)
         least = 0 if prompt_logprobs is not None else 1
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < least:
             raise RequestError(f"max_tokens must be an integer >= {least}, got {max_tokens!r}", "max_tokens")
+        if max_tokens > self.max_new_tokens:
+            raise RequestError(f"max_tokens {max_tokens} is over this server's limit of {self.max_new_tokens} "
+                               f"(--max-new-tokens); lower it", "max_tokens")
         if n + max_tokens > limit:
             raise RequestError(
                 f"this request needs {n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion) "
                 f"but the {where} is {limit} tokens; lower max_tokens to at most {limit - n}",
                 "max_tokens", "context_length_exceeded")
-        stop = tuple(stop or ())
         if any(not isinstance(s, str) or not s for s in stop):
             raise RequestError("stop strings must be non-empty strings", "stop")
         if stop and self.tokenizer is None:
