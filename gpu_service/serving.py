@@ -23,6 +23,7 @@ from gpu_service.runtime.engine import Engine
 from gpu_service.model.placement import add_plan_arguments, placement_from_args
 from gpu_service.experts.client import add_expert_client_arguments, expert_client_tls
 from gpu_service.api.grpc_api import create_server as create_grpc_server
+from gpu_service.api.chat_request import ChatSettings
 from gpu_service.api.http_api import create_app, HTTPServer
 from gpu_service.metrics import GpuMetrics
 
@@ -47,6 +48,12 @@ def add_serving_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
     add_expert_client_arguments(p)
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template to use instead of the checkpoint's (or the built-in V3.2 format)")
+    p.add_argument("--tool-call-parser", default="auto",
+                   help="auto|kimi_k2|deepseek_v3|deepseek_v31|deepseek_v32|none (default auto: by model)")
+    p.add_argument("--reasoning-parser", default="auto",
+                   help="auto|kimi_k2|deepseek_r1|deepseek_v3|none (default auto: by model)")
     p.add_argument("--log-level", default="INFO")
     add_plan_arguments(p)
 
@@ -75,6 +82,16 @@ def check_serving_args(args: argparse.Namespace) -> str | None:
         return str(e).lstrip(": ")
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         return f"{args.model}: no config.json; --model must be a checkpoint directory"
+    from gpu_service.api.parsers import check_parser_name
+
+    try:
+        check_parser_name("tool", getattr(args, "tool_call_parser", "auto"))
+        check_parser_name("reasoning", getattr(args, "reasoning_parser", "auto"))
+    except ValueError as e:
+        return str(e)
+    template = getattr(args, "chat_template", None)
+    if template and not os.path.isfile(template):
+        return f"--chat-template {template}: no such file"
     return None
 
 
@@ -103,15 +120,16 @@ def shard_health_fn(addresses: list[str], timeout_s: float = 1.0, tls=None) -> C
 
 def build_runner(model_dir: str, addresses: list[str], device=None, dtype=None, kv_tokens: int = 8192,
                  page_size: int = 64, expert_timeout: float = 5.0, tls=None, tls_server_name: str | None = None,
-                 placement=None):
+                 placement=None, chat_template: str | None = None):
     """Connect to the shards (fingerprint + coverage checked) and load the GPU side (its tensors
-    verified first). Returns (runner, experts_client, tokenizer or None)."""
+    verified first). Returns (runner, experts_client, tokenizer or None); `chat_template`: a Jinja file
+    overriding the checkpoint's chat format."""
     import torch
 
     from checkpoint.reader import CheckpointReader
     from gpu_service.experts.client import ExpertsClient
     from gpu_service.runtime.runner import ModelRunner, RemoteExperts
-    from gpu_service.api.tokenizer import Tokenizer, TokenizerError
+    from gpu_service.api.tokenizer import TokenizerError, load_tokenizer
 
     reader = CheckpointReader(model_dir)
     client = ExpertsClient(addresses, reader.config, timeout_s=expert_timeout, tls=tls,
@@ -124,7 +142,7 @@ def build_runner(model_dir: str, addresses: list[str], device=None, dtype=None, 
         client.close()
         raise
     try:
-        tokenizer = Tokenizer(model_dir)
+        tokenizer = load_tokenizer(model_dir, chat_template)
     except TokenizerError as e:
         log.warning("%s: serving token ids only", e)
         tokenizer = None
@@ -136,14 +154,18 @@ class ServingStack:
 
     def __init__(self, runner, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000,
                  grpc_port: int = 50050, api_key: str | None = None, max_batch: int = 16,
-                 chunk_tokens: int = 512, health_fn=None, closers: list[Callable[[], None]] | None = None):
-        self.engine = Engine(runner, tokenizer, max_batch=max_batch, chunk_tokens=chunk_tokens)
+                 chunk_tokens: int = 512, health_fn=None, closers: list[Callable[[], None]] | None = None,
+                 chat_settings=None):
+        # generation ends at config.json's EOS and at generation_config.json's end-of-turn ids (Kimi: <|im_end|>)
+        eos = tuple(runner.cfg.eos_token_ids) + tuple(getattr(tokenizer, "stop_token_ids", ()) or ())
+        self.engine = Engine(runner, tokenizer, max_batch=max_batch, chunk_tokens=chunk_tokens,
+                             eos_token_ids=tuple(dict.fromkeys(eos)))
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.host, self.port, self.grpc_port = host, port, grpc_port
         self.metrics = GpuMetrics(self.engine, runner, health_fn=health_fn)  # GET /metrics; own registry
         self.app = create_app(self.engine, tokenizer, model_name, api_key=api_key, health_fn=health_fn,
-                              metrics=self.metrics)
+                              metrics=self.metrics, chat_settings=chat_settings)
         self.closers = list(closers or [])
         self.http: HTTPServer | None = None
         self.grpc_server: grpc.Server | None = None
@@ -225,7 +247,8 @@ def run_stack(args: argparse.Namespace, prog: str, addresses: list[str], closers
     try:
         runner, client, tokenizer = build_runner(args.model, addresses, args.device, args.dtype,
                                                  args.kv_tokens, args.page_size, args.expert_timeout,
-                                                 expert_client_tls(args, prog), args.tls_server_name, placement)
+                                                 expert_client_tls(args, prog), args.tls_server_name, placement,
+                                                 getattr(args, "chat_template", None))
         closers.append(client.close)
         shard_max = min((int(s.info.max_tokens) for s in client.shards if s.info.max_tokens), default=None)
         chunk = args.chunk_tokens
@@ -236,7 +259,9 @@ def run_stack(args: argparse.Namespace, prog: str, addresses: list[str], closers
         name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
         stack = ServingStack(runner, tokenizer, name, host=args.host, port=args.port, grpc_port=args.grpc_port,
                              api_key=args.api_key, max_batch=args.max_batch, chunk_tokens=chunk,
-                             health_fn=client.health, closers=closers)
+                             health_fn=client.health, closers=closers,
+                             chat_settings=ChatSettings(getattr(args, "tool_call_parser", "auto"),
+                                                        getattr(args, "reasoning_parser", "auto")))
         stack.start()  # on failure it stops itself, running the closers
     except BaseException as e:
         if stack is None:

@@ -1,6 +1,8 @@
 """OpenAI-compatible HTTP API over the engine (FastAPI + uvicorn).
 
-    POST /v1/chat/completions   chat prompt through the checkpoint's chat template
+    POST /v1/chat/completions   chat prompt through the checkpoint's chat format (gpu_service.api.chat_request:
+                                tools, tool_choice, chat_template_kwargs); reasoning -> reasoning_content,
+                                tool calls -> tool_calls (gpu_service.api.parsers)
     POST /v1/completions        text prompt, or token ids
     GET  /v1/models             the one served model
     GET  /health                200 when the engine and every expert shard serve, else 503
@@ -30,24 +32,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gpu_service.api.chat_request import ChatSettings, chat_plan
+from gpu_service.api.errors import APIError, error_body
+from gpu_service.api.parsers.stream import merge_deltas
 from gpu_service.runtime.engine import Engine, EngineStopped, RequestError
 from gpu_service.runtime.sampling import SamplingParams
 
 log = logging.getLogger("moesplit.http")
 
 HealthFn = Callable[[], "tuple[bool, dict]"]
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-
-def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -109,42 +102,6 @@ def _max_tokens(body: dict) -> int | None:
     return v
 
 
-def _message_text(m: dict, i: int) -> str:
-    content = m.get("content")
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-        parts = []
-        for p in content:
-            if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
-                raise APIError(400, f"messages[{i}].content: only text parts are supported", param="messages")
-            parts.append(p["text"])
-        return "".join(parts)
-    raise APIError(400, f"messages[{i}].content must be a string or an array of text parts", param="messages")
-
-
-def chat_prompt_ids(tokenizer, messages) -> list[int]:
-    """Chat messages -> prompt ids through the chat template; APIError on a malformed list."""
-    if tokenizer is None:
-        raise APIError(400, "this model has no tokenizer.json; use /v1/completions with token ids", param="messages")
-    if not isinstance(messages, list) or not messages:
-        raise APIError(400, "'messages' must be a non-empty array of {role, content} objects", param="messages")
-    msgs = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise APIError(400, f"messages[{i}] must be an object with a 'role' and 'content'", param="messages")
-        if m["role"] not in ("system", "user", "assistant", "developer", "tool"):
-            raise APIError(400, f"messages[{i}].role {m['role']!r} is not one of system, user, assistant",
-                           param="messages")
-        msgs.append({"role": "system" if m["role"] == "developer" else m["role"], "content": _message_text(m, i)})
-    try:
-        return tokenizer.encode_chat(msgs)
-    except ValueError as e:  # TokenizerError: no template, or the template refused the messages
-        raise APIError(400, f"chat template: {e}", param="messages") from None
-
-
 def completion_prompt_ids(tokenizer, prompt) -> list[int]:
     """A completions `prompt`: a string, token ids, or a one-element list of either."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -162,8 +119,10 @@ def completion_prompt_ids(tokenizer, prompt) -> list[int]:
 
 # ---- the app -----------------------------------------------------------------------------------
 def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None = None,
-               health_fn: HealthFn | None = None, metrics=None) -> FastAPI:
-    """`metrics`: a gpu_service.metrics.GpuMetrics served at GET /metrics (no API key, like /health)."""
+               health_fn: HealthFn | None = None, metrics=None, chat_settings: ChatSettings | None = None) -> FastAPI:
+    """`metrics`: a gpu_service.metrics.GpuMetrics served at GET /metrics (no API key, like /health);
+    `chat_settings`: the tool-call / reasoning parser choice (default: auto, by model)."""
+    chat_settings = chat_settings or ChatSettings()
     app = FastAPI(title="moesplit", docs_url=None, redoc_url=None)
     created = int(time.time())
 
@@ -267,7 +226,9 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
                     if out.finish_reason == "cancelled":
                         break
                     if out.text or out.finish_reason or out.token_ids:
-                        yield _sse(chunk_fn(out.text, out.finish_reason, out.token_ids), include_usage)
+                        c = chunk_fn(out.text, out.finish_reason, out.token_ids)
+                        if c is not None:
+                            yield _sse(c, include_usage)
                 if include_usage and h.finish_reason in ("stop", "length"):
                     yield "data: " + json.dumps({"id": rid, "object": obj, "created": int(time.time()),
                                                  "model": model_name, "choices": [], "usage": _usage(h)}) + "\n\n"
@@ -299,25 +260,39 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
         body = await _body(request)
         if "messages" not in body:
             raise APIError(400, "'messages' is required", param="messages")
-        ids = chat_prompt_ids(tokenizer, body["messages"])
+        plan = chat_plan(body, tokenizer, chat_settings)
         stream = _get(body, "stream", bool, False)
         include_usage = _include_usage(body) if stream else False
         want_ids = _get(body, "return_token_ids", bool, False)
-        h = _submit(ids, body)
+        h = _submit(plan.ids, body)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         now = int(time.time())
+        parsed = plan.stream()
+
+        def finish_reason(finish):
+            return "tool_calls" if finish == "stop" and parsed.has_calls else finish
+
         if stream:
             def chunk(text, finish, ids, first=False):
-                delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-                c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-                if want_ids and not first:
+                if first:
+                    return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_name,
+                            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                         "logprobs": None, "finish_reason": None}]}
+                delta = parsed.feed(text) if text else None
+                if finish is not None:
+                    delta = merge_deltas(delta, parsed.finish())
+                if delta is None and finish is None and not (want_ids and ids):
+                    return None
+                c = {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish_reason(finish)}
+                if want_ids:
                     c["token_ids"] = ids
                 return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_name,
                         "choices": [c]}
             return _stream(h, chunk, include_usage, "chat.completion.chunk", rid)
         text, out_ids = await _collect(request, h)
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": h.finish_reason}
+        parsed.feed(text)
+        choice = {"index": 0, "message": parsed.message(), "logprobs": None,
+                  "finish_reason": finish_reason(h.finish_reason)}
         if want_ids:
             choice["token_ids"] = out_ids
         return {"id": rid, "object": "chat.completion", "created": now, "model": model_name,

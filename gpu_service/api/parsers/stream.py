@@ -23,6 +23,26 @@ from gpu_service.api.parsers.reasoning import ReasoningParser
 log = logging.getLogger("moesplit.parsers")
 
 
+def merge_deltas(a: dict | None, b: dict | None) -> dict | None:
+    """One delta saying what `a` then `b` say (text fields joined, tool-call pieces by index)."""
+    if not a or not b:
+        return a or b
+    out = dict(a)
+    for k, v in b.items():
+        if k != "tool_calls":
+            out[k] = out.get(k, "") + v
+            continue
+        calls = {c["index"]: {**c, "function": dict(c.get("function", {}))} for c in out.get("tool_calls", [])}
+        for c in v:
+            if c["index"] in calls:
+                fn = calls[c["index"]]["function"]
+                fn["arguments"] = fn.get("arguments", "") + c.get("function", {}).get("arguments", "")
+            else:
+                calls[c["index"]] = c
+        out["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return out
+
+
 class OutputParser:
     def __init__(self, reasoning: ReasoningParser | None = None, tools: ToolParser | None = None,
                  prefix: str = "", max_calls: int | None = None):
