@@ -87,8 +87,9 @@ def read_tools_template(model_dir: str) -> str | None:
 def _fill(template: str, schemas: str) -> str:
     """Put the schemas into the template's one `{field}`, else after it."""
     fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
-    if len(set(fields)) == 1:
-        return template.replace("{" + fields[0] + "}", schemas).replace("{{", "{").replace("}}", "}")
+    if len(set(fields)) == 1:  # a str.format template: unescape {{ }} around the field, not in the schemas
+        parts = template.split("{" + fields[0] + "}")
+        return schemas.join(p.replace("{{", "{").replace("}}", "}") for p in parts)
     return template.rstrip("\n") + f"\n<functions>\n{schemas}\n</functions>\n"
 
 
