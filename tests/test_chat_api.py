@@ -32,7 +32,8 @@ class Scripted:
     def __getattr__(self, name):
         return getattr(self.runner, name)
 
-    def step(self, ids, chunks):
+    def step(self, ids, chunks, all_logits=False):
+        assert not all_logits  # (prompt logprobs: not asked for here)
         logits = self.runner.step(ids, chunks).clone()  # an inference tensor: edit a copy
         off = 0
         for j, c in enumerate(chunks):
@@ -55,7 +56,8 @@ def _serve(tmp_path_factory, kind, arch):
     from gpu_service.runtime.runner import LocalExperts, ModelRunner
     from gpu_service.serving import ServingStack
 
-    d = make_tiny(str(tmp_path_factory.mktemp(kind) / kind), "bf16", seed=0, arch=arch, tokenizer=kind)
+    d = make_tiny(str(tmp_path_factory.mktemp(kind) / kind), "bf16", seed=0, arch=arch, tokenizer=kind,
+                  overrides={"max_position_embeddings": 4096})  # V3.2's tools preamble is long in tiny BPE
     _, backend, _ = load_shard(d, None, None, "numpy")
     runner = Scripted(ModelRunner(CheckpointReader(d), LocalExperts(backend), device=torch.device("cpu"),
                                   dtype=torch.float32, kv_tokens=4096, page_size=16))
@@ -165,11 +167,11 @@ def test_kimi_tool_loop_renders_history(kimi):
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_kimi_forced_tool_choice(kimi, choice):
-    """required / named: the call's opening is put in the prompt; the model continues it."""
+    """required / named: the call's opening is put in the prompt; the grammar holds the rest."""
     oai = _client(kimi)
     msgs = [{"role": "user", "content": "Anything."}]
     rest = ('get_weather:0<|tool_call_argument_begin|>' if choice == "required" else "") + \
-        '{"city": "Rome"}<|tool_call_end|><|tool_calls_section_end|>'
+        '{"city":"Rome"}<|tool_call_end|><|tool_calls_section_end|>'  # compact JSON: the grammar's
     results = []
     for stream in (False, True):
         _script(kimi, rest)
@@ -182,7 +184,7 @@ def test_kimi_forced_tool_choice(kimi, choice):
                                             tool_choice=choice, max_tokens=100)
             c = r.choices[0]
             results.append((c.finish_reason, [(t.function.name, t.function.arguments) for t in c.message.tool_calls]))
-    assert results[0] == results[1] == ("tool_calls", [("get_weather", '{"city": "Rome"}')])
+    assert results[0] == results[1] == ("tool_calls", [("get_weather", '{"city":"Rome"}')])
     jsonschema.validate(json.loads(results[0][1][0][1]), WEATHER["function"]["parameters"])
     prompt = kimi.tokenizer.decode(kimi.runner.last_prompt, skip_special_tokens=False)
     assert prompt.endswith("<|im_assistant|>assistant<|im_middle|><|tool_calls_section_begin|><|tool_call_begin|>"
@@ -261,3 +263,45 @@ def test_v32_thinking_and_dsml_calls(v32):
     bad = httpx.post(v32.http_url + "/v1/chat/completions",
                      json={"messages": msgs, "chat_template_kwargs": {"thinkin": True}, "max_tokens": 4})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
+
+
+@pytest.mark.parametrize("fixture", ["kimi", "v32"])
+def test_forced_call_from_a_random_model_validates(fixture, request):
+    """No script: the tiny random model, held by the tool-call grammar in the model's native
+    syntax, always finishes with a call whose arguments validate; streamed == unstreamed."""
+    st = request.getfixturevalue(fixture)
+    st.runner.script = []
+    oai = _client(st)
+    tools = [WEATHER, {"type": "function", "function": {"name": "note", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string", "maxLength": 8},
+                                         "stars": {"type": "integer", "enum": [1, 2, 3]}},
+        "required": ["text", "stars"], "additionalProperties": False}}}]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for choice in ("required", {"type": "function", "function": {"name": "note"}}):
+        kw = dict(model=st.model_name, messages=[{"role": "user", "content": "Go."}], tools=tools, tool_choice=choice,
+                  max_tokens=600, temperature=1.0, seed=7)  # DSML markers are many tiny-BPE tokens
+        r = oai.chat.completions.create(**kw)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls", c
+        (call,) = c.message.tool_calls
+        if isinstance(choice, dict):
+            assert call.function.name == "note"
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        _, _, calls, finish = _streamed(oai, **kw)
+        assert finish == "tool_calls"
+        assert [(x["name"], x["arguments"]) for x in calls] == [(call.function.name, call.function.arguments)]
+
+
+def test_tokenize_and_detokenize(kimi):
+    url = kimi.http_url
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    r = httpx.post(url + "/tokenize", json={"messages": msgs, "tools": [WEATHER]})
+    assert r.status_code == 200, r.text
+    ids = r.json()["tokens"]
+    assert r.json()["count"] == len(ids) == len(kimi.tokenizer.encode_chat(msgs, tools=[WEATHER]))
+    text = httpx.post(url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert text.startswith("<|im_system|>tool_declare<|im_middle|>") and text.endswith("<|im_assistant|>assistant<|im_middle|>")
+    r = httpx.post(url + "/tokenize", json={"prompt": "<|im_user|>hi", "add_special_tokens": False})
+    assert r.json()["tokens"][0] == kimi.tokenizer.token_id("<|im_user|>")
+    assert httpx.post(url + "/detokenize", json={"tokens": [10 ** 6]}).json()["error"]["param"] == "tokens"
+    assert httpx.post(url + "/tokenize", json={}).status_code == 400

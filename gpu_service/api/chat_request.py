@@ -9,10 +9,12 @@ function among `tools`), `parallel_tool_calls`, `chat_template_kwargs` (template
 `tool_choice`:
 - `auto`: tools rendered in the prompt, the model's calls parsed;
 - `none`: tools left out of the prompt, nothing parsed as a call;
-- `required` / named: without a grammar engine the prompt is extended with the opening of a call
-  in the model's native syntax (of the named function, or up to the name for `required`), so the
-  model continues inside a call; its text goes through the same tool-call parser. This forces
-  the call and its name, not the arguments' shape (that needs grammar-constrained decoding).
+- `required` / named: the prompt is extended with the opening of a call in the model's native
+  syntax (of the named function, or up to the name for `required`), and the plan carries a
+  grammar (gpu_service.api.tool_grammar) for the rest: a listed name, arguments valid for its
+  schema, the closing markers. The text goes through the same tool-call parser. Without a grammar
+  engine for the vocabulary the prefix alone still forces the call and its name, not the
+  arguments' shape.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 from gpu_service.api.errors import APIError
 from gpu_service.api.parsers import OutputParser, ChatStream, reasoning_parser_for, tool_parser_for
+from gpu_service.api.tool_grammar import tool_call_grammar
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
 RESERVED_KWARGS = ("messages", "tools", "add_generation_prompt", "documents")
@@ -39,6 +42,7 @@ class ChatPlan:
     prompt: str
     parser: OutputParser
     tool_choice: str | dict
+    grammar: object = None  # GrammarSpec forcing the call (tool_choice required / named), else None
 
     def stream(self) -> ChatStream:
         return ChatStream(self.parser)
@@ -200,7 +204,7 @@ def chat_plan(body: dict, tokenizer, settings: ChatSettings) -> ChatPlan:
         raise APIError(400, f"chat template: {e}", param=param) from None
     tparser = tool_parser_for(settings.tool_parser, family) if choice != "none" else None
     rparser = reasoning_parser_for(settings.reasoning_parser, family, prompt)
-    prefix = ""
+    prefix, grammar = "", None
     if choice == "required" or isinstance(choice, dict):
         if tparser is None:
             raise APIError(400, f"tool_choice {choice!r} needs a tool-call parser for this model; start the server "
@@ -208,6 +212,7 @@ def chat_plan(body: dict, tokenizer, settings: ChatSettings) -> ChatPlan:
         prefix = ("</think>" if rparser is not None and rparser.start_in else "") + \
             tparser.forced_prefix(choice["function"]["name"] if isinstance(choice, dict) else None)
         prompt += prefix
+        grammar = tool_call_grammar(tparser.name, tools, choice, tokenizer)
     ids = tokenizer.encode(prompt, add_bos=False)
     max_calls = 1 if (not parallel or isinstance(choice, dict)) else None
-    return ChatPlan(ids, prompt, OutputParser(rparser, tparser, prefix, max_calls), choice)
+    return ChatPlan(ids, prompt, OutputParser(rparser, tparser, prefix, max_calls), choice, grammar)

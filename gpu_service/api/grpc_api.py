@@ -3,11 +3,15 @@
 `Generate` streams one `GenerateResponse` per engine step that produced something for the
 request; the last carries `finish_reason` and `usage`. A client that cancels (or whose deadline
 passes) cancels the engine request, freeing its KV pages at the next step boundary. Bad requests
-fail with INVALID_ARGUMENT, a stopping server with UNAVAILABLE. The standard `grpc.health.v1`
+fail with INVALID_ARGUMENT, a stopping server with UNAVAILABLE. Penalties, logit_bias,
+min_tokens, stop_token_ids, logprobs and a structured-output `constraint` (json_schema, json_object,
+regex, grammar, choice; compiled on the grammar engine's threads, a grammar it cannot compile is
+INVALID_ARGUMENT with its reason) mean what they mean in the HTTP API. The standard `grpc.health.v1`
 service is registered (service names "" and "moesplit.v1.GenerateService").
 """
 from __future__ import annotations
 
+import json
 import logging
 from concurrent import futures
 
@@ -15,6 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gpu_service.runtime.engine import Engine, EngineStopped, RequestError
+from gpu_service.runtime.grammar import GrammarError, GrammarSpec
 from gpu_service.runtime.sampling import SamplingParams
 from gpu_service.api.tokenizer import TokenizerError
 from protos.moesplit.v1 import generate_pb2, generate_pb2_grpc
@@ -45,14 +50,43 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         except TokenizerError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"chat template: {e}")
 
+    def _grammar(self, request):
+        """The request's compiled grammar or None (GrammarError when it has none that compiles)."""
+        kind = request.WhichOneof("constraint")
+        if kind is None:
+            return None
+        if self.engine.grammars is None:
+            raise GrammarError("structured outputs need the checkpoint's tokenizer.json")
+        if kind == "json_schema":
+            try:
+                spec = GrammarSpec.json_schema(json.loads(request.json_schema))
+            except json.JSONDecodeError as e:
+                raise GrammarError(f"json_schema is not valid JSON: {e}") from None
+        elif kind == "choice":
+            spec = GrammarSpec.choice(list(request.choice.options))
+        else:
+            spec = {"json_object": GrammarSpec.json_object, "regex": GrammarSpec.regex,
+                    "grammar": GrammarSpec.grammar}[kind](*(() if kind == "json_object" else (getattr(request, kind),)))
+        try:
+            return self.engine.grammars.compile(spec).result()
+        except GrammarError as e:
+            raise GrammarError(f"{kind}: the grammar engine cannot compile this: {e}") from None
+
     def Generate(self, request, context):
         ids = self._prompt_ids(request, context)
         try:
-            params = SamplingParams(request.temperature, request.top_p if request.HasField("top_p") else 1.0,
-                                    request.top_k, request.seed if request.HasField("seed") else None)
+            params = SamplingParams(
+                request.temperature, request.top_p if request.HasField("top_p") else 1.0, request.top_k,
+                request.seed if request.HasField("seed") else None, presence_penalty=request.presence_penalty,
+                frequency_penalty=request.frequency_penalty,
+                repetition_penalty=request.repetition_penalty if request.HasField("repetition_penalty") else 1.0,
+                logit_bias=tuple(sorted(request.logit_bias.items())), min_tokens=request.min_tokens,
+                stop_token_ids=tuple(request.stop_token_ids),
+                logprobs=request.logprobs if request.HasField("logprobs") else None)
             h = self.engine.submit(ids, params, request.max_tokens if request.HasField("max_tokens") else None,
-                                   stop=list(request.stop), ignore_eos=request.ignore_eos)
-        except (RequestError, ValueError) as e:
+                                   stop=list(request.stop), ignore_eos=request.ignore_eos,
+                                   grammar=self._grammar(request))
+        except (RequestError, ValueError) as e:  # GrammarError is a ValueError
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineStopped as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
@@ -67,6 +101,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 context.abort(code, out.error or "generation failed")
             resp = generate_pb2.GenerateResponse(token_ids=out.token_ids, text=out.text,
                                                  finish_reason=out.finish_reason or "")
+            for x in out.logprobs or ():
+                resp.logprobs.add(token_id=x.token, logprob=x.logprob,
+                                  top=[generate_pb2.TopLogprob(token_id=t, logprob=v) for t, v in x.top])
             if out.finish_reason is not None:
                 resp.usage.CopyFrom(generate_pb2.Usage(
                     prompt_tokens=h.prompt_tokens, completion_tokens=h.completion_tokens,

@@ -4,13 +4,18 @@
                                 tools, tool_choice, chat_template_kwargs); reasoning -> reasoning_content,
                                 tool calls -> tool_calls (gpu_service.api.parsers)
     POST /v1/completions        text prompt, or token ids
+    POST /tokenize, /detokenize prompt or messages -> token ids, and back (gpu_service.api.tokenize_api)
     GET  /v1/models             the one served model
     GET  /health                200 when the engine and every expert shard serve, else 503
     GET  /metrics               Prometheus metrics (gpu_service.metrics), unauthenticated like /health
 
 `stream: true` answers with server-sent events ending in `data: [DONE]`; `stream_options:
 {"include_usage": true}` adds a last chunk with usage. Extensions: `top_k`, `ignore_eos`,
-`return_token_ids` (each choice / chunk also carries the generated `token_ids`).
+`return_token_ids` (each choice / chunk also carries the generated `token_ids`), vLLM's
+`min_tokens`, `stop_token_ids`, `repetition_penalty`, `structured_outputs` / `guided_*`.
+Structured outputs (`response_format`, gpu_service.api.openai_params), logprobs (chat
+`logprobs`/`top_logprobs`, completions `logprobs` + `echo`), `n` choices (choice i seeded with
+seed + i), penalties and `logit_bias` are implemented; any other field is refused with 400 naming it.
 Every error has OpenAI's shape `{"error": {"message", "type", "param", "code"}}`, including
 malformed JSON (400, not FastAPI's 422 shape) and a wrong API key (401). A client that goes away
 cancels its request: the engine frees its KV pages at the next step boundary.
@@ -35,7 +40,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gpu_service.api.chat_request import ChatSettings, chat_plan
 from gpu_service.api.errors import APIError, error_body
 from gpu_service.api.parsers.stream import merge_deltas
+from gpu_service.api import openai_params as OP
+from gpu_service.api import tokenize_api
 from gpu_service.runtime.engine import Engine, EngineStopped, RequestError
+from gpu_service.runtime.grammar import GrammarError
 from gpu_service.runtime.sampling import SamplingParams
 
 log = logging.getLogger("moesplit.http")
@@ -65,10 +73,7 @@ def _type_names(types) -> str:
                         list: "an array", dict: "an object"}.get(t, t.__name__) for t in types)
 
 
-def _sampling(body: dict) -> tuple[SamplingParams, list[str], bool]:
-    n = _get(body, "n", int, 1)
-    if n != 1:
-        raise APIError(400, f"only n=1 is supported, got n={n}", param="n")
+def _sampling(body: dict, vocab_size: int = 1 << 31, chat: bool = True) -> tuple[SamplingParams, list[str], bool]:
     temperature = float(_get(body, "temperature", (int, float), 1.0))
     top_p = float(_get(body, "top_p", (int, float), 1.0))
     top_k = _get(body, "top_k", int, 0)
@@ -76,7 +81,10 @@ def _sampling(body: dict) -> tuple[SamplingParams, list[str], bool]:
         top_k = 0
     seed = _get(body, "seed", int, None)
     try:
-        params = SamplingParams(temperature, top_p, top_k, seed)
+        extra = OP.sampling_fields(body, vocab_size)
+        params = SamplingParams(temperature, top_p, top_k, seed, logprobs=OP.logprobs_k(body, chat), **extra)
+    except OP.ParamError as e:
+        raise APIError(400, str(e), param=e.param) from None
     except ValueError as e:
         raise APIError(400, str(e), param=next((k for k in ("temperature", "top_p", "top_k", "seed") if k in str(e)),
                                                None)) from None
@@ -94,26 +102,31 @@ def _sampling(body: dict) -> tuple[SamplingParams, list[str], bool]:
     return params, stop, ignore_eos
 
 
-def _max_tokens(body: dict) -> int | None:
+def _max_tokens(body: dict, least: int = 1) -> int | None:
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     v = _get(body, key, int, None)
-    if v is not None and v < 1:
+    if v is not None and v < least:
         raise APIError(400, f"'{key}' must be >= 1, got {v}", param=key)
     return v
 
 
+def completion_prompts(tokenizer, prompt) -> list[list[int]]:
+    """A completions `prompt`: a string, token ids, or an array of either (a batch: one choice each)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > 64:
+            raise APIError(400, f"at most 64 prompts in one request, got {len(prompt)}", param="prompt")
+        return [completion_prompt_ids(tokenizer, p) for p in prompt]
+    return [completion_prompt_ids(tokenizer, prompt)]
+
+
 def completion_prompt_ids(tokenizer, prompt) -> list[int]:
-    """A completions `prompt`: a string, token ids, or a one-element list of either."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+    """One completions prompt: a string or token ids."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer.json; send the prompt as token ids", param="prompt")
         return tokenizer.encode(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return prompt
-    if isinstance(prompt, list) and len(prompt) > 1:
-        raise APIError(400, "batched prompts are not supported: send one prompt per request", param="prompt")
     raise APIError(400, "'prompt' must be a non-empty string or an array of token ids", param="prompt")
 
 
@@ -146,7 +159,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
+        if api_key is not None and request.url.path.startswith(("/v1", "/tokenize", "/detokenize")):
             auth = request.headers.get("authorization", "")
             if auth != f"Bearer {api_key}":
                 return _error_response(APIError(
@@ -168,30 +181,73 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
                            param="model", code="model_not_found")
         return body
 
-    def _submit(ids: list[int], body: dict):
-        params, stop, ignore_eos = _sampling(body)
-        max_tokens = _max_tokens(body)
+    text_of = OP.TokenText(tokenizer, engine.grammars.vocab if engine.grammars is not None else None)
+
+    async def _grammar(body: dict):
+        """The request's compiled grammar (compiled off the event loop and the scheduler), or None."""
         try:
-            return engine.submit(ids, params, max_tokens, stop=stop, ignore_eos=ignore_eos)
+            spec, key = OP.grammar_spec(body)
+        except OP.ParamError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        return None if spec is None else await _compile(spec, key)
+
+    async def _compile(spec, key: str):
+        if engine.grammars is None:
+            raise APIError(400, f"{key} needs grammar-constrained decoding, and the grammar engine does not know "
+                                "this tokenizer's vocabulary", param=key)
+        try:
+            return await asyncio.wrap_future(engine.grammars.compile(spec))
+        except GrammarError as e:
+            raise APIError(400, f"{key}: the grammar engine cannot compile this: {e}", param=key,
+                           code="invalid_grammar") from None
+
+    def _submit(prompts: list[list[int]], body: dict, chat: bool, grammar=None, prompt_lp=None):
+        """One handle per choice: prompt p's choice i is handle p * n + i, seeded with seed + i."""
+        try:
+            OP.check_fields(body, OP.CHAT_FIELDS if chat else OP.COMPLETION_FIELDS,
+                            "/v1/chat/completions" if chat else "/v1/completions")
+            n = OP.choices_n(body)
+        except OP.ParamError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        params, stop, ignore_eos = _sampling(body, engine.cfg.vocab_size, chat)
+        max_tokens = _max_tokens(body, 0 if prompt_lp is not None else 1)
+        hs = []
+        try:
+            for ids in prompts:
+                ps = [params if params.seed is None else OP.with_seed(params, params.seed + i) for i in range(n)]
+                hs += engine.submit_n(ids, ps, max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos,
+                                      grammar=grammar, prompt_logprobs=prompt_lp)
         except RequestError as e:
+            for h in hs:
+                h.cancel()
             param = e.param if e.param != "messages" or "messages" in body else "prompt"
             raise APIError(400, str(e), param=param, code=e.code) from None
         except EngineStopped as e:
+            for h in hs:
+                h.cancel()
             raise APIError(503, str(e), "server_error") from None
+        return hs
 
-    def _usage(h) -> dict:
-        return {"prompt_tokens": h.prompt_tokens, "completion_tokens": h.completion_tokens,
-                "total_tokens": h.prompt_tokens + h.completion_tokens}
+    def _usage(hs, n: int = 1) -> dict:
+        """Usage of all choices: each prompt counted once (its n choices share it)."""
+        prompt = sum(h.prompt_tokens for h in hs[::n])
+        done = sum(h.completion_tokens for h in hs)
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
-    async def _collect(request: Request, h) -> tuple[str, list[int]]:
-        """Wait for the whole completion; cancel it if the client disconnects meanwhile."""
+    async def _collect(request: Request, h) -> tuple[str, list[int], list, list]:
+        """Wait for the whole completion; cancel it if the client disconnects meanwhile.
+        Returns (text, token ids, logprobs, prompt logprobs)."""
         parts: list[str] = []
         ids: list[int] = []
+        lps: list = []
+        plps: list = []
 
         async def consume():
             async for out in h:
                 parts.append(out.text)
                 ids.extend(out.token_ids)
+                lps.extend(out.logprobs or [])
+                plps.extend(out.prompt_logprobs or [])
 
         task = asyncio.ensure_future(consume())
         try:
@@ -208,15 +264,47 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
                 raise APIError(503, h.error or "an expert shard is unavailable", "service_unavailable_error",
                                code="expert_shard_unavailable")
             raise APIError(500, h.error or "generation failed", "server_error")
-        return "".join(parts), ids
+        return "".join(parts), ids, lps, plps
 
-    def _stream(h, chunk_fn, include_usage: bool, obj: str, rid: str):
+    async def _collect_all(request: Request, hs) -> list:
+        try:
+            return await asyncio.gather(*(_collect(request, h) for h in hs))
+        finally:
+            for h in hs:
+                if not h.done:
+                    h.cancel()
+
+    def _stream(hs, chunk_fn, include_usage: bool, obj: str, rid: str, n: int = 1):
+        async def merged():  # (choice index, Output) as any choice produces them
+            q: asyncio.Queue = asyncio.Queue()
+
+            async def pump(i, h):
+                try:
+                    async for out in h:
+                        await q.put((i, out))
+                finally:
+                    await q.put((i, None))
+
+            tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(hs)]
+            try:
+                left = len(hs)
+                while left:
+                    i, out = await q.get()
+                    if out is None:
+                        left -= 1
+                    else:
+                        yield i, out
+            finally:
+                for t in tasks:
+                    t.cancel()
+
         async def events():
             try:
-                first = chunk_fn(None, None, None, first=True)
-                if first is not None:
-                    yield _sse(first, include_usage)
-                async for out in h:
+                for i in range(len(hs)):
+                    first = chunk_fn(i, None, first=True)
+                    if first is not None:
+                        yield _sse(first, include_usage)
+                async for i, out in merged():
                     if out.finish_reason == "error":
                         err = (error_body(out.error or "an expert shard is unavailable", "service_unavailable_error",
                                           code="expert_shard_unavailable") if out.unavailable
@@ -225,20 +313,22 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
                         break
                     if out.finish_reason == "cancelled":
                         break
-                    if out.text or out.finish_reason or out.token_ids:
-                        c = chunk_fn(out.text, out.finish_reason, out.token_ids)
+                    if out.text or out.finish_reason or out.token_ids or out.prompt_logprobs:
+                        c = chunk_fn(i, out)
                         if c is not None:
                             yield _sse(c, include_usage)
-                if include_usage and h.finish_reason in ("stop", "length"):
+                if include_usage and all(h.finish_reason in ("stop", "length") for h in hs):
                     yield "data: " + json.dumps({"id": rid, "object": obj, "created": int(time.time()),
-                                                 "model": model_name, "choices": [], "usage": _usage(h)}) + "\n\n"
+                                                 "model": model_name, "choices": [], "usage": _usage(hs, n)}) + "\n\n"
                 yield "data: [DONE]\n\n"
             finally:
-                if not h.done:
-                    h.cancel()  # the client went away (or the stream broke): free the KV pages
+                for h in hs:
+                    if not h.done:
+                        h.cancel()  # the client went away (or the stream broke): free the KV pages
 
         gen = events()
-        weakref.finalize(gen, h.cancel)  # a stream dropped before its first chunk never runs `finally`
+        for h in hs:
+            weakref.finalize(gen, h.cancel)  # a stream dropped before its first chunk never runs `finally`
         return StreamingResponse(gen, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -264,68 +354,113 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
         stream = _get(body, "stream", bool, False)
         include_usage = _include_usage(body) if stream else False
         want_ids = _get(body, "return_token_ids", bool, False)
-        h = _submit(plan.ids, body)
+        grammar = await _grammar(body)
+        if plan.grammar is not None and engine.grammars is not None:  # tool_choice required / named
+            if grammar is not None:
+                raise APIError(400, "tool_choice 'required' or a named function cannot be combined with "
+                                    "response_format / structured outputs: drop one", param="tool_choice")
+            grammar = await _compile(plan.grammar, "tool_choice")
+        hs = _submit([plan.ids], body, True, grammar)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         now = int(time.time())
-        parsed = plan.stream()
+        parsed = [plan.stream() for _ in hs]  # one parse per choice
 
-        def finish_reason(finish):
-            return "tool_calls" if finish == "stop" and parsed.has_calls else finish
+        def finish_reason(i, finish):
+            return "tool_calls" if finish == "stop" and parsed[i].has_calls else finish
 
         if stream:
-            def chunk(text, finish, ids, first=False):
+            def chunk(i, out, first=False):
                 if first:
                     return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_name,
-                            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                            "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                          "logprobs": None, "finish_reason": None}]}
-                delta = parsed.feed(text) if text else None
-                if finish is not None:
-                    delta = merge_deltas(delta, parsed.finish())
-                if delta is None and finish is None and not (want_ids and ids):
+                delta = parsed[i].feed(out.text) if out.text else None
+                if out.finish_reason is not None:
+                    delta = merge_deltas(delta, parsed[i].finish())
+                if delta is None and out.finish_reason is None and not out.logprobs and not want_ids:
                     return None
-                c = {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish_reason(finish)}
+                c = {"index": i, "delta": delta or {}, "logprobs": None,
+                     "finish_reason": finish_reason(i, out.finish_reason)}
+                if out.logprobs:
+                    c["logprobs"] = OP.chat_logprobs(out.logprobs, text_of)
                 if want_ids:
-                    c["token_ids"] = ids
+                    c["token_ids"] = out.token_ids
                 return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_name,
                         "choices": [c]}
-            return _stream(h, chunk, include_usage, "chat.completion.chunk", rid)
-        text, out_ids = await _collect(request, h)
-        parsed.feed(text)
-        choice = {"index": 0, "message": parsed.message(), "logprobs": None,
-                  "finish_reason": finish_reason(h.finish_reason)}
-        if want_ids:
-            choice["token_ids"] = out_ids
+            return _stream(hs, chunk, include_usage, "chat.completion.chunk", rid, len(hs))
+        choices = []
+        for i, (h, (text, out_ids, lps, _)) in enumerate(zip(hs, await _collect_all(request, hs))):
+            parsed[i].feed(text)
+            choice = {"index": i, "message": parsed[i].message(),
+                      "logprobs": OP.chat_logprobs(lps, text_of) if body.get("logprobs") is True else None,
+                      "finish_reason": finish_reason(i, h.finish_reason)}
+            if want_ids:
+                choice["token_ids"] = out_ids
+            choices.append(choice)
         return {"id": rid, "object": "chat.completion", "created": now, "model": model_name,
-                "choices": [choice], "usage": _usage(h)}
+                "choices": choices, "usage": _usage(hs, len(hs))}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _body(request)
         if "prompt" not in body:
             raise APIError(400, "'prompt' is required", param="prompt")
-        ids = completion_prompt_ids(tokenizer, body["prompt"])
+        prompts = completion_prompts(tokenizer, body["prompt"])
         stream = _get(body, "stream", bool, False)
         include_usage = _include_usage(body) if stream else False
         want_ids = _get(body, "return_token_ids", bool, False)
-        h = _submit(ids, body)
+        echo = _get(body, "echo", bool, False)
+        if body.get("suffix") is not None:
+            raise APIError(400, "'suffix' (insertion) is not supported", param="suffix")
+        try:
+            k = OP.logprobs_k(body, False)
+        except OP.ParamError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        grammar = await _grammar(body)
+        hs = _submit(prompts, body, False, grammar, prompt_lp=k if echo and k is not None else None)
+        n = len(hs) // len(prompts)
         rid = f"cmpl-{uuid.uuid4().hex}"
         now = int(time.time())
+
+        def prompt_text(i):
+            return tokenizer.decode(prompts[i // n]) if tokenizer is not None else ""
+
         if stream:
-            def chunk(text, finish, ids, first=False):
-                if first:
-                    return None
-                c = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            offsets = [0] * len(hs)  # text_offset of each choice's next token
+
+            def chunk(i, out, first=False):
+                if first:  # echo: the prompt's text first (its logprobs come with the first tokens)
+                    if not echo:
+                        return None
+                    c = {"index": i, "text": prompt_text(i), "logprobs": None, "finish_reason": None}
+                    return {"id": rid, "object": "text_completion", "created": now, "model": model_name,
+                            "choices": [c]}
+                c = {"index": i, "text": out.text or "", "logprobs": None, "finish_reason": out.finish_reason}
+                if k is not None:
+                    head = out.prompt_logprobs is not None  # echo: the prompt's tokens, the first without a logprob
+                    c["logprobs"] = OP.completion_logprobs((out.prompt_logprobs or []) + (out.logprobs or []),
+                                                           text_of, offsets[i], prompts[i // n][0] if head else None)
+                    offsets[i] += sum(len(t) for t in c["logprobs"]["tokens"])
                 if want_ids:
-                    c["token_ids"] = ids
+                    c["token_ids"] = out.token_ids
                 return {"id": rid, "object": "text_completion", "created": now, "model": model_name,
                         "choices": [c]}
-            return _stream(h, chunk, include_usage, "text_completion", rid)
-        text, out_ids = await _collect(request, h)
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": h.finish_reason}
-        if want_ids:
-            choice["token_ids"] = out_ids
+            return _stream(hs, chunk, include_usage, "text_completion", rid, n)
+        choices = []
+        for i, (h, (text, out_ids, lps, plps)) in enumerate(zip(hs, await _collect_all(request, hs))):
+            head = prompt_text(i) if echo else ""
+            logprobs = None
+            if k is not None:
+                logprobs = (OP.completion_logprobs(plps + lps, text_of, 0, prompts[i // n][0]) if echo
+                            else OP.completion_logprobs(lps, text_of))
+            choice = {"index": i, "text": head + text, "logprobs": logprobs, "finish_reason": h.finish_reason}
+            if want_ids:
+                choice["token_ids"] = out_ids
+            choices.append(choice)
         return {"id": rid, "object": "text_completion", "created": now, "model": model_name,
-                "choices": [choice], "usage": _usage(h)}
+                "choices": choices, "usage": _usage(hs, n)}
+
+    tokenize_api.add_routes(app, engine, tokenizer, _body)
 
     @app.get("/v1/models")
     async def models():

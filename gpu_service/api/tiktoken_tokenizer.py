@@ -116,3 +116,9 @@ class TiktokenTokenizer(BaseTokenizer):
     @property
     def vocab_size(self) -> int:
         return self.n_ranks + NUM_SPECIAL_SLOTS
+
+    def grammar_vocabulary(self, vocab_size: int, eos_token_ids):
+        """The grammar engine's view of this vocabulary (gpu_service.runtime.vocab)."""
+        from gpu_service.runtime.vocab import TiktokenVocabulary
+
+        return TiktokenVocabulary(self.enc, vocab_size, tuple(eos_token_ids))

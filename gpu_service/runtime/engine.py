@@ -37,7 +37,9 @@ from dataclasses import dataclass, field
 import torch
 
 from gpu_service.model.kv import Chunk, PoolExhausted, SeqKV
-from gpu_service.runtime.sampling import sample, SamplingParams
+from gpu_service.runtime.grammar import compiler_for
+from gpu_service.runtime.logits import choose_tokens, prompt_logprobs, TokenLogprob
+from gpu_service.runtime.sampling import SamplingParams
 
 log = logging.getLogger("moesplit.engine")
 
@@ -60,13 +62,18 @@ class EngineStopped(RuntimeError):
 @dataclass
 class Output:
     """What a request produced since the previous Output. `finish_reason` is set on the last one:
-    "stop" (EOS or a stop string), "length" (max_tokens), "cancelled", or "error" (see `error`)."""
+    "stop" (EOS, a stop string or token, or the grammar's end), "length" (max_tokens), "cancelled",
+    or "error" (see `error`). `logprobs`: one TokenLogprob per token id when the request asked
+    (SamplingParams.logprobs); `prompt_logprobs` (first Output only, with `prompt_logprobs=`): one
+    per prompt token after the first."""
 
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
     error: str | None = None
     unavailable: bool = False  # an "error" because a backend (expert shard) is unavailable: retry later
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class RequestHandle:
@@ -177,6 +184,11 @@ class _Request:
     stop: tuple[str, ...]
     ignore_eos: bool
     seq: SeqKV
+    matcher: object | None = None  # grammar.GrammarMatcher of a structured-output request
+    banned_early: tuple[int, ...] = ()  # EOS + stop_token_ids while fewer than min_tokens are out
+    prompt_lp: int | None = None  # top-k of the prompt's logprobs to report (echo), None = off
+    prompt_lps: list = field(default_factory=list)
+    followers: list = field(default_factory=list)  # choices 2..n of the same prompt: fork off this one's KV
     arrival: float = field(default_factory=time.monotonic)
     # incremental detokenisation (prefix/read offsets into the generated ids) and stop handling
     prefix_offset: int = 0
@@ -221,8 +233,10 @@ class Engine:
         self.waiting: collections.deque[_Request] = collections.deque()
         self.running: list[_Request] = []
         self.counters = dict(peak_running=0, requests=0, finished=0, cancelled=0, errors=0, preempted=0, steps=0,
-                             prompt_tokens=0, generated_tokens=0, step_tokens=0)
+                             prompt_tokens=0, generated_tokens=0, step_tokens=0, prefill_tokens_computed=0,
+                             structured_requests=0)
         self.last_error: str | None = None
+        self.grammars = compiler_for(tokenizer, self.cfg)  # GrammarCompiler (structured outputs) or None
         self.observer = None  # metrics hooks (gpu_service.metrics.EngineObserver): submit/admit/token/finish/preempt
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -239,6 +253,8 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
         self._abort_all("cancelled", None)
+        if self.grammars is not None:
+            self.grammars.close()
 
     @property
     def alive(self) -> bool:
@@ -254,9 +270,14 @@ class Engine:
         return min(self.max_context, self.pool_tokens)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, max_tokens: int | None = None,
-               stop: list[str] | tuple[str, ...] = (), ignore_eos: bool = False) -> RequestHandle:
+               stop: list[str] | tuple[str, ...] = (), ignore_eos: bool = False, grammar=None,
+               prompt_logprobs: int | None = None, _leader: _Request | None = None) -> RequestHandle:
         """Queue a request. `max_tokens=None` means up to the context (or pool) size.
 
+        `grammar`: a gpu_service.runtime.grammar.CompiledGrammar the output must match (compile it
+        first, off this thread: `GrammarCompiler.compile(spec)`); its end stops the request.
+        `prompt_logprobs=k`: report each prompt token's logprob (and top k) in the first Output;
+        then `max_tokens=0` is allowed (score the prompt only, finish "length").
         Raises RequestError for a request that can never be served, EngineStopped when stopping."""
         if self._stopping:
             raise EngineStopped("the engine is shutting down")
@@ -275,8 +296,9 @@ class Engine:
                 "messages", "context_length_exceeded")
         if max_tokens is None:
             max_tokens = limit - n
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise RequestError(f"max_tokens must be an integer >= 1, got {max_tokens!r}", "max_tokens")
+        least = 0 if prompt_logprobs is not None else 1
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < least:
+            raise RequestError(f"max_tokens must be an integer >= {least}, got {max_tokens!r}", "max_tokens")
         if n + max_tokens > limit:
             raise RequestError(
                 f"this request needs {n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion) "
@@ -288,18 +310,66 @@ class Engine:
         if stop and self.tokenizer is None:
             raise RequestError("stop strings need the checkpoint's tokenizer.json", "stop")
         params = params or SamplingParams()
+        bad = next((t for t in params.stop_token_ids + tuple(t for t, _ in params.logit_bias) if not 0 <= t < V), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} out of range: ids must be in [0, {V})",
+                               "stop_token_ids" if bad in params.stop_token_ids else "logit_bias")
+        if grammar is not None and getattr(grammar, "vocab_key", None) is None:
+            raise RequestError("grammar must be a CompiledGrammar (GrammarCompiler.compile(spec).result())",
+                               "response_format")
         rid = f"req-{next(self._ids)}"
         handle = RequestHandle(rid, n, max_tokens, self._wake)
-        req = _Request(handle, n, list(prompt_ids), params, params.generator(), max_tokens, stop, ignore_eos,
-                       self.runner.new_seq())
+        handle._request = req = _Request(handle, n, list(prompt_ids), params, params.generator(), max_tokens, stop, ignore_eos,
+                       self.runner.new_seq(), grammar.matcher() if grammar is not None else None,
+                       tuple(sorted(self.eos | set(params.stop_token_ids))), prompt_logprobs)
         if self.observer is not None:
             self.observer.submit(handle)
         with self._lock:
-            self._inbox.append(req)
+            if _leader is not None:
+                _leader.followers.append(req)
+            else:
+                self._inbox.append(req)
             self.counters["requests"] += 1
+            self.counters["structured_requests"] += grammar is not None
             self.counters["prompt_tokens"] += n
         self._wake()
         return handle
+
+    def submit_n(self, prompt_ids: list[int], params: list[SamplingParams], **kw) -> list[RequestHandle]:
+        """len(params) requests on one prompt (OpenAI's `n`): the first prefills it; when it has, the
+        others copy its KV pages for all but the last prompt token and compute only that one (their
+        own first logits), so the prompt is prefilled once. A choice that cannot fork then (pool or
+        batch full, the first choice cancelled) is prefilled on its own: same tokens, more work."""
+        hs = [self.submit(prompt_ids, params[0], **kw)]
+        try:
+            for p in params[1:]:
+                hs.append(self.submit(prompt_ids, p, _leader=hs[0]._request, **kw))
+        except BaseException:
+            for h in hs:
+                h.cancel()
+            raise
+        return hs
+
+    def _fork(self, r: _Request) -> None:
+        """r's prompt KV is complete: start its followers from a copy of it (see submit_n)."""
+        followers, r.followers = r.followers, []
+        n = r.prompt_len - 1
+        for f in followers:
+            if f.handle.cancelled:
+                self._finish(f, "cancelled")
+                continue
+            try:
+                if len(self.running) >= self.max_batch or n < 1:
+                    raise PoolExhausted("batch full")
+                f.seq.reserve(r.prompt_len + 1)
+            except PoolExhausted:
+                self.waiting.appendleft(f)  # prefilled on its own
+                continue
+            self.runner.copy_prefix(r.seq, f.seq, n)
+            f.prompt_lps = list(r.prompt_lps)
+            self.running.append(f)
+            if self.observer is not None:
+                self.observer.admit(f.handle)
 
     # ---- stats --------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -395,8 +465,11 @@ class Engine:
         for r, start, n in batch:
             ids += r.tokens[start:start + n]
             chunks.append(Chunk(r.seq, start, n))
+            if start < r.prompt_len:
+                self.counters["prefill_tokens_computed"] += min(n, r.prompt_len - start)
+        every = any(r.prompt_lp is not None and start < r.prompt_len for r, start, _ in batch)
         try:
-            logits = self.runner.step(ids, chunks)  # [len(chunks), V]
+            logits = self.runner.step(ids, chunks, all_logits=every)  # [len(chunks), V] ([len(ids), V] with every)
         except Exception as e:  # noqa: BLE001 - fail this batch's requests, keep serving
             unavailable = bool(getattr(e, "unavailable", False))  # e.g. ShardError: no replica of a shard left
             msg = f"model step failed: {type(e).__name__}: {e}"
@@ -413,23 +486,35 @@ class Engine:
         self.counters["steps"] += 1
         self.counters["peak_running"] = max(self.counters["peak_running"], len(self.running))
         self.counters["step_tokens"] += len(ids)
-        # one device->host copy for every greedy row (sample() would sync once per request)
-        greedy = logits.argmax(-1).tolist() if any(r.params.greedy for r, _, _ in batch) else None
-        for j, (r, start, n) in enumerate(batch):
-            if start + n < len(r.tokens):
-                continue  # a prefill chunk short of the prompt's end: nothing to sample yet
-            tok = greedy[j] if r.params.greedy else sample(logits[j], r.params, r.gen)
+        if every:  # rows of every token: keep the prompt logprobs asked for, then the chunks' last rows
+            ends = list(itertools.accumulate(n for _, _, n in batch))
+            for (r, start, n), end in zip(batch, ends):
+                if r.prompt_lp is not None and start < r.prompt_len:
+                    upto = min(start + n, r.prompt_len) - 1  # row t predicts token t + 1
+                    if upto > start:
+                        r.prompt_lps += prompt_logprobs(logits[end - n:end - n + upto - start],
+                                                        r.tokens[start + 1:upto + 1], r.prompt_lp)
+            logits = logits[[e - 1 for e in ends]]
+        rows = [j for j, (r, start, n) in enumerate(batch) if start + n >= len(r.tokens)]  # the rest: mid-prompt
+        for j in rows:
+            if batch[j][0].followers and len(batch[j][0].out) == 0:
+                self._fork(batch[j][0])
+        picks = choose_tokens(logits[rows], [batch[j][0] for j in rows])
+        for j, (tok, lp) in zip(rows, picks):
+            r = batch[j][0]
+            if r.max_tokens == 0:  # scoring the prompt only (echo with max_tokens 0)
+                self._emit(r, None, None)
+                continue
             r.tokens.append(tok)
             self.counters["generated_tokens"] += 1
             if self.observer is not None:
                 self.observer.token(r.handle)
-            self._emit(r, tok)
+            self._emit(r, tok, lp)
 
     # ---- outputs ------------------------------------------------------------------------------
-    def _detok(self, r: _Request) -> str:
+    def _detok(self, r: _Request, out: list[int]) -> str:
         """New text of the generated ids (prefix/read-offset incremental decoding: only complete
         characters are returned, so multi-byte characters split across tokens come out whole)."""
-        out = r.out
         prefix = self.tokenizer.decode(out[r.prefix_offset:r.read_offset])
         new = self.tokenizer.decode(out[r.prefix_offset:])
         if len(new) > len(prefix) and not new.endswith("\ufffd"):
@@ -437,19 +522,28 @@ class Engine:
             return new[len(prefix):]
         return ""
 
-    def _emit(self, r: _Request, tok: int) -> None:
-        finish = None
-        if tok in self.eos and not r.ignore_eos:
+    def _emit(self, r: _Request, tok: int | None, lp: TokenLogprob | None = None) -> None:
+        finish, error, hide = None, None, False
+        if tok is None:
+            finish = "length"
+        elif r.matcher is not None and not r.matcher.accept(tok):
+            finish, error = "error", f"grammar: token {tok} rejected: {r.matcher.error}"
+        elif tok in self.eos and not r.ignore_eos:
             finish = "stop"
+        elif tok in r.params.stop_token_ids:
+            finish, hide = "stop", True  # like EOS: its text is not part of the output
+        elif r.matcher is not None and r.matcher.stopped:
+            finish = "stop"  # the grammar is complete and cannot continue
         elif len(r.out) >= r.max_tokens:
             finish = "length"
         text = ""
+        out = r.out[:-1] if hide else r.out
         if self.tokenizer is not None:
             before = len(r.text)
-            r.text += self._detok(r)
-            if finish is not None and r.read_offset < len(r.out):  # flush an incomplete tail
-                tail = self.tokenizer.decode(r.out[r.prefix_offset:])
-                r.text += tail[len(self.tokenizer.decode(r.out[r.prefix_offset:r.read_offset])):]
+            r.text += self._detok(r, out)
+            if finish is not None and r.read_offset < len(out):  # flush an incomplete tail
+                tail = self.tokenizer.decode(out[r.prefix_offset:])
+                r.text += tail[len(self.tokenizer.decode(out[r.prefix_offset:r.read_offset])):]
             if r.stop:
                 longest = max(len(s) for s in r.stop)
                 lo = max(0, before - longest + 1)
@@ -462,18 +556,26 @@ class Engine:
                 hold = 0
             end = max(r.sent_chars, len(r.text) - hold)
             text, r.sent_chars = r.text[r.sent_chars:end], end
+        ids = [] if tok is None else [tok]
+        lps = [lp] if lp is not None else None
+        plp = None
+        if r.prompt_lp is not None:  # once: a preempted request's recompute does not report them again
+            plp, r.prompt_lps, r.prompt_lp = r.prompt_lps, [], None
         if finish is None:
-            r.handle._push(Output([tok], text))
+            r.handle._push(Output(ids, text, logprobs=lps, prompt_logprobs=plp))
             return
         self.running.remove(r)
         r.seq.free()
-        self.counters["finished"] += 1
-        r.handle._push(Output([tok], text, finish))
+        self.counters["finished" if finish != "error" else "errors"] += 1
+        r.handle._push(Output(ids, text, finish, error, logprobs=lps, prompt_logprobs=plp))
         if self.observer is not None:
             self.observer.finish(r.handle, finish)
 
     def _finish(self, r: _Request, reason: str, error: str | None = None, unavailable: bool = False) -> None:
         """End a request without a new token (cancelled, error, shutdown) and free its pages."""
+        followers, r.followers = r.followers, []  # not forked yet: end them too, or queue them on their own
+        for f in reversed(followers):
+            self._finish(f, reason, error) if self._stopping else self.waiting.appendleft(f)
         r.seq.free()
         self.counters["cancelled" if reason == "cancelled" else "errors"] += 1
         r.handle._push(Output([], "", reason, error, unavailable))

@@ -140,6 +140,14 @@ class ModelRunner:
     def new_seq(self) -> SeqKV:
         return SeqKV(self.pool)
 
+    def copy_prefix(self, src: SeqKV, dst: SeqKV, n: int) -> None:
+        """Copy the KV of src's first n tokens into dst (pages already reserved); dst.length = n.
+        (n choices of one prompt: the prompt is prefilled once.)"""
+        s, d = src.slots(0, n, torch.device("cpu")), dst.slots(0, n, torch.device("cpu"))
+        for t in self.pool.kv + (self.pool.index_k or []):
+            t.index_copy_(0, d.to(t.device), t.index_select(0, s.to(t.device)))
+        dst.length = n
+
     def step(self, input_ids: list[int], chunks: list[Chunk], all_logits: bool = False) -> torch.Tensor:
         ids = torch.tensor(input_ids, dtype=torch.long)
         return self.model(ids, chunks, self.pool, self.experts, all_logits=all_logits)
