@@ -95,7 +95,7 @@ def test_streaming_detokenization_keeps_characters_whole(tmp_path, kind):
     pieces = []
     for i in ids:
         r.out.append(i)
-        pieces.append(Engine._detok(eng, r))
+        pieces.append(Engine._detok(eng, r, r.out))
     assert "".join(pieces) == text and all("\ufffd" not in p for p in pieces)
 
 
