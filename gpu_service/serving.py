@@ -25,6 +25,7 @@ from gpu_service.api.grpc_api import ApiTLS, create_server as create_grpc_server
 from gpu_service.api.guard import (
     DEFAULT_HEADER_TIMEOUT_S, DEFAULT_LIMIT_CONCURRENCY, DEFAULT_MAX_BODY_BYTES, ServerLimits,
 )
+from gpu_service.api.chat_request import ChatSettings
 from gpu_service.api.http_api import create_app, HTTPServer
 from gpu_service.metrics import GpuMetrics
 
@@ -65,6 +66,12 @@ def add_serving_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
     add_expert_client_arguments(p)
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template to use instead of the checkpoint's (or the built-in V3.2 format)")
+    p.add_argument("--tool-call-parser", default="auto",
+                   help="auto|kimi_k2|deepseek_v3|deepseek_v31|deepseek_v32|none (default auto: by model)")
+    p.add_argument("--reasoning-parser", default="auto",
+                   help="auto|kimi_k2|deepseek_r1|deepseek_v3|none (default auto: by model)")
     p.add_argument("--log-level", default="INFO")
     add_plan_arguments(p)
 
@@ -97,6 +104,16 @@ def check_serving_args(args: argparse.Namespace) -> str | None:
         return str(e).lstrip(": ")
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         return f"{args.model}: no config.json; --model must be a checkpoint directory"
+    from gpu_service.api.parsers import check_parser_name
+
+    try:
+        check_parser_name("tool", getattr(args, "tool_call_parser", "auto"))
+        check_parser_name("reasoning", getattr(args, "reasoning_parser", "auto"))
+    except ValueError as e:
+        return str(e)
+    template = getattr(args, "chat_template", None)
+    if template and not os.path.isfile(template):
+        return f"--chat-template {template}: no such file"
     return None
 
 
@@ -119,15 +136,16 @@ def shard_health_fn(addresses: list[str], timeout_s: float = 1.0, tls=None) -> C
 
 def build_runner(model_dir: str, addresses: list[str], device=None, dtype=None, kv_tokens: int = 8192,
                  page_size: int = 64, expert_timeout: float = 5.0, tls=None, tls_server_name: str | None = None,
-                 placement=None):
+                 placement=None, chat_template: str | None = None):
     """Connect to the shards (fingerprint + coverage checked) and load the GPU side (its tensors
-    verified first). Returns (runner, experts_client, tokenizer or None)."""
+    verified first). Returns (runner, experts_client, tokenizer or None); `chat_template`: a Jinja file
+    overriding the checkpoint's chat format."""
     import torch
 
     from checkpoint.reader import CheckpointReader
     from gpu_service.experts.client import ExpertsClient
     from gpu_service.runtime.runner import ModelRunner, RemoteExperts
-    from gpu_service.api.tokenizer import Tokenizer, TokenizerError
+    from gpu_service.api.tokenizer import TokenizerError, load_tokenizer
 
     reader = CheckpointReader(model_dir)
     client = ExpertsClient(addresses, reader.config, timeout_s=expert_timeout, tls=tls,
@@ -140,7 +158,7 @@ def build_runner(model_dir: str, addresses: list[str], device=None, dtype=None, 
         client.close()
         raise
     try:
-        tokenizer = Tokenizer(model_dir)
+        tokenizer = load_tokenizer(model_dir, chat_template)
     except TokenizerError as e:
         log.warning("%s: serving token ids only", e)
         tokenizer = None
@@ -154,9 +172,12 @@ class ServingStack:
                  grpc_port: int = 50050, api_key: str | None = None, max_batch: int = 16,
                  chunk_tokens: int = 512, health_fn=None, closers: list[Callable[[], None]] | None = None,
                  limits: ServerLimits | None = None, max_waiting: int = 256, max_new_tokens: int = 8192,
-                 grpc_tls: ApiTLS | None = None):
+                 grpc_tls: ApiTLS | None = None, chat_settings=None):
+        # generation ends at config.json's EOS and at generation_config.json's end-of-turn ids (Kimi: <|im_end|>)
+        eos = tuple(runner.cfg.eos_token_ids) + tuple(getattr(tokenizer, "stop_token_ids", ()) or ())
         self.engine = Engine(runner, tokenizer, max_batch=max_batch, chunk_tokens=chunk_tokens,
-                             max_waiting=max_waiting, max_new_tokens=max_new_tokens)
+                             max_waiting=max_waiting, max_new_tokens=max_new_tokens,
+                             eos_token_ids=tuple(dict.fromkeys(eos)))
         self.limits = limits or ServerLimits()
         self.api_key, self.grpc_tls = api_key, grpc_tls
         self.tokenizer = tokenizer
@@ -164,7 +185,7 @@ class ServingStack:
         self.host, self.port, self.grpc_port = host, port, grpc_port
         self.metrics = GpuMetrics(self.engine, runner, health_fn=health_fn)  # GET /metrics; own registry
         self.app = create_app(self.engine, tokenizer, model_name, api_key=api_key, health_fn=health_fn,
-                              metrics=self.metrics, limits=self.limits)
+                              metrics=self.metrics, limits=self.limits, chat_settings=chat_settings)
         self.closers = list(closers or [])
         self.http: HTTPServer | None = None
         self.grpc_server: grpc.Server | None = None
@@ -247,7 +268,8 @@ def run_stack(args: argparse.Namespace, prog: str, addresses: list[str], closers
     try:
         runner, client, tokenizer = build_runner(args.model, addresses, args.device, args.dtype,
                                                  args.kv_tokens, args.page_size, args.expert_timeout,
-                                                 expert_client_tls(args, prog), args.tls_server_name, placement)
+                                                 expert_client_tls(args, prog), args.tls_server_name, placement,
+                                                 getattr(args, "chat_template", None))
         closers.append(client.close)
         shard_max = min((int(s.info.max_tokens) for s in client.shards if s.info.max_tokens), default=None)
         chunk = args.chunk_tokens
@@ -262,7 +284,9 @@ def run_stack(args: argparse.Namespace, prog: str, addresses: list[str], closers
                              limits=ServerLimits(args.max_body_bytes, args.max_prompt_chars, args.header_timeout,
                                                  args.limit_concurrency),
                              max_waiting=args.max_waiting, max_new_tokens=args.max_new_tokens,
-                             grpc_tls=ApiTLS.from_args(args.grpc_tls_cert, args.grpc_tls_key, args.grpc_tls_ca))
+                             grpc_tls=ApiTLS.from_args(args.grpc_tls_cert, args.grpc_tls_key, args.grpc_tls_ca),
+                             chat_settings=ChatSettings(getattr(args, "tool_call_parser", "auto"),
+                                                        getattr(args, "reasoning_parser", "auto")))
         stack.start()  # on failure it stops itself, running the closers
     except BaseException as e:
         if stack is None:

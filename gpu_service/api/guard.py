@@ -36,6 +36,9 @@ class ServerLimits:
         return self.max_prompt_chars if self.max_prompt_chars is not None else 16 * max_request_tokens
 
 
+KEYED_PATHS = ("/v1", "/tokenize", "/detokenize")  # what needs the API key (not /health, /live, /metrics)
+
+
 class KeyCheck:
     """`Authorization: Bearer <key>`: scheme case-insensitive, key compared in constant time
     (sha256 digests, so neither the length nor a prefix of the key leaks through timing)."""
@@ -86,7 +89,7 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or ())
-        if self.keys is not None and scope["path"].startswith("/v1") and not self.keys.ok(headers.get(b"authorization")):
+        if self.keys is not None and scope["path"].startswith(KEYED_PATHS) and not self.keys.ok(headers.get(b"authorization")):
             return await _respond(send, 401, _error(UNAUTHORIZED, "invalid_request_error", "invalid_api_key"))
         limit = self.max_body
         try:

@@ -1,7 +1,10 @@
 """OpenAI-compatible HTTP API over the engine (FastAPI + uvicorn).
 
-    POST /v1/chat/completions   chat prompt through the checkpoint's chat template
+    POST /v1/chat/completions   chat prompt through the checkpoint's chat format (gpu_service.api.chat_request:
+                                tools, tool_choice, chat_template_kwargs); reasoning -> reasoning_content,
+                                tool calls -> tool_calls (gpu_service.api.parsers)
     POST /v1/completions        text prompt, or token ids
+    POST /tokenize, /detokenize prompt or messages -> token ids, and back (gpu_service.api.tokenize_api)
     GET  /v1/models             the one served model
     GET  /health                readiness: 200 when the engine and every expert shard group serve, else 503
     GET  /live                  liveness: 200 while the engine's scheduler runs (shards not asked)
@@ -40,7 +43,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gpu_service.api.chat_request import ChatSettings, chat_plan
+from gpu_service.api.errors import APIError, error_body
+from gpu_service.api.parsers.stream import merge_deltas
 from gpu_service.api import openai_params as OP
+from gpu_service.api import tokenize_api
+from gpu_service.api.errors import check_prompt_chars as _check_chars
 from gpu_service.api.guard import BodyTooLarge, Guard, ServerLimits
 from gpu_service.runtime.engine import Engine, EngineStopped, QueueFull, RequestError
 from gpu_service.runtime.grammar import GrammarError, InvalidSchema
@@ -49,19 +57,6 @@ from gpu_service.runtime.sampling import SamplingParams
 log = logging.getLogger("moesplit.http")
 
 HealthFn = Callable[[], "tuple[bool, dict]"]
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers
-
-
-def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -130,50 +125,6 @@ def _max_tokens(body: dict, least: int = 1) -> int | None:
     return v
 
 
-def _message_text(m: dict, i: int) -> str:
-    content = m.get("content")
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-        parts = []
-        for p in content:
-            if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
-                raise APIError(400, f"messages[{i}].content: only text parts are supported", param="messages")
-            parts.append(p["text"])
-        return "".join(parts)
-    raise APIError(400, f"messages[{i}].content must be a string or an array of text parts", param="messages")
-
-
-def _check_chars(n: int, max_chars: int | None, param: str) -> None:
-    if max_chars is not None and n > max_chars:
-        raise APIError(400, f"the prompt has {n} characters; this server takes at most {max_chars} "
-                            f"(--max-prompt-chars); shorten it", param=param, code="context_length_exceeded")
-
-
-def chat_prompt_ids(tokenizer, messages, max_chars: int | None = None) -> list[int]:
-    """Chat messages -> prompt ids through the chat template; APIError on a malformed list or a
-    prompt over `max_chars` characters (checked before the template runs)."""
-    if tokenizer is None:
-        raise APIError(400, "this model has no tokenizer.json; use /v1/completions with token ids", param="messages")
-    if not isinstance(messages, list) or not messages:
-        raise APIError(400, "'messages' must be a non-empty array of {role, content} objects", param="messages")
-    msgs = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise APIError(400, f"messages[{i}] must be an object with a 'role' and 'content'", param="messages")
-        if m["role"] not in ("system", "user", "assistant", "developer", "tool"):
-            raise APIError(400, f"messages[{i}].role {m['role']!r} is not one of system, user, assistant",
-                           param="messages")
-        msgs.append({"role": "system" if m["role"] == "developer" else m["role"], "content": _message_text(m, i)})
-    _check_chars(sum(len(m["content"]) for m in msgs), max_chars, "messages")
-    try:
-        return tokenizer.encode_chat(msgs)
-    except ValueError as e:  # TokenizerError: no template, or the template refused the messages
-        raise APIError(400, f"chat template: {e}", param="messages") from None
-
-
 def completion_prompts(tokenizer, prompt, max_chars: int | None = None) -> list[list[int]]:
     """A completions `prompt`: a string, token ids, or an array of either (a batch: one choice each)."""
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
@@ -199,9 +150,12 @@ def completion_prompt_ids(tokenizer, prompt, max_chars: int | None = None) -> li
 
 # ---- the app -----------------------------------------------------------------------------------
 def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None = None,
-               health_fn: HealthFn | None = None, metrics=None, limits: ServerLimits | None = None) -> FastAPI:
-    """`metrics`: a gpu_service.metrics.GpuMetrics served at GET /metrics (no API key, like /health).
-    `limits`: body / prompt sizes (gpu_service.api.guard.ServerLimits; default: its defaults)."""
+               health_fn: HealthFn | None = None, metrics=None, limits: ServerLimits | None = None,
+               chat_settings: ChatSettings | None = None) -> FastAPI:
+    """`metrics`: a gpu_service.metrics.GpuMetrics served at GET /metrics (no API key, like /health);
+    `limits`: body / prompt sizes (gpu_service.api.guard.ServerLimits; default: its defaults);
+    `chat_settings`: the tool-call / reasoning parser choice (default: auto, by model)."""
+    chat_settings = chat_settings or ChatSettings()
     app = FastAPI(title="moesplit", docs_url=None, redoc_url=None)
     created = int(time.time())
     limits = limits or ServerLimits()
@@ -258,10 +212,12 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
             spec, key = OP.grammar_spec(body)
         except OP.ParamError as e:
             raise APIError(400, str(e), param=e.param) from None
-        if spec is None:
-            return None
+        return None if spec is None else await _compile(spec, key)
+
+    async def _compile(spec, key: str):
         if engine.grammars is None:
-            raise APIError(400, "structured outputs need the checkpoint's tokenizer.json", param=key)
+            raise APIError(400, f"{key} needs grammar-constrained decoding, and the grammar engine does not know "
+                                "this tokenizer's vocabulary", param=key)
         try:
             return await asyncio.wrap_future(engine.grammars.compile(spec))
         except InvalidSchema as e:
@@ -388,7 +344,9 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
                     if out.finish_reason == "cancelled":
                         break
                     if out.text or out.finish_reason or out.token_ids or out.prompt_logprobs:
-                        yield _sse(chunk_fn(i, out), include_usage)
+                        c = chunk_fn(i, out)
+                        if c is not None:
+                            yield _sse(c, include_usage)
                 if include_usage and all(h.finish_reason in ("stop", "length") for h in hs):
                     yield "data: " + json.dumps({"id": rid, "object": obj, "created": int(time.time()),
                                                  "model": model_name, "choices": [], "usage": _usage(hs, n)}) + "\n\n"
@@ -422,30 +380,50 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
         body = await _body(request)
         if "messages" not in body:
             raise APIError(400, "'messages' is required", param="messages")
-        ids = await asyncio.to_thread(chat_prompt_ids, tokenizer, body["messages"], max_chars)  # off the loop
+        plan = await asyncio.to_thread(chat_plan, body, tokenizer, chat_settings, max_chars)  # off the loop
         stream = _get(body, "stream", bool, False)
         include_usage = _include_usage(body) if stream else False
         want_ids = _get(body, "return_token_ids", bool, False)
         grammar = await _grammar(body)
-        hs = _submit([ids], body, True, grammar)
+        if plan.grammar is not None and engine.grammars is not None:  # tool_choice required / named
+            if grammar is not None:
+                raise APIError(400, "tool_choice 'required' or a named function cannot be combined with "
+                                    "response_format / structured outputs: drop one", param="tool_choice")
+            grammar = await _compile(plan.grammar, "tool_choice")
+        hs = _submit([plan.ids], body, True, grammar)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         now = int(time.time())
+        parsed = [plan.stream() for _ in hs]  # one parse per choice
+
+        def finish_reason(i, finish):
+            return "tool_calls" if finish == "stop" and parsed[i].has_calls else finish
+
         if stream:
             def chunk(i, out, first=False):
-                delta = {"role": "assistant", "content": ""} if first else ({"content": out.text} if out.text else {})
-                c = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None if first else out.finish_reason}
-                if not first and out.logprobs:
+                if first:
+                    return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_name,
+                            "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                         "logprobs": None, "finish_reason": None}]}
+                delta = parsed[i].feed(out.text) if out.text else None
+                if out.finish_reason is not None:
+                    delta = merge_deltas(delta, parsed[i].finish())
+                if delta is None and out.finish_reason is None and not out.logprobs and not want_ids:
+                    return None
+                c = {"index": i, "delta": delta or {}, "logprobs": None,
+                     "finish_reason": finish_reason(i, out.finish_reason)}
+                if out.logprobs:
                     c["logprobs"] = OP.chat_logprobs(out.logprobs, text_of)
-                if want_ids and not first:
+                if want_ids:
                     c["token_ids"] = out.token_ids
                 return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_name,
                         "choices": [c]}
             return _stream(hs, chunk, include_usage, "chat.completion.chunk", rid, len(hs))
         choices = []
         for i, (h, (text, out_ids, lps, _)) in enumerate(zip(hs, await _collect_all(request, hs))):
-            choice = {"index": i, "message": {"role": "assistant", "content": text},
+            parsed[i].feed(text)
+            choice = {"index": i, "message": parsed[i].message(),
                       "logprobs": OP.chat_logprobs(lps, text_of) if body.get("logprobs") is True else None,
-                      "finish_reason": h.finish_reason}
+                      "finish_reason": finish_reason(i, h.finish_reason)}
             if want_ids:
                 choice["token_ids"] = out_ids
             choices.append(choice)
@@ -511,6 +489,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
             choices.append(choice)
         return {"id": rid, "object": "text_completion", "created": now, "model": model_name,
                 "choices": choices, "usage": _usage(hs, n)}
+
+    tokenize_api.add_routes(app, engine, tokenizer, _body)
 
     @app.get("/v1/models")
     async def models():

@@ -23,7 +23,10 @@ _COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "n", "se
            # extensions (vLLM's names)
            "top_k", "ignore_eos", "return_token_ids", "min_tokens", "stop_token_ids", "repetition_penalty",
            "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
-CHAT_FIELDS = frozenset(_COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"})
+CHAT_FIELDS = frozenset(_COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
+                                   # gpu_service.api.chat_request
+                                   "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
+                                   "functions", "function_call"})
 COMPLETION_FIELDS = frozenset(_COMMON | {"prompt", "logprobs", "echo", "best_of"})
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 MAX_N = 16
