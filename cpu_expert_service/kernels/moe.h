@@ -17,7 +17,8 @@
  *   gate and up are fused into one matrix whose panel holds NP/2 gate channels followed by
  *   the same NP/2 up channels, so silu(gate) * up is finished per panel.
  *
- * Activations: bf16 rows [Kp] (and the same rows in f32) for bf16; for int8/int4, two-level int8 rows [2*Kp]: per group g
+ * Activations (one format per weight format, whatever the batch, so a row's result does not
+ * depend on its neighbours): bf16 rows [Kp] for bf16; for int8/int4, two-level int8 rows [2*Kp]: per group g
  * of 32, 32 bytes q1 then 32 bytes q2 with x ~= (254*q1 + q2) * xs[g], and a correction
  * xc[g] = offset * xs[g] * sum(254*q1 + q2) (offset 128 for int8, 8 for int4), so kernels that
  * multiply unsigned weights (vpdpbusd, tdpbsud) subtract it.
@@ -57,7 +58,6 @@ typedef struct {
 typedef struct {
     int n;
     const uint16_t *const *b;  /* bf16 rows */
-    const float *const *f;     /* the same rows in f32 (bf16 format only) */
     const int8_t *const *q;    /* two-level int8 rows [2*Kp] */
     const float *const *xs;    /* [Kp/32] group scales per row */
     const float *const *xc;    /* [Kp/32] corrections per row */

@@ -58,6 +58,9 @@ int moe_cpu_has(int isa) {
     int avx512 = ((b7 >> 16) & 1) /*F*/ && ((b7 >> 17) & 1) /*DQ*/ && ((b7 >> 30) & 1) /*BW*/ &&
                  ((b7 >> 31) & 1) /*VL*/ && ((c7 >> 11) & 1) /*VNNI*/ && ((a71 >> 5) & 1) /*BF16*/;
     int os512 = (xcr0 & 0xe0) == 0xe0; /* opmask, ZMM_Hi256, Hi16_ZMM */
+#ifdef MOE_SIMDE /* test build: the AVX-512 files run on portable intrinsics (simde_x86.h) */
+    avx512 = os512 = 1;
+#endif
     if (isa == MOE_ISA_AVX512) return avx2 && fma && avx512 && os512;
     if (isa == MOE_ISA_AMX) {
 #ifdef MOE_AMX_EMULATE /* test build: tiles emulated in software (amx_emu.h) */
@@ -524,7 +527,6 @@ typedef struct {
     float *wt;      /* [na] weight */
     /* activations: token rows (x) and assignment rows (a) */
     uint16_t *xb, *ab;
-    float *xf; /* bf16 format: token rows also in f32, padded (af holds the assignment rows) */
     int8_t *xq, *aq;
     float *xs, *xc, *as, *ac, *af;
     /* per thread */
@@ -544,12 +546,8 @@ static void fwd_job(void *arg, int tid, int nt) {
     for (int t = r0; t < r1; t++) {
         const float *xr = f->x + (size_t)t * f->H;
         if (!isint) {
-            uint16_t *d = f->xb + (size_t)t * Kx;
-            float *df = f->xf + (size_t)t * Kx;
-            for (int kk = 0; kk < Kx; kk++) {
-                df[kk] = kk < f->H ? xr[kk] : 0.f;
-                d[kk] = moe_f32_to_bf16(df[kk]);
-            }
+            uint16_t *d = f->xb + (size_t)t * Kx; /* the one activation format of bf16 weights */
+            for (int kk = 0; kk < Kx; kk++) d[kk] = kk < f->H ? moe_f32_to_bf16(xr[kk]) : 0;
         } else
             quant_row(xr, f->H, Kx, off, f->xq + (size_t)t * 2 * Kx, f->xs + (size_t)t * gx, f->xc + (size_t)t * gx);
     }
@@ -563,7 +561,6 @@ static void fwd_job(void *arg, int tid, int nt) {
     rows.q = (const int8_t *const *)ptr;
     rows.xs = (const float *const *)(ptr + f->nmax);
     rows.xc = (const float *const *)(ptr + 2 * f->nmax);
-    rows.f = (const float *const *)(ptr + 3 * f->nmax);
 
     /* phase 1: gate+up, silu(gate) * up */
     for (int e = 0; e < f->ne; e++) {
@@ -574,7 +571,6 @@ static void fwd_job(void *arg, int tid, int nt) {
             int t = f->tok[a0 + m];
             if (!isint) {
                 ptr[m] = f->xb + (size_t)t * Kx;
-                ptr[3 * f->nmax + m] = f->xf + (size_t)t * Kx;
             } else {
                 ptr[m] = f->xq + (size_t)t * 2 * Kx;
                 ptr[f->nmax + m] = f->xs + (size_t)t * gx;
@@ -608,7 +604,6 @@ static void fwd_job(void *arg, int tid, int nt) {
             int a = a0 + m;
             if (!isint) {
                 ptr[m] = f->ab + (size_t)a * Ka;
-                ptr[3 * f->nmax + m] = f->af + (size_t)a * Ka;
             } else {
                 ptr[m] = f->aq + (size_t)a * 2 * Ka;
                 ptr[f->nmax + m] = f->as + (size_t)a * ga;
@@ -714,7 +709,6 @@ int moe_forward(MoePool *pool, const MoeKernels *kern, MoeExpert *const *experts
         if (fmt == MOE_FMT_BF16) {
             f.xb = take(&ar, sizeof(uint16_t) * T * f.Kx);
             f.ab = take(&ar, sizeof(uint16_t) * f.na * f.Ka);
-            f.xf = take(&ar, sizeof(float) * T * f.Kx);
             f.af = take(&ar, sizeof(float) * f.na * f.Ka);
         } else {
             int gx = f.Kx / MOE_GROUP, ga = f.Ka / MOE_GROUP;
@@ -728,7 +722,7 @@ int moe_forward(MoePool *pool, const MoeKernels *kern, MoeExpert *const *experts
         }
     }
     if (!ar.base || !f.ex || !f.off || !f.tok || !f.wt || !slot || !f.ptrs || !f.C || !f.scratch ||
-        (fmt == MOE_FMT_BF16 ? (!f.xb || !f.ab || !f.xf || !f.af) : (!f.xq || !f.xs || !f.xc || !f.af || !f.aq || !f.as || !f.ac))) {
+        (fmt == MOE_FMT_BF16 ? (!f.xb || !f.ab || !f.af) : (!f.xq || !f.xs || !f.xc || !f.af || !f.aq || !f.as || !f.ac))) {
         rc = -ENOMEM;
         goto done;
     }
