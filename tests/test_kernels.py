@@ -185,17 +185,33 @@ def test_api_surface():
 
 
 def test_compute_ceiling_probe():
-    """The benchmark's compute-peak probe counts the FLOPs it runs and refuses an unknown kind."""
+    """The benchmark's compute-peak probes count the operations they run, refuse an instruction
+    the CPU lacks and an unknown kind."""
     from cpu_expert_service.kernels import _moe
 
-    if not _moe.cpu_has("avx512"):
-        with pytest.raises(RuntimeError, match="AVX-512"):
-            _moe.probe_peak("fma_f32", 10)
-        return
-    assert _moe.probe_peak("fma_f32", 1000) == 1000 * 12 * 32  # 12 chains x 16 lanes x 2
-    assert _moe.probe_peak("dpbf16", 1000) == 1000 * 12 * 64  # 12 chains x 32 pairs x 2
+    per_round = {"fma_f32": 12 * 32, "dpbf16": 12 * 64, "vnni_int8": 12 * 128,  # 12 chains x lanes x 2
+                 "fma_f32_avx2": 12 * 16, "maddubs_int8_avx2": 12 * 64}
+    assert set(per_round) == set(_moe.PROBES)
+    for kind, n in per_round.items():
+        if not _moe.cpu_has(_moe.PROBES[kind][0]):
+            with pytest.raises(RuntimeError, match="AVX"):
+                _moe.probe_peak(kind, 10)
+        else:
+            assert _moe.probe_peak(kind, 1000) == 1000 * n
     with pytest.raises(KeyError):
         _moe.probe_peak("fp64", 10)
+
+
+def test_read_probe():
+    """The benchmark's read ceiling: the pool's threads stream a buffer once and time it."""
+    be = kb.KernelExperts("bf16", num_threads=2)
+    raw = np.ones((8 << 20) + 64, dtype=np.uint8)
+    off = (-raw.ctypes.data) % 64
+    buf = raw[off:off + (8 << 20)]
+    s = be.read_seconds(buf)
+    assert 0 < s < 5
+    with pytest.raises(ValueError, match="aligned"):
+        be.read_seconds(raw[off + 1:off + 1 + 512])
 
 
 def test_env_override_refuses_missing_isa(monkeypatch):

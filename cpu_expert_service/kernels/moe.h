@@ -84,7 +84,9 @@ void moe_act_generic(const float *g, const float *u, int n, float *out, uint16_t
 void moe_kernels_generic(MoeKernels *k);
 void moe_kernels_avx2(MoeKernels *k);
 void moe_kernels_avx512(MoeKernels *k);
-double moe_probe_avx512(int kind, long iters); /* compute-ceiling probe: 0 f32 FMA, 1 vdpbf16ps; returns FLOPs */
+double moe_probe_avx512(int kind, long iters); /* compute-ceiling probe: 0 f32 FMA, 1 vdpbf16ps, 2 vpdpbusd; returns ops */
+double moe_probe_avx2(int kind, long iters);   /* 0 f32 FMA (ymm), 1 vpmaddubsw; returns ops */
+uint64_t moe_read_avx2(const uint8_t *p, size_t n);
 void moe_kernels_amx(MoeKernels *k);
 
 /* generic panels, used by the others for odd cases */
@@ -118,6 +120,10 @@ void moe_pool_destroy(MoePool *pool);
 int moe_pool_size(const MoePool *pool);
 void moe_pool_run(MoePool *pool, moe_job_fn fn, void *arg); /* caller is thread 0 */
 void moe_pool_barrier(MoePool *pool);
+/* Streaming-read probe: every pool thread reads its contiguous share of buf (64-byte aligned,
+ * bytes a multiple of 256 * threads) once, with 256-bit loads where the CPU has AVX2; returns the
+ * wall seconds of the pass. */
+double moe_probe_read(MoePool *pool, const uint8_t *buf, size_t bytes);
 
 /* ---------------- experts ---------------- */
 typedef struct {

@@ -135,3 +135,52 @@ void moe_kernels_avx2(MoeKernels *k) {
     k->panel[MOE_FMT_INT8] = moe_panel_int8_avx2;
     k->panel[MOE_FMT_INT4] = moe_panel_int4_avx2;
 }
+
+/* ---------------- machine-ceiling probes (for bench/bench_kernels.py) ---------------- */
+
+/* Stream-read [p, p + n) (n a multiple of 256) with 256-bit loads into 4 independent xor chains:
+ * what a weight stream can get from memory on one core. Returns the xor (so nothing is elided). */
+uint64_t moe_read_avx2(const uint8_t *p, size_t n) {
+    __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;
+    for (size_t i = 0; i + 256 <= n; i += 256) {
+        const __m256i *q = (const __m256i *)(p + i);
+        a = _mm256_xor_si256(a, _mm256_xor_si256(_mm256_load_si256(q), _mm256_load_si256(q + 1)));
+        b = _mm256_xor_si256(b, _mm256_xor_si256(_mm256_load_si256(q + 2), _mm256_load_si256(q + 3)));
+        c = _mm256_xor_si256(c, _mm256_xor_si256(_mm256_load_si256(q + 4), _mm256_load_si256(q + 5)));
+        d = _mm256_xor_si256(d, _mm256_xor_si256(_mm256_load_si256(q + 6), _mm256_load_si256(q + 7)));
+    }
+    __m256i x = _mm256_xor_si256(_mm256_xor_si256(a, b), _mm256_xor_si256(c, d));
+    uint64_t r[4];
+    _mm256_storeu_si256((__m256i *)r, x);
+    return r[0] ^ r[1] ^ r[2] ^ r[3];
+}
+
+/* `iters` rounds of 12 independent 256-bit chains: kind 0 f32 FMA (the AVX2 bf16 kernel's
+ * instruction), 1 vpmaddubsw u8 x s8 (the AVX2 int8/int4 kernels' multiply). Returns the
+ * operations done (2 per multiply-add); the caller times it on every thread at once. */
+#define PROBE2_CHAINS 12
+double moe_probe_avx2(int kind, long iters) {
+    if (kind == 0) {
+        __m256 acc[PROBE2_CHAINS];
+        for (int c = 0; c < PROBE2_CHAINS; c++) acc[c] = _mm256_set1_ps(1e-3f * (float)c);
+        const __m256 a = _mm256_set1_ps(0.999f), b = _mm256_set1_ps(1e-6f);
+        for (long i = 0; i < iters; i++)
+            for (int c = 0; c < PROBE2_CHAINS; c++) acc[c] = _mm256_fmadd_ps(acc[c], a, b);
+        __m256 s = acc[0];
+        for (int c = 1; c < PROBE2_CHAINS; c++) s = _mm256_add_ps(s, acc[c]);
+        volatile float sink = _mm256_cvtss_f32(s);
+        (void)sink;
+        return (double)iters * PROBE2_CHAINS * 16.0; /* 8 lanes x 2 */
+    }
+    __m256i acc[PROBE2_CHAINS];
+    for (int c = 0; c < PROBE2_CHAINS; c++) acc[c] = _mm256_set1_epi8((char)(1 + c));
+    const __m256i s8 = _mm256_set1_epi8(1);
+    for (long i = 0; i < iters; i++)
+        for (int c = 0; c < PROBE2_CHAINS; c++) acc[c] = _mm256_maddubs_epi16(acc[c], s8);
+    __m256i t = acc[0];
+    for (int c = 1; c < PROBE2_CHAINS; c++) t = _mm256_xor_si256(t, acc[c]);
+    volatile int sink = _mm256_extract_epi32(t, 0);
+    (void)sink;
+    return (double)iters * PROBE2_CHAINS * 64.0; /* 32 u8 x s8 products x 2 */
+}
+

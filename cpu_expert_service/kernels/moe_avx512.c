@@ -358,11 +358,26 @@ void moe_kernels_avx512(MoeKernels *k) {
 }
 
 /* ---------------- compute-ceiling probes (for bench/bench_kernels.py) ----------------
- * `iters` rounds of 12 independent 512-bit chains (enough to cover the FMA latency on two ports):
- * f32 FMA (what the bf16 GEMM runs on: widened weights x f32 activations) or vdpbf16ps. Returns
- * the floating-point operations done; the caller times it on every thread at once. */
+ * `iters` rounds of 12 independent 512-bit chains per thread (more than the latency x ports of any
+ * current core needs: 4-6 cycles x 2 ports): kind 0 f32 FMA, 1 vdpbf16ps (the bf16 kernels'
+ * instruction), 2 vpdpbusd (the int8/int4 kernels'). Returns the operations done (2 per
+ * multiply-add); the caller times it on every thread at once. */
 #define PROBE_CHAINS 12
 double moe_probe_avx512(int kind, long iters) {
+    if (kind == 2) {
+        __m512i acc[PROBE_CHAINS];
+        for (int c = 0; c < PROBE_CHAINS; c++) acc[c] = _mm512_set1_epi32(c);
+        const __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-2);
+        for (long i = 0; i < iters; i++)
+            for (int c = 0; c < PROBE_CHAINS; c++) acc[c] = _mm512_dpbusd_epi32(acc[c], a, b);
+        __m512i s = acc[0];
+        for (int c = 1; c < PROBE_CHAINS; c++) s = _mm512_xor_si512(s, acc[c]);
+        int32_t r[16];
+        _mm512_storeu_si512(r, s);
+        volatile int32_t sink = r[0];
+        (void)sink;
+        return (double)iters * PROBE_CHAINS * 128.0; /* 64 u8 x s8 products x 2 */
+    }
     __m512 acc[PROBE_CHAINS];
     for (int c = 0; c < PROBE_CHAINS; c++) acc[c] = _mm512_set1_ps(1e-3f * (float)c);
     const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-6f);

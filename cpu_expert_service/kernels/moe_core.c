@@ -21,6 +21,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 /* ------------------------------------------------------------------ CPU features */
@@ -207,6 +208,37 @@ void moe_pool_run(MoePool *pool, moe_job_fn fn, void *arg) {
 static inline void part(int P, int tid, int nt, int *p0, int *p1) {
     *p0 = (int)((long)P * tid / nt);
     *p1 = (int)((long)P * (tid + 1) / nt);
+}
+
+/* ------------------------------------------------------------------ read-bandwidth probe */
+
+typedef struct {
+    const uint8_t *buf;
+    size_t bytes;
+    int avx2;
+    uint64_t sink[64];
+} ReadJob;
+
+static void read_job(void *arg, int tid, int nt) {
+    ReadJob *j = arg;
+    size_t chunk = j->bytes / (size_t)nt / 256 * 256;
+    const uint8_t *p = j->buf + chunk * (size_t)tid;
+    uint64_t x = 0;
+    if (j->avx2) x = moe_read_avx2(p, chunk);
+    else
+        for (size_t i = 0; i < chunk; i += 8) x ^= *(const uint64_t *)(p + i);
+    j->sink[tid & 63] ^= x;
+}
+
+double moe_probe_read(MoePool *pool, const uint8_t *buf, size_t bytes) {
+    static volatile uint64_t keep;
+    ReadJob j = {buf, bytes, moe_cpu_has(MOE_ISA_AVX2), {0}};
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    moe_pool_run(pool, read_job, &j);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    for (int i = 0; i < 64; i++) keep ^= j.sink[i];
+    return (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
 }
 
 /* ------------------------------------------------------------------ packing */
