@@ -261,7 +261,7 @@ def test_amx_batch_invariant(fmt):
 
 
 EMULATED_CHECK = r"""
-import importlib.util, json, sys
+import importlib.util, json, os, sys
 import numpy as np
 spec = importlib.util.spec_from_file_location("cpu_expert_service.kernels._moe", sys.argv[1])
 emu = importlib.util.module_from_spec(spec)
@@ -271,8 +271,11 @@ sys.modules["cpu_expert_service.kernels._moe"] = emu  # before kernel_backend im
 cpu_expert_service.kernels._moe = emu
 from tests import test_kernels as TK
 out = []
-for isa in sys.argv[2].split(","):
-    for fmt in TK.FORMATS:
+for spec in sys.argv[2].split(","):
+    isa, _, form = spec.partition(":")  # avx512:fma / avx512:dpbf16: the two bf16 forms
+    if form:
+        os.environ["MOESPLIT_BF16_DOT"] = form
+    for fmt in TK.FORMATS if not form else ("bf16",):
         for H, I in ((160, 96), (96, 40)):
             be, _ = TK.make_backend(fmt, isa, H, I, range(4))
             deq = {e: be.dequantised(3, e) for e in range(4)}
@@ -299,8 +302,9 @@ def test_amx_and_avx512_kernels_under_emulation(tmp_path):
     algebra match the numpy reference like the other ISAs, and are batch-invariant. On a CPU
     without AVX-512 the build adds -DMOE_SIMDE (the AVX-512 intrinsics in portable SIMDe form,
     simde_x86.h), so the AVX-512 kernels are checked the same way: their arithmetic structure
-    (which chain each output element is) is what is tested, not the hardware's rounding. (On AMX
-    and AVX-512 CPUs the tests above run the real instructions.)"""
+    (which chain each output element is) is what is tested, not the hardware's rounding; both bf16
+    forms (vdpbf16ps and widened-weight FMA, $MOESPLIT_BF16_DOT) are run. (On AMX and AVX-512 CPUs
+    the tests above run the real instructions.)"""
     import glob
     import json
 
@@ -313,14 +317,14 @@ def test_amx_and_avx512_kernels_under_emulation(tmp_path):
                        timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     so = glob.glob(str(tmp_path / "lib" / "cpu_expert_service" / "kernels" / "_moe*.so"))[0]
-    isas = ["amx", "avx512"] if simde else ["amx"]
-    r = subprocess.run([sys.executable, "-c", EMULATED_CHECK, so, ",".join(isas)], cwd=root, capture_output=True,
+    runs = ["amx", "avx512", "avx512:fma", "avx512:dpbf16"] if simde else ["amx"]
+    r = subprocess.run([sys.executable, "-c", EMULATED_CHECK, so, ",".join(runs)], cwd=root, capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     results = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(results) == len(isas) * 3 * (2 * 4 + 1)
+    assert len(results) == sum(1 if ":" in run else 3 for run in runs) * (2 * 4 + 1)  # formats x (shapes x T + 1)
     for res in results:
         print(res)
-        assert res["name"].split("-")[1] in isas
+        assert res["name"].split("-")[1] in ("amx", "avx512")
         assert not res.get("invariance"), res
         assert res.get("err", 0.0) < TOL, res

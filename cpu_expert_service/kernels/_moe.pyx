@@ -25,6 +25,7 @@ cdef extern from "moe.h" nogil:
     void moe_kernels_avx512(MoeKernels *k)
     void moe_kernels_amx(MoeKernels *k)
     int moe_cpu_has(int isa)
+    int moe_bf16_dot_fma()
     double moe_probe_avx512(int kind, long iters)
     double moe_probe_avx2(int kind, long iters)
     double moe_probe_read(MoePool *pool, const unsigned char *buf, size_t nbytes)
@@ -50,6 +51,12 @@ def cpu_has(str isa):
     """True if this CPU and OS can run the kernels of `isa` (for amx: also asks the kernel for
     XTILEDATA permission, which is what makes it usable)."""
     return bool(moe_cpu_has(ISAS[isa]))
+
+
+def bf16_dot_form():
+    """The form an AVX-512 bf16 kernel table made now takes: "fma" (widened weights x f32 FMA)
+    or "dpbf16" (vdpbf16ps); see moe_bf16_dot_fma in moe.h ($MOESPLIT_BF16_DOT overrides)."""
+    return "fma" if moe_bf16_dot_fma() else "dpbf16"
 
 
 # compute-ceiling probes: kind -> (ISA it needs, index in that ISA's probe function)

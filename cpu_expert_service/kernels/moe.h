@@ -58,6 +58,7 @@ typedef struct {
 typedef struct {
     int n;
     const uint16_t *const *b;  /* bf16 rows */
+    const float *const *f;     /* the same bf16 values in f32 (exact; bf16 format only) */
     const int8_t *const *q;    /* two-level int8 rows [2*Kp] */
     const float *const *xs;    /* [Kp/32] group scales per row */
     const float *const *xc;    /* [Kp/32] corrections per row */
@@ -109,6 +110,11 @@ static inline uint16_t moe_f32_to_bf16(float f) {
 }
 
 /* CPU features */
+/* Which form the AVX-512 bf16 kernels take, decided once per kernel table: 1 = widened weights x
+ * f32 FMA (AMD family 19h, Zen 4: vdpbf16ps at half the FMA rate), 0 = vdpbf16ps (elsewhere).
+ * $MOESPLIT_BF16_DOT=fma|dpbf16 overrides (tests, tuning). Each form is batch-invariant on its
+ * own; two processes compare bit for bit only when they took the same form. */
+int moe_bf16_dot_fma(void);
 int moe_cpu_has(int isa);          /* 1 if the CPU and OS support the ISA path */
 int moe_amx_request_permission(void); /* 0 on success */
 

@@ -77,6 +77,18 @@ int moe_cpu_has(int isa) {
     return 0;
 }
 
+int moe_bf16_dot_fma(void) {
+    const char *env = getenv("MOESPLIT_BF16_DOT");
+    if (env && strcmp(env, "fma") == 0) return 1;
+    if (env && strcmp(env, "dpbf16") == 0) return 0;
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return 0;
+    int amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u; /* "AuthenticAMD" */
+    if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    int family = (int)((a >> 8) & 0xf) + (((a >> 8) & 0xf) == 0xf ? (int)((a >> 20) & 0xff) : 0);
+    return family == 0x19;
+}
+
 /* ------------------------------------------------------------------ thread pool */
 
 struct MoePool {
@@ -559,6 +571,7 @@ typedef struct {
     float *wt;      /* [na] weight */
     /* activations: token rows (x) and assignment rows (a) */
     uint16_t *xb, *ab;
+    float *xf; /* bf16 format: the bf16 token rows in f32 (af: the bf16 assignment rows in f32) */
     int8_t *xq, *aq;
     float *xs, *xc, *as, *ac, *af;
     /* per thread */
@@ -579,7 +592,11 @@ static void fwd_job(void *arg, int tid, int nt) {
         const float *xr = f->x + (size_t)t * f->H;
         if (!isint) {
             uint16_t *d = f->xb + (size_t)t * Kx; /* the one activation format of bf16 weights */
-            for (int kk = 0; kk < Kx; kk++) d[kk] = kk < f->H ? moe_f32_to_bf16(xr[kk]) : 0;
+            float *df = f->xf + (size_t)t * Kx;    /* the same values in f32 (exact) */
+            for (int kk = 0; kk < Kx; kk++) {
+                d[kk] = kk < f->H ? moe_f32_to_bf16(xr[kk]) : 0;
+                df[kk] = moe_bf16_to_f32(d[kk]);
+            }
         } else
             quant_row(xr, f->H, Kx, off, f->xq + (size_t)t * 2 * Kx, f->xs + (size_t)t * gx, f->xc + (size_t)t * gx);
     }
@@ -593,6 +610,7 @@ static void fwd_job(void *arg, int tid, int nt) {
     rows.q = (const int8_t *const *)ptr;
     rows.xs = (const float *const *)(ptr + f->nmax);
     rows.xc = (const float *const *)(ptr + 2 * f->nmax);
+    rows.f = (const float *const *)(ptr + 3 * f->nmax);
 
     /* phase 1: gate+up, silu(gate) * up */
     for (int e = 0; e < f->ne; e++) {
@@ -603,6 +621,7 @@ static void fwd_job(void *arg, int tid, int nt) {
             int t = f->tok[a0 + m];
             if (!isint) {
                 ptr[m] = f->xb + (size_t)t * Kx;
+                ptr[3 * f->nmax + m] = f->xf + (size_t)t * Kx;
             } else {
                 ptr[m] = f->xq + (size_t)t * 2 * Kx;
                 ptr[f->nmax + m] = f->xs + (size_t)t * gx;
@@ -614,8 +633,11 @@ static void fwd_job(void *arg, int tid, int nt) {
             f->kern->panel[fmt](W, p, &rows, C, scr);
             for (int m = 0; m < n; m++) {
                 const float *cr = C + (size_t)m * W->NP;
-                f->kern->act(cr, cr + half, half, f->af + (size_t)(a0 + m) * Ka + p * half,
-                             isint ? NULL : f->ab + (size_t)(a0 + m) * Ka + p * half);
+                float *af = f->af + (size_t)(a0 + m) * Ka + p * half;
+                uint16_t *ab = isint ? NULL : f->ab + (size_t)(a0 + m) * Ka + p * half;
+                f->kern->act(cr, cr + half, half, af, ab);
+                if (ab) /* bf16: the f32 row holds the bf16-rounded values too */
+                    for (int i = 0; i < half; i++) af[i] = moe_bf16_to_f32(ab[i]);
             }
         }
     }
@@ -636,6 +658,7 @@ static void fwd_job(void *arg, int tid, int nt) {
             int a = a0 + m;
             if (!isint) {
                 ptr[m] = f->ab + (size_t)a * Ka;
+                ptr[3 * f->nmax + m] = f->af + (size_t)a * Ka;
             } else {
                 ptr[m] = f->aq + (size_t)a * 2 * Ka;
                 ptr[f->nmax + m] = f->as + (size_t)a * ga;
@@ -742,6 +765,7 @@ int moe_forward(MoePool *pool, const MoeKernels *kern, MoeExpert *const *experts
             f.xb = take(&ar, sizeof(uint16_t) * T * f.Kx);
             f.ab = take(&ar, sizeof(uint16_t) * f.na * f.Ka);
             f.af = take(&ar, sizeof(float) * f.na * f.Ka);
+            f.xf = take(&ar, sizeof(float) * T * f.Kx);
         } else {
             int gx = f.Kx / MOE_GROUP, ga = f.Ka / MOE_GROUP;
             f.xq = take(&ar, (size_t)T * 2 * f.Kx);
@@ -754,7 +778,7 @@ int moe_forward(MoePool *pool, const MoeKernels *kern, MoeExpert *const *experts
         }
     }
     if (!ar.base || !f.ex || !f.off || !f.tok || !f.wt || !slot || !f.ptrs || !f.C || !f.scratch ||
-        (fmt == MOE_FMT_BF16 ? (!f.xb || !f.ab || !f.af) : (!f.xq || !f.xs || !f.xc || !f.af || !f.aq || !f.as || !f.ac))) {
+        (fmt == MOE_FMT_BF16 ? (!f.xb || !f.ab || !f.af || !f.xf) : (!f.xq || !f.xs || !f.xc || !f.af || !f.aq || !f.as || !f.ac))) {
         rc = -ENOMEM;
         goto done;
     }
