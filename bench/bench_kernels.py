@@ -7,7 +7,7 @@ bench/results/kernels.png. kt-kernel is looked for in a separate venv ($KT_KERNE
 /tmp/ktvenv, made with `pip install --no-deps kt-kernel`) and run in a subprocess per format, so
 its worker threads never overlap our measurements.
 
-    python bench/bench_kernels.py [--quick]
+    python bench/bench_kernels.py [--no-kt]
 """
 from __future__ import annotations
 
@@ -146,20 +146,29 @@ def read_bandwidth_numpy_gbps(threads: int = THREADS) -> float:
     return best
 
 
-def torch_bf16_gflops() -> float | None:
+def torch_bf16_gflops(budget_s: float = 20.0) -> tuple[float | None, int]:
+    """torch's bf16 GEMM [M, H] x [H, 2I] on THREADS threads, M = 256 unless that would take more
+    than `budget_s` (torch's bf16 matmul without native bf16 instructions runs at ~0.2 GFLOP/s,
+    and 256 rows would take minutes): then M = 16. Returns (GFLOP/s, M)."""
     try:
         import torch
     except ImportError:
-        return None
+        return None, 0
     torch.set_num_threads(THREADS)
-    a = torch.randn(256, H, dtype=torch.bfloat16)
     b = torch.randn(H, 2 * I, dtype=torch.bfloat16)
+    a = torch.randn(16, H, dtype=torch.bfloat16)
+    a @ b
+    t = time.perf_counter()
+    a @ b
+    small_s = time.perf_counter() - t
+    m = 256 if small_s * 16 * 4 < budget_s else 16
+    a = torch.randn(m, H, dtype=torch.bfloat16)
     a @ b
     t = time.perf_counter()
     n = 3
     for _ in range(n):
         a @ b
-    return 2.0 * 256 * H * 2 * I * n / (time.perf_counter() - t) / 1e9
+    return 2.0 * m * H * 2 * I * n / (time.perf_counter() - t) / 1e9, m
 
 
 # probe kind -> (ceiling key, ops per cycle per core at 2 vector ports: the nominal rate)
@@ -212,22 +221,38 @@ def cpu_clock_ghz() -> tuple[float | None, str]:
         return None, "unknown"
 
 
-def theoretical_peaks(threads: int = THREADS) -> dict:
-    """Nominal peaks from clock x cores x ops per cycle (2 vector ports per core; AMD cores run a
-    512-bit op as two 256-bit halves, so half that for zmm), beside the probed ones."""
-    ghz, src = cpu_clock_ghz()
+def _cpu_vendor_family_model() -> tuple[str, int, int]:
     try:
         with open("/proc/cpuinfo") as f:
-            amd = "AuthenticAMD" in f.read(4096)
+            head = f.read(4096)
     except OSError:
-        amd = False
+        return "", 0, 0
+    def field(name):
+        line = next((ln for ln in head.splitlines() if ln.split(":")[0].strip() == name), ":")
+        return line.split(":", 1)[1].strip()
+    try:
+        return field("vendor_id"), int(field("cpu family") or 0), int(field("model") or 0)
+    except ValueError:
+        return field("vendor_id"), 0, 0
+
+
+def theoretical_peaks(threads: int = THREADS) -> dict:
+    """Nominal peaks from clock x cores x ops per cycle, beside the probed ones: 2 vector ports per
+    core at full width, except where AMD splits a wide op into halves (Zen 4, family 19h: 512-bit
+    ops as two 256-bit halves; Zen 1, family 17h models < 30h: 256-bit ops as two 128-bit halves)."""
+    ghz, src = cpu_clock_ghz()
+    vendor, family, model = _cpu_vendor_family_model()
+    amd = vendor == "AuthenticAMD"
+    zen1 = amd and family == 0x17 and model < 0x30
     out = {"clock_ghz": round(ghz, 3) if ghz else None,
-           "theoretical_method": f"clock ({src}) x {threads} cores x ops/cycle at 2 vector ports per core"
-                                 + ("; AMD: 512-bit ops double-pumped, half rate" if amd else "")}
+           "theoretical_method": (f"clock ({src}) x {threads} cores x ops/cycle at 2 full-width vector ports per "
+                                  f"core; {vendor or 'unknown vendor'} family {family:#x} model {model:#x}"
+                                  + ("; 512-bit ops at half rate" if amd else "")
+                                  + ("; 256-bit ops at half rate (Zen 1)" if zen1 else ""))}
     for kind, (key, per_cycle) in PROBES.items():
         if ghz:
-            zmm = not kind.endswith("avx2")
-            out[key.replace("peak_", "theoretical_")] = round(ghz * threads * per_cycle / (2 if amd and zmm else 1), 1)
+            half = (amd and not kind.endswith("avx2")) or (zen1 and kind.endswith("avx2"))
+            out[key.replace("peak_", "theoretical_")] = round(ghz * threads * per_cycle / (2 if half else 1), 1)
     return out
 
 
@@ -407,21 +432,26 @@ def main() -> int:
         return 0
 
     os.makedirs(RESULTS, exist_ok=True)
+    from cpu_expert_service.kernels import _moe
+
+    print(f"bf16 form of the AVX-512 kernels here: {_moe.bf16_dot_form()}", flush=True)
     t0 = time.time()
     ceilings = {"read_gbps": round(read_bandwidth_gbps(), 2),
                 "read_gbps_method": (f"C streaming read (moe_probe_read) of 2 GiB by the kernels' pool, {THREADS} "
                                      "pinned threads, 256-bit loads, best of 5"),
                 "read_gbps_numpy": round(read_bandwidth_numpy_gbps(), 2)}
-    tg = torch_bf16_gflops()
+    tg, tm = torch_bf16_gflops()
     ceilings["torch_bf16_gflops"] = round(tg, 1) if tg else None
-    ceilings["torch_bf16_gflops_method"] = f"torch bf16 [256,{H}]x[{H},{2 * I}] matmul, {THREADS} threads"
+    ceilings["torch_bf16_gflops_method"] = f"torch bf16 [{tm},{H}]x[{H},{2 * I}] matmul, {THREADS} threads"
     for kind, (key, _) in PROBES.items():
         g = probe_gops(kind)
         ceilings[key] = round(g, 1) if g else None
     ceilings["peak_method"] = (f"{THREADS} threads x 12 independent vector chains of one instruction "
                                "(vfmadd ps zmm / vdpbf16ps / vpdpbusd; AVX2: vfmadd ps ymm / vpmaddubsw), "
                                "cpu_expert_service.kernels._moe.probe_peak, best of 3; 2 ops per multiply-add")
-    ceilings.update(theoretical_peaks())
+    ceilings.update({k: v for k, v in theoretical_peaks().items()  # only for instructions this CPU has
+                     if not k.startswith("theoretical_") or k == "theoretical_method"
+                     or ceilings.get(k.replace("theoretical_", "peak_")) is not None})
     print(f"ceilings: {ceilings}", flush=True)
 
     so = None if args.no_kt else kt_extension_path()
@@ -465,6 +495,7 @@ def main() -> int:
                             "is bf16, ours f32."),
         "ratios": ratios,
         "ours": ours_info,
+        "bf16_form_avx512": _moe.bf16_dot_form(),
         "notes": ("cpu_util = process CPU seconds / wall seconds during a call (2.0 = both cores ours); the "
                   "machine is shared, so lower values mean other processes held the cores. *_per_core divide by "
                   "CPU seconds instead of wall seconds. Our pool sleeps when idle (no spinning), so under "
