@@ -649,7 +649,9 @@ static void fwd_job(void *arg, int tid, int nt) {
                       f->ac + (size_t)a * ga);
         moe_pool_barrier(f->pool);
     }
-    /* phase 2: down, weighted accumulation; this thread owns output columns of its panels */
+    /* phase 2: down, weighted accumulation; this thread owns output columns of its panels, so a
+     * token's out[c] gets its experts' terms in one fixed order, ascending expert id (then k slot
+     * for an expert routed twice), whatever the other tokens, the thread count or timing are */
     for (int e = 0; e < f->ne; e++) {
         const MoeMat *W = &f->ex[e]->dn;
         int a0 = f->off[e], n = f->off[e + 1] - a0, NP = W->NP, p0, p1;
