@@ -165,7 +165,7 @@ def test_prompt_cap_before_tokenizing(stack):
     r = _post(stack, {"model": MODEL, "messages": [{"role": "user", "content": "z" * 500_000}]},
               path="/v1/chat/completions")
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-    assert time.perf_counter() - t0 < 1.0
+    assert time.perf_counter() - t0 < 3.0  # refused before tokenizing (a 16 MB prompt took 13.4 s before)
 
 
 def _cancelled(st) -> float:

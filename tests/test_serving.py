@@ -35,7 +35,7 @@ def stack(model_dir):
     from gpu_service.local.stack import start_shards
     from gpu_service.serving import ServingStack, build_runner, shard_health_fn
 
-    shards = start_shards(model_dir, 2, split="experts", backend="numpy")
+    shards = start_shards(model_dir, 2, split="experts", backend="auto")
     try:
         runner, client, tok = build_runner(model_dir, shards.addresses, "cpu", "float32", kv_tokens=4096,
                                            page_size=16)
@@ -274,7 +274,7 @@ def local_runner_factory(model_dir):
     from cpu_expert_service.server import load_shard
     from gpu_service.runtime.runner import LocalExperts, ModelRunner
 
-    _, backend, _ = load_shard(model_dir, None, None, "numpy")
+    _, backend, _ = load_shard(model_dir, None, None, "auto")
 
     def make(kv_tokens=2048, page_size=16):
         return ModelRunner(CheckpointReader(model_dir), LocalExperts(backend), device=torch.device("cpu"),

@@ -407,7 +407,8 @@ def test_grpc_constraint_logprobs_and_bias(stack, ref):
         stub = generate_pb2_grpc.GenerateServiceStub(ch)
 
         def run(**kw):
-            rs = list(stub.Generate(generate_pb2.GenerateRequest(prompt_ids=ids, **{"max_tokens": 200, **kw}), timeout=60))
+            rs = list(stub.Generate(generate_pb2.GenerateRequest(prompt_ids=ids, **{"max_tokens": 200, **kw}), timeout=60,
+                                    metadata=(("authorization", f"Bearer {API_KEY}"),)))  # the API key on gRPC too
             return rs, "".join(r.text for r in rs), [t for r in rs for t in r.token_ids]
         rs, text, _ = run(json_schema=json.dumps(SCHEMA), temperature=1.0, seed=11)
         assert rs[-1].finish_reason == "stop"
