@@ -39,6 +39,12 @@ class Placement:
     kv_tokens: int = 4096
     hot_experts: dict[int, list[int]] = field(default_factory=dict)  # layer -> expert ids on the GPU
     plan: object = None  # the plan.Plan this placement executes (for planned-vs-actual metrics)
+    chunk_tokens: int = 2048  # tokens per forward step the workspace was planned for
+
+    @property
+    def key_block(self) -> int:
+        """Keys per block of the expanded prefill attention: the plan's Kb = min(kv_tokens, chunk_tokens)."""
+        return max(1, min(self.kv_tokens, self.chunk_tokens))
 
     @staticmethod
     def single(cfg: ModelConfig, device: torch.device, kv_tokens: int = 4096) -> "Placement":
@@ -66,7 +72,7 @@ class Placement:
 
             hot_experts = resolve(hot_experts, cfg, o.gpu_experts)  # checked against the plan, every MoE layer
         return Placement(cfg, list(devices), layer_gpu, o.embeddings == "cpu", o.attention_weights,
-                         o.expert_format, o.kv_tokens, hot_experts, plan)
+                         o.expert_format, o.kv_tokens, hot_experts, plan, o.chunk_tokens)
 
     # ---- per-parameter decisions ---------------------------------------------------------------
     def gpu_index_of(self, param_name: str) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from gpu_service.plan.bytes import (  # noqa: F401 (re-exported)
     ATTENTION_WEIGHTS, CATEGORIES, checkpoint_format, CUDA_CONTEXT_BYTES, DEFAULT_CHUNK_TOKENS,
-    DEFAULT_KV_TARGET, DEFAULT_MAX_BATCH, DEFAULT_MIN_KV_TOKENS, EMBEDDINGS, expert_bytes, EXPERT_FORMATS,
+    DEFAULT_KV_TARGET, DTYPE_BYTES, DTYPES, dtype_bytes, DEFAULT_MAX_BATCH, DEFAULT_MIN_KV_TOKENS, EMBEDDINGS, expert_bytes, EXPERT_FORMATS,
     fmt_gib, FP8_BLOCK, fp8_block, FRAGMENTATION_FRACTION, FRAGMENTATION_MIN_BYTES, GiB, gpu_modules,
     gpu_reserve, GPU_SERVICE_HOST_BYTES, HOST_OS_RESERVE_BYTES, INT4_GROUP, KiB, kv_bytes_per_token_layer,
     KV_ROUND, linear_bytes, MiB, Module, module_bytes, Options, param_bytes_by_module, param_counts,
