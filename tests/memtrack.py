@@ -1,7 +1,8 @@
 """A byte tracker over torch's dispatch: the tensor bytes alive per (planned) device and their
 high-water mark, measured on CPU.
 
-`ByteTracker` is a `TorchDispatchMode`: every tensor an op returns is charged, once per storage, to
+`ByteTracker` is a `TorchDispatchMode`: every tensor an op returns on a storage none of its inputs
+has (a fresh allocation, not a view or an in-place result) is charged, once per storage, to
 the label current at that moment (`tracker.label`, else the tensor's device), and released when its
 storage is freed (a weakref finalizer on the storage). `attribute_layers(model, placement, tracker)`
 sets the label to the planned GPU ("gpu0", "gpu1", ...) whose layer (or embeddings / final norm +
@@ -34,9 +35,13 @@ class ByteTracker(TorchDispatchMode):
         self.per_call: list[int] = []  # filled by `call_peak`
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        # an output sharing an input's storage is a view or an in-place result: nothing new
+        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+        out = func(*args, **kwargs)
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.untyped_storage()._cdata not in inputs:
                 self._charge(t, func)
         return out
 

@@ -33,6 +33,7 @@ from gpu_service.plan.bytes import (
     DEFAULT_MIN_KV_TOKENS, EMBEDDINGS, expert_bytes, EXPERT_FORMATS, fmt_gib, GiB, gpu_modules,
     gpu_reserve, GPU_SERVICE_HOST_BYTES, HOST_OS_RESERVE_BYTES, kv_bytes_per_token_layer, KV_ROUND,
     module_bytes, Options, param_counts, parse_size, SHARD_BASELINE_BYTES, workspace_bytes, dtype_bytes,
+    checkpoint_format, qlinear_scratch_bytes,
 )
 from gpu_service.plan.report import render_table
 
@@ -140,6 +141,7 @@ class _Layout:
         L = cfg.num_hidden_layers
         self.layer_items: list[dict[str, int]] = [dict() for _ in range(L)]
         self.fixed: dict[str, int] = {}
+        self.layer_scratch = [0] * L  # the largest quantised linear's dequantisation scratch per layer
         for m in gpu_modules(cfg):
             b = module_bytes(cfg, m, o.attention_weights, o.eb)
             if m.layer is None:
@@ -147,6 +149,10 @@ class _Layout:
             else:
                 it = self.layer_items[m.layer]
                 it[m.category] = it.get(m.category, 0) + b
+                for lname, out, inp in m.linears:
+                    fmt = checkpoint_format(cfg, lname) if o.attention_weights == "checkpoint" else o.attention_weights
+                    self.layer_scratch[m.layer] = max(self.layer_scratch[m.layer],
+                                                      qlinear_scratch_bytes(out, inp, fmt, o.eb))
         kv, idx = kv_bytes_per_token_layer(cfg, o.eb)
         hot = o.gpu_experts * expert_bytes(cfg, o.expert_format, eb=o.eb)
         for i in range(L):
@@ -155,6 +161,9 @@ class _Layout:
                 self.layer_items[i]["index_keys"] = idx * o.kv_tokens
             if cfg.is_moe_layer(i) and hot:
                 self.layer_items[i]["gpu_experts"] = hot
+                I, H = cfg.moe_intermediate_size, cfg.hidden_size
+                self.layer_scratch[i] = max(self.layer_scratch[i], qlinear_scratch_bytes(I, H, o.expert_format, o.eb),
+                                            qlinear_scratch_bytes(H, I, o.expert_format, o.eb))
         self.layer_total = [sum(it.values()) for it in self.layer_items]
         self.prefix = [0]
         for b in self.layer_total:
@@ -170,10 +179,10 @@ class _Layout:
         self.tail = self.fixed["model.norm"] + self.fixed["lm_head"]
         self.ws_cache: dict[tuple[int, bool], int] = {}
 
-    def _ws(self, mlp_width: int, lm_head: bool) -> int:
-        k = (mlp_width, lm_head)
+    def _ws(self, mlp_width: int, lm_head: bool, scratch: int = 0) -> int:
+        k = (mlp_width, lm_head, scratch)
         if k not in self.ws_cache:
-            self.ws_cache[k] = workspace_bytes(self.cfg, self.o, mlp_width=mlp_width, lm_head=lm_head)
+            self.ws_cache[k] = workspace_bytes(self.cfg, self.o, mlp_width=mlp_width, lm_head=lm_head, scratch=scratch)
         return self.ws_cache[k]
 
     def used(self, g: int, a: int, b: int) -> int:
@@ -183,7 +192,8 @@ class _Layout:
         width = self.cfg.intermediate_size if n_dense else 0
         if n_dense < b - a:
             width = max(width, self.moe_width)
-        u = self.prefix[b] - self.prefix[a] + self._ws(width, g == G - 1) + gpu_reserve(self.caps[g])
+        scratch = max(self.layer_scratch[a:b], default=0)
+        u = self.prefix[b] - self.prefix[a] + self._ws(width, g == G - 1, scratch) + gpu_reserve(self.caps[g])
         if g == 0:
             u += self.emb
         if g == G - 1:
@@ -245,7 +255,7 @@ class _Layout:
             width = self.cfg.intermediate_size if n_dense else 0
             if n_dense < b[g + 1] - b[g]:
                 width = max(width, self.moe_width)
-            items["workspace"] = self._ws(width, g == G - 1)
+            items["workspace"] = self._ws(width, g == G - 1, max(self.layer_scratch[b[g]:b[g + 1]], default=0))
             items["reserve"] = gpu_reserve(self.caps[g])
             if not self.cfg.is_v32:
                 items.pop("indexer"), items.pop("index_keys")
