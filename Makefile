@@ -42,7 +42,7 @@ bench-kernels: build
 bench: setup
 	$(PY) bench/bench_pipeline.py
 
-gpu-check: setup
+gpu-check:  # offline, the interpreter's own CUDA torch (PYTHON=...); no venv, no download
 	scripts/gpu_check.sh
 
 chart-check: setup

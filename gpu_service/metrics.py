@@ -191,16 +191,18 @@ def planned_bytes(runner, plan=None, placement=None) -> dict[tuple[str, str], in
             for cat, b in gp.items.items():
                 out[(cat, device_label(g))] = int(b)
         if getattr(plan.options, "embeddings", "gpu") == "cpu":
-            out[("embeddings", "cpu")] = 2 * plan.cfg.vocab_size * plan.cfg.hidden_size
+            out[("embeddings", "cpu")] = getattr(plan.options, "eb", 2) * plan.cfg.vocab_size * plan.cfg.hidden_size
         return out
     cfg = runner.cfg
     placement = placement or getattr(runner, "placement", None) or Placement.single(cfg, runner.device)
+    dt = getattr(runner, "dtype", None)
+    eb = dt.itemsize if dt is not None else 2  # the compute dtype's bytes per element
     for m in P.gpu_modules(cfg):
         if cfg.tie_word_embeddings and m.category == "lm_head":
             continue
         k = (m.category, device_label(placement.gpu_index_of(m.name + ".weight")))
-        out[k] = out.get(k, 0) + P.module_bytes(cfg, m, placement.attention_weights)
-    kv, idx = P.kv_bytes_per_token_layer(cfg)
+        out[k] = out.get(k, 0) + P.module_bytes(cfg, m, placement.attention_weights, eb)
+    kv, idx = P.kv_bytes_per_token_layer(cfg, eb)
     tokens = runner.pool.num_pages * runner.pool.page_size
     for layer, g in enumerate(placement.layer_gpu):
         for cat, b in (("kv_cache", kv), ("index_keys", idx)):
@@ -210,7 +212,7 @@ def planned_bytes(runner, plan=None, placement=None) -> dict[tuple[str, str], in
         hot = placement.hot_experts.get(layer, [])
         if hot:
             k = ("gpu_experts", device_label(g))
-            out[k] = out.get(k, 0) + len(hot) * P.expert_bytes(cfg, placement.expert_format)
+            out[k] = out.get(k, 0) + len(hot) * P.expert_bytes(cfg, placement.expert_format, eb=eb)
     return out
 
 

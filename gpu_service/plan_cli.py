@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-experts", type=_gpu_experts, default="auto", metavar="N|auto",
                    help="hot routed experts per MoE layer held on the GPU")
     p.add_argument("--expert-format", choices=P.EXPERT_FORMATS, default="auto")
+    p.add_argument("--dtype", choices=P.DTYPES, default="bfloat16",
+                   help="compute dtype of the GPU service (unquantised weights, KV cache, activations; "
+                        "default %(default)s, as generate/serve use on CUDA)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--helm-values", metavar="FILE", default=None,
                    help="write Helm values encoding the plan (GPU count and memory, shard pods, layout)")
@@ -66,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
                            kv_tokens=args.kv_tokens, min_kv_tokens=args.min_kv_tokens,
                            chunk_tokens=args.chunk_tokens, attention_weights=args.attention_weights,
                            embeddings=args.embeddings, gpu_experts=args.gpu_experts,
-                           expert_format=args.expert_format, max_batch=args.max_batch, model=name)
+                           expert_format=args.expert_format, max_batch=args.max_batch, model=name,
+                           dtype=args.dtype)
     except (ConfigError, ValueError) as e:
         print(f"moesplit plan: {e}", file=sys.stderr)
         return 2

@@ -133,6 +133,8 @@ class ModelRunner:
             linear_format=self.placement.linear_format, get_stored=reader.get_stored,
             hot_experts=self.placement.hot_experts)
         self.load_s = time.perf_counter() - t0
+        for blk in self.model.model.layers:  # the key block the plan's workspace assumes
+            blk.self_attn.key_block = self.placement.key_block
         self.page_size = page_size
         self.pool = KVPool(self.cfg, -(-self.placement.kv_tokens // page_size), page_size, self.dtype,
                            self.placement.layer_devices)
@@ -153,12 +155,13 @@ class ModelRunner:
         return self.model(ids, chunks, self.pool, self.experts, all_logits=all_logits)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
-                 stop_ids: tuple[int, ...] = (), chunk_tokens: int = 2048) -> GenerationResult:
+                 stop_ids: tuple[int, ...] = (), chunk_tokens: int | None = None) -> GenerationResult:
         if not prompt_ids:
             raise ValueError("empty prompt: give at least one token")
         if any(not 0 <= t < self.cfg.vocab_size for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
         sampling = sampling or SamplingParams()
+        chunk_tokens = chunk_tokens or self.placement.chunk_tokens  # the plan's prefill chunk
         gen = sampling.generator()
         seq = self.new_seq()
         out: list[int] = []
