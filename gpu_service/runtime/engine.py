@@ -11,7 +11,10 @@ tokens in all (chunked prefill mixed with decode). KV lives in the runner's page
   its pages are freed and it goes back to the head of the queue, to be re-prefilled from
   prompt + generated tokens later (recompute);
 - a request that can never fit (prompt + max_tokens larger than the pool or the context) is
-  refused at `submit` with a `RequestError`, so nothing ever runs out of memory mid-step.
+  refused at `submit` with a `RequestError`, so nothing ever runs out of memory mid-step;
+- with the runner's prefix cache (gpu_service.model.prefix_cache), admission first takes the
+  longest cached prefix of the prompt (per `cache_salt`) and prefills only the rest; pages are
+  inserted as they fill, and cached pages are evicted (LRU) only when a reservation needs them.
 
 Sampling uses gpu_service.sampling with one generator per request, so a seeded request gives the
 same tokens whatever it is batched with. The model computes attention per chunk, so batching
@@ -79,6 +82,7 @@ class RequestHandle:
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.unavailable = False  # the error was an unavailable expert shard (HTTP 503 / gRPC UNAVAILABLE)
@@ -177,6 +181,8 @@ class _Request:
     stop: tuple[str, ...]
     ignore_eos: bool
     seq: SeqKV
+    salt: str | None = None  # cache_salt: prefixes are shared only between equal salts
+    looked_up: bool = False  # the prefix-cache lookup has been counted
     arrival: float = field(default_factory=time.monotonic)
     # incremental detokenisation (prefix/read offsets into the generated ids) and stop handling
     prefix_offset: int = 0
@@ -198,7 +204,8 @@ class Engine:
     """Continuous batching over a `ModelRunner` (see the module docstring)."""
 
     def __init__(self, runner, tokenizer=None, max_batch: int = 16, chunk_tokens: int = 512,
-                 eos_token_ids: tuple[int, ...] | None = None, max_context: int | None = None):
+                 eos_token_ids: tuple[int, ...] | None = None, max_context: int | None = None,
+                 check_pool: bool = False):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if chunk_tokens < 1:
@@ -211,6 +218,8 @@ class Engine:
         self.eos = frozenset(self.cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.max_context = int(max_context or self.cfg.max_position_embeddings)
         self.pool = runner.pool
+        self.prefix = getattr(runner, "prefix_cache", None)  # PrefixCache or None (--no-prefix-cache)
+        self.check_pool = check_pool  # test mode: assert the pool's invariants after every step
         self.pool_tokens = self.pool.num_pages * self.pool.page_size
         self._inbox: collections.deque[_Request] = collections.deque()
         self._lock = threading.Lock()
@@ -221,7 +230,8 @@ class Engine:
         self.waiting: collections.deque[_Request] = collections.deque()
         self.running: list[_Request] = []
         self.counters = dict(peak_running=0, requests=0, finished=0, cancelled=0, errors=0, preempted=0, steps=0,
-                             prompt_tokens=0, generated_tokens=0, step_tokens=0)
+                             prompt_tokens=0, generated_tokens=0, step_tokens=0, prefill_tokens=0,
+                             cached_tokens=0)
         self.last_error: str | None = None
         self.observer = None  # metrics hooks (gpu_service.metrics.EngineObserver): submit/admit/token/finish/preempt
 
@@ -254,8 +264,10 @@ class Engine:
         return min(self.max_context, self.pool_tokens)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, max_tokens: int | None = None,
-               stop: list[str] | tuple[str, ...] = (), ignore_eos: bool = False) -> RequestHandle:
-        """Queue a request. `max_tokens=None` means up to the context (or pool) size.
+               stop: list[str] | tuple[str, ...] = (), ignore_eos: bool = False,
+               cache_salt: str | None = None) -> RequestHandle:
+        """Queue a request. `max_tokens=None` means up to the context (or pool) size; requests
+        share cached prefixes only with requests of the same `cache_salt`.
 
         Raises RequestError for a request that can never be served, EngineStopped when stopping."""
         if self._stopping:
@@ -287,11 +299,13 @@ class Engine:
             raise RequestError("stop strings must be non-empty strings", "stop")
         if stop and self.tokenizer is None:
             raise RequestError("stop strings need the checkpoint's tokenizer.json", "stop")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise RequestError(f"cache_salt must be a string, got {cache_salt!r}", "cache_salt")
         params = params or SamplingParams()
         rid = f"req-{next(self._ids)}"
         handle = RequestHandle(rid, n, max_tokens, self._wake)
         req = _Request(handle, n, list(prompt_ids), params, params.generator(), max_tokens, stop, ignore_eos,
-                       self.runner.new_seq())
+                       self.runner.new_seq(), cache_salt or None)
         if self.observer is not None:
             self.observer.submit(handle)
         with self._lock:
@@ -314,7 +328,9 @@ class Engine:
             "pool_usage": p.pages_in_use / p.num_pages if p.num_pages else 0.0,
             "max_batch": self.max_batch,
             "chunk_tokens": self.chunk_tokens,
+            "pool_pages_cached": p.cached_pages,
             **self.counters,
+            **({"prefix_" + k: v for k, v in self.prefix.stats.items()} if self.prefix is not None else {}),
         }
 
     # ---- scheduler ----------------------------------------------------------------------------
@@ -330,6 +346,8 @@ class Engine:
                 self._wake_ev.wait()
                 continue
             self._run(batch)
+            if self.check_pool:
+                self._check_pool()
 
     def _reap_cancelled(self) -> None:
         for r in [r for r in self.running if r.handle.cancelled]:
@@ -373,20 +391,29 @@ class Engine:
                 n = min(r.remaining, budget)
                 batch.append((r, r.seq.length, n))
                 budget -= n
+                self.counters["prefill_tokens"] += n
         # 3. admit new requests while the budget, the batch size and the pool allow
         while self.waiting and budget > 0 and len(self.running) < self.max_batch:
             r = self.waiting[0]
+            hit = self.prefix.attach(r.seq, r.tokens, r.salt) if self.prefix is not None else (0, 0)
             try:
                 r.seq.reserve(len(r.tokens) + 1)
             except PoolExhausted:
+                r.seq.free()  # the prefix it took stays cached
                 break  # wait until a request finishes (FIFO: no overtaking)
             self.waiting.popleft()
+            if self.prefix is not None and not r.looked_up:  # counted once (not again after a preemption)
+                r.looked_up = True
+                r.handle.cached_tokens = r.seq.length
+                self.counters["cached_tokens"] += r.seq.length
+                self.prefix.note_query(r.prompt_len, *hit)
             self.running.append(r)
             if self.observer is not None:
                 self.observer.admit(r.handle)
             n = min(r.remaining, budget)
             batch.append((r, r.seq.length, n))
             budget -= n
+            self.counters["prefill_tokens"] += n
         return batch
 
     def _run(self, batch: list[tuple[_Request, int, int]]) -> None:
@@ -413,6 +440,9 @@ class Engine:
         self.counters["steps"] += 1
         self.counters["peak_running"] = max(self.counters["peak_running"], len(self.running))
         self.counters["step_tokens"] += len(ids)
+        if self.prefix is not None:
+            for r, _, _ in batch:
+                self.prefix.commit(r.seq, r.tokens)  # pages filled by this step
         # one device->host copy for every greedy row (sample() would sync once per request)
         greedy = logits.argmax(-1).tolist() if any(r.params.greedy for r, _, _ in batch) else None
         for j, (r, start, n) in enumerate(batch):
@@ -479,6 +509,16 @@ class Engine:
         r.handle._push(Output([], "", reason, error, unavailable))
         if self.observer is not None:
             self.observer.finish(r.handle, reason)
+
+    def _check_pool(self) -> None:
+        """Test mode: every page free, private to one live request, or cached; references match."""
+        seqs = [r.seq for r in self.running] + [r.seq for r in self.waiting if r.seq.pages]
+        if self.prefix is not None:
+            self.prefix.check(seqs)
+            return
+        held = [p for s in seqs for p in s.pages] + self.pool.free_pages
+        if sorted(held) != list(range(self.pool.num_pages)):
+            raise AssertionError(f"KV pages leaked or held twice: {len(held)} of {self.pool.num_pages}")
 
     def _abort_all(self, reason: str, error: str | None) -> None:
         with self._lock:
