@@ -8,7 +8,9 @@
 
 `stream: true` answers with server-sent events ending in `data: [DONE]`; `stream_options:
 {"include_usage": true}` adds a last chunk with usage. Extensions: `top_k`, `ignore_eos`,
-`return_token_ids` (each choice / chunk also carries the generated `token_ids`).
+`return_token_ids` (each choice / chunk also carries the generated `token_ids`), `cache_salt`
+(vLLM's: prefixes are shared only between requests of the same salt). Usage reports
+`prompt_tokens_details.cached_tokens` (prompt tokens served by the prefix cache), as OpenAI does.
 Every error has OpenAI's shape `{"error": {"message", "type", "param", "code"}}`, including
 malformed JSON (400, not FastAPI's 422 shape) and a wrong API key (401). A client that goes away
 cancels its request: the engine frees its KV pages at the next step boundary.
@@ -213,7 +215,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
         params, stop, ignore_eos = _sampling(body)
         max_tokens = _max_tokens(body)
         try:
-            return engine.submit(ids, params, max_tokens, stop=stop, ignore_eos=ignore_eos)
+            return engine.submit(ids, params, max_tokens, stop=stop, ignore_eos=ignore_eos,
+                                 cache_salt=_get(body, "cache_salt", str))
         except RequestError as e:
             param = e.param if e.param != "messages" or "messages" in body else "prompt"
             raise APIError(400, str(e), param=param, code=e.code) from None
@@ -222,7 +225,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
 
     def _usage(h) -> dict:
         return {"prompt_tokens": h.prompt_tokens, "completion_tokens": h.completion_tokens,
-                "total_tokens": h.prompt_tokens + h.completion_tokens}
+                "total_tokens": h.prompt_tokens + h.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": h.cached_tokens}}
 
     async def _collect(request: Request, h) -> tuple[str, list[int]]:
         """Wait for the whole completion; cancel it if the client disconnects meanwhile."""

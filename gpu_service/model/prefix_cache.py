@@ -204,7 +204,8 @@ class PrefixCache:
         self.stats["evicted_gpu"] += len(victims)
         if self.host is not None and victims:
             slots = self._host_slots(len(victims))
-            victims = [n for n in victims if n.alive]  # a host drop may have cascaded into some
+            # a host drop may have cascaded into some; when slots are short, keep the shallow ones
+            victims = sorted((n for n in victims if n.alive), key=lambda n: n.depth)
             moved = victims[:len(slots)]
             if moved:
                 t0 = time.perf_counter()

@@ -34,6 +34,7 @@ from gpu_service.plan.bytes import (
     gpu_reserve, GPU_SERVICE_HOST_BYTES, HOST_OS_RESERVE_BYTES, kv_bytes_per_token_layer, KV_ROUND,
     module_bytes, Options, param_counts, parse_size, SHARD_BASELINE_BYTES, workspace_bytes,
 )
+from gpu_service.plan.host_tier import host_kv_fields
 from gpu_service.plan.report import render_table
 
 
@@ -306,13 +307,14 @@ def make_plan(cfg: ModelConfig, gpus: list[int | str], host_ram: int | str | Non
               chunk_tokens: int = DEFAULT_CHUNK_TOKENS, attention_weights: str = "auto",
               embeddings: str = "auto", gpu_experts: int | str = "auto", expert_format: str = "auto",
               max_batch: int = DEFAULT_MAX_BATCH, shard_split: str = "slice", model: str | None = None,
-              suggest: bool = True) -> Plan:
+              suggest: bool = True, host_kv_cache: int | str | None = "auto") -> Plan:
     """Plan GPU and CPU memory for `cfg` on GPUs of the given total capacities (bytes or "24GiB").
 
     Options left at "auto" (and kv_tokens, a target) are searched in the documented order of
     least harm; explicit options are kept as given. When nothing fits, the returned plan has
     fits=False, the most memory-saving configuration tried, and `suggestions` of changed options
-    that do fit (each verified by re-planning)."""
+    that do fit (each verified by re-planning). `host_kv_cache`: the prefix cache's host tier
+    (gpu_service.plan.host_tier), reported in `plan.host`."""
     caps = [parse_size(g) for g in gpus]
     host = parse_size(host_ram) if host_ram is not None else None
     if not caps:
@@ -426,7 +428,9 @@ def make_plan(cfg: ModelConfig, gpus: list[int | str], host_ram: int | str | Non
     o = opts(a, e, kv, n_exp)
     layout = _Layout(cfg, o, caps)
     shards = shard_plans(cfg, efmt, numa_nodes, chunk_tokens, shard_split)
-    plan = Plan(name, cfg, o, layout.gpu_plans(), shards, host_summary(cfg, shards, e, host), choices)
+    host_d = host_summary(cfg, shards, e, host)
+    host_d.update(host_kv_fields(cfg, host_d, host_kv_cache))
+    plan = Plan(name, cfg, o, layout.gpu_plans(), shards, host_d, choices)
     if not plan.fits and suggest:
         plan.suggestions = _suggestions(cfg, dict(gpus=caps, host_ram=host, numa_nodes=numa_nodes, kv_tokens=kv_tokens,
                                                   min_kv_tokens=min_kv_tokens, chunk_tokens=chunk_tokens,
