@@ -315,7 +315,7 @@ def test_referenced_pages_never_evicted_and_lru():
     s.reserve(3 * 4)  # one free page + b's two (least recently used), c stays
     cache.check([a, s])
     assert cache.stats["evicted_gpu"] == 2 and pool.cached_pages == 2
-    assert all(float(t[a.pages[i] * 4 + j, 0]) == 100.0 + 4 * i + j for t in pool.kv[:1] for i in range(3) for j in range(4))
+    assert all(float(pool.kv[0][a.pages[i] * 4 + j, 0]) == 100.0 + 4 * i + j for i in range(3) for j in range(4))
     probe = SeqKV(pool)
     assert cache.attach(probe, list(range(70, 78)) + [1]) == (2, 0)  # c still cached
     probe.free()
@@ -353,3 +353,71 @@ def test_host_tier_round_trip():
     cache.evict(pool.num_pages)
     cache.check()
     assert cache.host_pages == 3 and cache.stats["evicted_host"] >= 1
+
+
+def test_http_usage_salt_and_metrics(v3):
+    """OpenAI usage.prompt_tokens_details.cached_tokens, cache_salt over HTTP, /metrics."""
+    from fastapi.testclient import TestClient
+
+    from cpu_expert_service.server import load_shard
+    from gpu_service.api.http_api import create_app
+    from gpu_service.api.tokenizer import Tokenizer
+    from gpu_service.metrics import GpuMetrics
+
+    runner = make_runner(v3, load_shard(v3, None, None, "numpy")[1])
+    eng = engine(runner)
+    try:
+        client = TestClient(create_app(eng, Tokenizer(v3), "tiny", metrics=GpuMetrics(eng, runner)))
+        prompt = SYSTEM + list(range(200, 230))
+
+        def cached(**extra):
+            r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0, **extra})
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        assert cached() == 0
+        assert cached() == (len(prompt) - 1) // PAGE * PAGE
+        assert cached(cache_salt="other") == 0
+        r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "cache_salt": 3})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+        text = client.get("/metrics").text
+        hits = (len(prompt) - 1) // PAGE * PAGE
+        assert f'moesplit_prefix_cache_hits_total{{tier="gpu"}} {float(hits)}' in text
+        assert f"moesplit_prefix_cache_queries_total {float(3 * len(prompt))}" in text
+        assert f"moesplit_prefill_tokens_computed_total {float(3 * len(prompt) - hits)}" in text
+        assert 'moesplit_prefix_cache_pages{state="cached",tier="gpu"}' in text
+    finally:
+        eng.stop()
+
+
+def test_plan_reports_the_host_tier():
+    from gpu_service import plan as P
+    from gpu_service.plan.bytes import GiB, kv_bytes_per_token_layer
+
+    cfg, name = P.load_model_config("kimi-k2-thinking")
+    per_token = sum(kv_bytes_per_token_layer(cfg)) * cfg.num_hidden_layers
+    auto = P.make_plan(cfg, ["24GiB"], host_ram="768GiB", model=name)
+    h = auto.host
+    assert h["host_kv_cache_bytes"] == int(0.5 * (768 * GiB - h["required_bytes"]))
+    assert h["host_kv_cache_tokens"] == h["host_kv_cache_bytes"] // per_token
+    assert f"{h['host_kv_cache_tokens']:,} cached tokens" in auto.table()
+    fixed = P.make_plan(cfg, ["24GiB"], host_ram="768GiB", model=name, host_kv_cache="100GiB")
+    assert fixed.host["host_kv_cache_bytes"] == 100 * GiB and fixed.fits
+    assert fixed.host["required_bytes"] == h["required_bytes"] + 100 * GiB
+    too_big = P.make_plan(cfg, ["24GiB"], host_ram="768GiB", model=name, host_kv_cache="700GiB", suggest=False)
+    assert not too_big.fits and too_big.host["missing_bytes"] > 0
+    assert P.make_plan(cfg, ["24GiB"], model=name).host["host_kv_cache_bytes"] is None  # no --host-ram
+
+
+def test_serving_host_kv_arguments():
+    import argparse
+
+    from gpu_service.serving import add_serving_arguments, host_kv_bytes
+
+    p = argparse.ArgumentParser()
+    add_serving_arguments(p)
+    a = p.parse_args(["--model", "m"])
+    assert a.prefix_cache and a.host_kv_cache == "auto"
+    a = p.parse_args(["--model", "m", "--no-prefix-cache", "--host-kv-cache", "2GiB"])
+    assert not a.prefix_cache and host_kv_bytes(a.host_kv_cache) == 2 << 30
+    assert host_kv_bytes("auto", device="cpu") == 0  # the pool is in host memory already

@@ -51,7 +51,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             params = SamplingParams(request.temperature, request.top_p if request.HasField("top_p") else 1.0,
                                     request.top_k, request.seed if request.HasField("seed") else None)
             h = self.engine.submit(ids, params, request.max_tokens if request.HasField("max_tokens") else None,
-                                   stop=list(request.stop), ignore_eos=request.ignore_eos)
+                                   stop=list(request.stop), ignore_eos=request.ignore_eos,
+                                   cache_salt=request.cache_salt or None)
         except (RequestError, ValueError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineStopped as e:
@@ -70,7 +71,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             if out.finish_reason is not None:
                 resp.usage.CopyFrom(generate_pb2.Usage(
                     prompt_tokens=h.prompt_tokens, completion_tokens=h.completion_tokens,
-                    total_tokens=h.prompt_tokens + h.completion_tokens))
+                    total_tokens=h.prompt_tokens + h.completion_tokens, cached_tokens=h.cached_tokens))
             yield resp
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/moesplit/v1/generate.proto\x12\x0bmoesplit.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x89\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12*\n\x08messages\x18\x03 \x03(\x0b\x32\x18.moesplit.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x07 \x01(\x05\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seed\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"m\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.moesplit.v1.Usage2\\\n\x0fGenerateService\x12I\n\x08Generate\x12\x1c.moesplit.v1.GenerateRequest\x1a\x1d.moesplit.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/moesplit/v1/generate.proto\x12\x0bmoesplit.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x9d\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12*\n\x08messages\x18\x03 \x03(\x0b\x32\x18.moesplit.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x07 \x01(\x05\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x12\n\ncache_salt\x18\x0b \x01(\tB\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seed\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"m\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.moesplit.v1.Usage2\\\n\x0fGenerateService\x12I\n\x08Generate\x12\x1c.moesplit.v1.GenerateRequest\x1a\x1d.moesplit.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,11 +34,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=50
   _globals['_CHATMESSAGE']._serialized_end=94
   _globals['_GENERATEREQUEST']._serialized_start=97
-  _globals['_GENERATEREQUEST']._serialized_end=362
-  _globals['_USAGE']._serialized_start=364
-  _globals['_USAGE']._serialized_end=443
-  _globals['_GENERATERESPONSE']._serialized_start=445
-  _globals['_GENERATERESPONSE']._serialized_end=554
-  _globals['_GENERATESERVICE']._serialized_start=556
-  _globals['_GENERATESERVICE']._serialized_end=648
+  _globals['_GENERATEREQUEST']._serialized_end=382
+  _globals['_USAGE']._serialized_start=384
+  _globals['_USAGE']._serialized_end=486
+  _globals['_GENERATERESPONSE']._serialized_start=488
+  _globals['_GENERATERESPONSE']._serialized_end=597
+  _globals['_GENERATESERVICE']._serialized_start=599
+  _globals['_GENERATESERVICE']._serialized_end=691
 # @@protoc_insertion_point(module_scope)
