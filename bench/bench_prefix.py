@@ -71,7 +71,7 @@ def run(cfg_name: str, model_dir: str, backend, tok, kv_tokens: int, cache: bool
             for s in range(SESSIONS):
                 user, call = turn_tokens(tok, s, t)
                 prompts[s] = prompts[s] + answers[s] + user + call
-                c0 = eng.counters["prefill_tokens"]
+                c0 = eng.counters["prefill_tokens_computed"]
                 t0 = time.perf_counter()
                 h = eng.submit(prompts[s], max_tokens=MAX_TOKENS, ignore_eos=True)
                 first = h.get(300)
@@ -79,7 +79,7 @@ def run(cfg_name: str, model_dir: str, backend, tok, kv_tokens: int, cache: bool
                 ids, _, _ = h.result(300)
                 answers[s] = first.token_ids + ids
                 rows.append({"turn": t + 1, "session": s, "prompt_tokens": len(prompts[s]),
-                             "cached_tokens": h.cached_tokens, "prefill_tokens": eng.counters["prefill_tokens"] - c0,
+                             "cached_tokens": h.cached_tokens, "prefill_tokens": eng.counters["prefill_tokens_computed"] - c0,
                              "ttft_s": round(ttft, 4), "e2e_s": round(time.perf_counter() - t0, 4)})
         st = eng.stats()
         pc = {k[len("prefix_"):]: v for k, v in st.items() if k.startswith("prefix_")}

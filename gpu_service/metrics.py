@@ -251,7 +251,11 @@ class _ScrapeCollector:
                 ("request_submitted", "requests", "Requests accepted by the engine."),
                 ("num_preemptions", "preempted", "Requests preempted to free KV pages (recomputed later)."),
                 ("engine_steps", "steps", "Engine steps (batched forward passes)."),
-                ("engine_step_tokens", "step_tokens", "Tokens fed through the model (prefill + decode).")):
+                ("engine_step_tokens", "step_tokens", "Tokens fed through the model (prefill + decode)."),
+                ("prefill_tokens_computed", "prefill_tokens_computed",
+                 "Prompt tokens run through the model (a prompt shared by n choices counts once)."),
+                ("structured_output_requests", "structured_requests",
+                 "Requests constrained by a grammar (response_format, guided_*).")):
             c = CounterMetricFamily(p + name, doc)
             c.add_metric([], s[key])
             yield c
@@ -305,12 +309,8 @@ class _ScrapeCollector:
 
 
 def _prefix_cache_families(s: dict, cache):
-    """Prefill work and the prefix cache (gpu_service.model.prefix_cache), from engine.stats()."""
+    """The prefix cache (gpu_service.model.prefix_cache), from engine.stats()."""
     p = PREFIX
-    c = CounterMetricFamily(p + "prefill_tokens_computed", "Prompt tokens computed by prefill (not served by the "
-                            "prefix cache; re-prefills after preemption included).")
-    c.add_metric([], s.get("prefill_tokens", 0))
-    yield c
     if cache is None:
         return
     c = CounterMetricFamily(p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
@@ -352,6 +352,11 @@ class GpuMetrics:
         self.registry.register(_ScrapeCollector(engine, runner, health_fn, plan))
         ProcessCollector(registry=self.registry)
         engine.observer = self.engine_observer
+        self.grammar_compile = Histogram(PREFIX + "grammar_compile_seconds",
+                                         "Time to compile a structured-output grammar (cache misses).",
+                                         ["kind", "ok"], buckets=RTT_BUCKETS, registry=self.registry)
+        if getattr(engine, "grammars", None) is not None:
+            engine.grammars.observer = lambda s, kind, ok: self.grammar_compile.labels(kind, str(ok).lower()).observe(s)
         if client is None and runner is not None:
             client = getattr(getattr(runner, "experts", None), "client", None)
         if client is not None:

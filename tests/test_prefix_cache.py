@@ -94,11 +94,11 @@ def conversation(eng, turns=5, max_tokens=6, salt=None, between=None, rewrite=Tr
             prompt = prompt + answer + [(t * 53 + j * 7) % 400 + 40 for j in range(9 + 4 * t)]
         if between is not None:
             between(t)
-        c0, e0 = eng.counters["prefill_tokens"], eng.runner.experts.tokens
+        c0, e0 = eng.counters["prefill_tokens_computed"], eng.runner.experts.tokens
         h = eng.submit(prompt, max_tokens=max_tokens, ignore_eos=True, cache_salt=salt)
         out, _, fin = h.result(120)
         assert fin == "length", eng.last_error
-        yield prompt, out, eng.counters["prefill_tokens"] - c0, eng.runner.experts.tokens - e0, h
+        yield prompt, out, eng.counters["prefill_tokens_computed"] - c0, eng.runner.experts.tokens - e0, h
 
 
 def prefill(runner, tokens, upto=None):
@@ -222,9 +222,9 @@ def test_concurrent_cancel_preempt_evict(v3):
         assert sum(h.cached_tokens for h in hs) > 0
         # cancelled mid-prefill: its full pages stay cached, the next identical request uses them
         long = prompts[4] + list(range(60, 100))
-        c0 = eng.counters["prefill_tokens"]
+        c0 = eng.counters["prefill_tokens_computed"]
         h = eng.submit(long, max_tokens=4, ignore_eos=True)
-        while eng.counters["prefill_tokens"] - c0 < 2 * PAGE and not h.done:
+        while eng.counters["prefill_tokens_computed"] - c0 < 2 * PAGE and not h.done:
             time.sleep(0.0005)
         h.cancel()
         assert h.result(60)[2] in ("cancelled", "length")

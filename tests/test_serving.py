@@ -224,7 +224,7 @@ def test_grpc_matches_http(stack, oai):
     from gpu_service.api.grpc_client import GenerateClient
 
     ids = stack.tokenizer.encode("Once upon a time")
-    with GenerateClient(stack.grpc_address) as gc:
+    with GenerateClient(stack.grpc_address, api_key=API_KEY) as gc:
         resps = list(gc.generate(prompt_ids=ids, max_tokens=10, temperature=0, ignore_eos=True))
         merged = next(gc.generate(prompt_ids=ids, max_tokens=10, temperature=0, ignore_eos=True, stream=False))
         chat_g = next(gc.generate(messages=[{"role": "user", "content": "Hi"}], max_tokens=6, stream=False))
@@ -260,7 +260,7 @@ def test_chat_cli_keeps_conversation(stack):
 
     args = types.SimpleNamespace(system="be brief", max_tokens=4, temperature=0.0, top_p=None, top_k=0, seed=None)
     out = io.StringIO()
-    with Spy(stack.grpc_address) as c:
+    with Spy(stack.grpc_address, api_key=API_KEY) as c:
         assert chat_loop(c, args, stdin=io.StringIO("hello\nand again\n/exit\n"), stdout=out) == 0
     assert [len(s) for s in seen] == [2, 4]  # system + user; then + assistant + user
     assert seen[1][2]["role"] == "assistant" and seen[1][3] == {"role": "user", "content": "and again"}

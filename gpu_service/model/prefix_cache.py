@@ -325,3 +325,15 @@ def make_prefix_cache(pool, host_kv_bytes: int = 0) -> PrefixCache:
 
     slots = int(host_kv_bytes) // page_bytes(pool) if host_kv_bytes else 0
     return PrefixCache(pool, HostKVTier(pool, slots) if slots > 0 else None)
+
+
+def check_pool(pool, cache, seqs) -> None:
+    """Assert `pool`'s invariants given every live sequence (`Engine(check_pool=True)`): with a
+    cache `PrefixCache.check`, else every page is free or held by exactly one sequence."""
+    seqs = [s for s in seqs if s.pages]
+    if cache is not None:
+        cache.check(seqs)
+        return
+    held = [p for s in seqs for p in s.pages] + pool.free_pages
+    if sorted(held) != list(range(pool.num_pages)):
+        raise AssertionError(f"KV pages leaked or held twice: {len(held)} of {pool.num_pages}")

@@ -40,7 +40,10 @@ from dataclasses import dataclass, field
 import torch
 
 from gpu_service.model.kv import Chunk, PoolExhausted, SeqKV
-from gpu_service.runtime.sampling import sample, SamplingParams
+from gpu_service.model.prefix_cache import check_pool
+from gpu_service.runtime.grammar import compiler_for
+from gpu_service.runtime.logits import choose_tokens, prompt_logprobs, TokenLogprob
+from gpu_service.runtime.sampling import SamplingParams
 
 log = logging.getLogger("moesplit.engine")
 
@@ -56,6 +59,15 @@ class RequestError(ValueError):
         self.code = code
 
 
+class QueueFull(RequestError):
+    """The waiting queue holds `max_waiting` requests already: retry after `retry_after_s`
+    (HTTP 429 with Retry-After, gRPC RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message, None, "queue_full")
+        self.retry_after_s = retry_after_s
+
+
 class EngineStopped(RuntimeError):
     """The engine is shutting down and takes no new requests."""
 
@@ -63,13 +75,18 @@ class EngineStopped(RuntimeError):
 @dataclass
 class Output:
     """What a request produced since the previous Output. `finish_reason` is set on the last one:
-    "stop" (EOS or a stop string), "length" (max_tokens), "cancelled", or "error" (see `error`)."""
+    "stop" (EOS, a stop string or token, or the grammar's end), "length" (max_tokens), "cancelled",
+    or "error" (see `error`). `logprobs`: one TokenLogprob per token id when the request asked
+    (SamplingParams.logprobs); `prompt_logprobs` (first Output only, with `prompt_logprobs=`): one
+    per prompt token after the first."""
 
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
     error: str | None = None
     unavailable: bool = False  # an "error" because a backend (expert shard) is unavailable: retry later
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class RequestHandle:
@@ -181,6 +198,11 @@ class _Request:
     stop: tuple[str, ...]
     ignore_eos: bool
     seq: SeqKV
+    matcher: object | None = None  # grammar.GrammarMatcher of a structured-output request
+    banned_early: tuple[int, ...] = ()  # EOS + stop_token_ids while fewer than min_tokens are out
+    prompt_lp: int | None = None  # top-k of the prompt's logprobs to report (echo), None = off
+    prompt_lps: list = field(default_factory=list)
+    followers: list = field(default_factory=list)  # choices 2..n of the same prompt: fork off this one's KV
     salt: str | None = None  # cache_salt: prefixes are shared only between equal salts
     looked_up: bool = False  # the prefix-cache lookup has been counted
     arrival: float = field(default_factory=time.monotonic)
@@ -201,11 +223,18 @@ class _Request:
 
 
 class Engine:
-    """Continuous batching over a `ModelRunner` (see the module docstring)."""
+    """Continuous batching over a `ModelRunner` (see the module docstring).
+
+    Limits every API gets (checked in `submit`, before any work): at most `max_waiting` requests
+    queued (QueueFull beyond), at most MAX_STOP stop strings of MAX_STOP_CHARS characters, and a
+    completion of at most `max_new_tokens` (also the default when max_tokens is omitted)."""
+
+    MAX_STOP = 16
+    MAX_STOP_CHARS = 256
 
     def __init__(self, runner, tokenizer=None, max_batch: int = 16, chunk_tokens: int = 512,
                  eos_token_ids: tuple[int, ...] | None = None, max_context: int | None = None,
-                 check_pool: bool = False):
+                 max_waiting: int = 256, max_new_tokens: int = 8192, check_pool: bool = False):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if chunk_tokens < 1:
@@ -217,6 +246,10 @@ class Engine:
         self.chunk_tokens = chunk_tokens
         self.eos = frozenset(self.cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.max_context = int(max_context or self.cfg.max_position_embeddings)
+        if max_waiting < 1 or max_new_tokens < 1:
+            raise ValueError(f"max_waiting and max_new_tokens must be >= 1, got {max_waiting}, {max_new_tokens}")
+        self.max_waiting = int(max_waiting)
+        self.max_new_tokens = int(max_new_tokens)
         self.pool = runner.pool
         self.prefix = getattr(runner, "prefix_cache", None)  # PrefixCache or None (--no-prefix-cache)
         self.check_pool = check_pool  # test mode: assert the pool's invariants after every step
@@ -230,9 +263,10 @@ class Engine:
         self.waiting: collections.deque[_Request] = collections.deque()
         self.running: list[_Request] = []
         self.counters = dict(peak_running=0, requests=0, finished=0, cancelled=0, errors=0, preempted=0, steps=0,
-                             prompt_tokens=0, generated_tokens=0, step_tokens=0, prefill_tokens=0,
-                             cached_tokens=0)
+                             prompt_tokens=0, generated_tokens=0, step_tokens=0, prefill_tokens_computed=0,
+                             structured_requests=0, cached_tokens=0)
         self.last_error: str | None = None
+        self.grammars = compiler_for(tokenizer, self.cfg)  # GrammarCompiler (structured outputs) or None
         self.observer = None  # metrics hooks (gpu_service.metrics.EngineObserver): submit/admit/token/finish/preempt
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -249,6 +283,8 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
         self._abort_all("cancelled", None)
+        if self.grammars is not None:
+            self.grammars.close()
 
     @property
     def alive(self) -> bool:
@@ -264,14 +300,27 @@ class Engine:
         return min(self.max_context, self.pool_tokens)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, max_tokens: int | None = None,
-               stop: list[str] | tuple[str, ...] = (), ignore_eos: bool = False,
+               stop: list[str] | tuple[str, ...] = (), ignore_eos: bool = False, grammar=None,
+               prompt_logprobs: int | None = None, _leader: _Request | None = None,
                cache_salt: str | None = None) -> RequestHandle:
-        """Queue a request. `max_tokens=None` means up to the context (or pool) size; requests
-        share cached prefixes only with requests of the same `cache_salt`.
+        """Queue a request. `max_tokens=None` means up to `max_new_tokens` (within the context / pool).
+        Requests share cached prefixes only with requests of the same `cache_salt`.
 
-        Raises RequestError for a request that can never be served, EngineStopped when stopping."""
+        `grammar`: a gpu_service.runtime.grammar.CompiledGrammar the output must match (compile it
+        first, off this thread: `GrammarCompiler.compile(spec)`); its end stops the request.
+        `prompt_logprobs=k`: report each prompt token's logprob (and top k) in the first Output;
+        then `max_tokens=0` is allowed (score the prompt only, finish "length").
+        Raises RequestError for a request that can never be served, QueueFull when `max_waiting`
+        requests wait already, EngineStopped when stopping."""
         if self._stopping:
             raise EngineStopped("the engine is shutting down")
+        stop = tuple(stop or ())
+        if len(stop) > self.MAX_STOP or any(isinstance(s, str) and len(s) > self.MAX_STOP_CHARS for s in stop):
+            raise RequestError(f"at most {self.MAX_STOP} stop strings of at most {self.MAX_STOP_CHARS} characters "
+                               f"each, got {len(stop)} (longest {max((len(s) for s in stop if isinstance(s, str)), default=0)})",
+                               "stop")
+        if len(self.waiting) + len(self._inbox) >= self.max_waiting:
+            raise QueueFull(f"{self.max_waiting} requests are waiting already (--max-waiting); retry shortly")
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise RequestError("empty prompt: give at least one token", "prompt")
@@ -286,15 +335,18 @@ class Engine:
                 f"the prompt has {n} tokens but the {where} is {limit} tokens; shorten the prompt",
                 "messages", "context_length_exceeded")
         if max_tokens is None:
-            max_tokens = limit - n
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise RequestError(f"max_tokens must be an integer >= 1, got {max_tokens!r}", "max_tokens")
+            max_tokens = min(limit - n, self.max_new_tokens)
+        least = 0 if prompt_logprobs is not None else 1
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < least:
+            raise RequestError(f"max_tokens must be an integer >= {least}, got {max_tokens!r}", "max_tokens")
+        if max_tokens > self.max_new_tokens:
+            raise RequestError(f"max_tokens {max_tokens} is over this server's limit of {self.max_new_tokens} "
+                               f"(--max-new-tokens); lower it", "max_tokens")
         if n + max_tokens > limit:
             raise RequestError(
                 f"this request needs {n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion) "
                 f"but the {where} is {limit} tokens; lower max_tokens to at most {limit - n}",
                 "max_tokens", "context_length_exceeded")
-        stop = tuple(stop or ())
         if any(not isinstance(s, str) or not s for s in stop):
             raise RequestError("stop strings must be non-empty strings", "stop")
         if stop and self.tokenizer is None:
@@ -302,18 +354,70 @@ class Engine:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise RequestError(f"cache_salt must be a string, got {cache_salt!r}", "cache_salt")
         params = params or SamplingParams()
+        bad = next((t for t in params.stop_token_ids + tuple(t for t, _ in params.logit_bias) if not 0 <= t < V), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} out of range: ids must be in [0, {V})",
+                               "stop_token_ids" if bad in params.stop_token_ids else "logit_bias")
+        if grammar is not None and getattr(grammar, "vocab_key", None) is None:
+            raise RequestError("grammar must be a CompiledGrammar (GrammarCompiler.compile(spec).result())",
+                               "response_format")
         rid = f"req-{next(self._ids)}"
         handle = RequestHandle(rid, n, max_tokens, self._wake)
-        req = _Request(handle, n, list(prompt_ids), params, params.generator(), max_tokens, stop, ignore_eos,
-                       self.runner.new_seq(), cache_salt or None)
+        handle._request = req = _Request(handle, n, list(prompt_ids), params, params.generator(), max_tokens, stop, ignore_eos,
+                       self.runner.new_seq(), grammar.matcher() if grammar is not None else None,
+                       tuple(sorted(self.eos | set(params.stop_token_ids))), prompt_logprobs,
+                       salt=cache_salt or None)
         if self.observer is not None:
             self.observer.submit(handle)
         with self._lock:
-            self._inbox.append(req)
+            if _leader is not None:
+                _leader.followers.append(req)
+            else:
+                self._inbox.append(req)
             self.counters["requests"] += 1
+            self.counters["structured_requests"] += grammar is not None
             self.counters["prompt_tokens"] += n
         self._wake()
         return handle
+
+    def submit_n(self, prompt_ids: list[int], params: list[SamplingParams], **kw) -> list[RequestHandle]:
+        """len(params) requests on one prompt (OpenAI's `n`): the first prefills it; when it has, the
+        others copy its KV pages for all but the last prompt token and compute only that one (their
+        own first logits), so the prompt is prefilled once. A choice that cannot fork then (pool or
+        batch full, the first choice cancelled) is prefilled on its own: same tokens, more work."""
+        hs = [self.submit(prompt_ids, params[0], **kw)]
+        try:
+            for p in params[1:]:
+                hs.append(self.submit(prompt_ids, p, _leader=hs[0]._request, **kw))
+        except BaseException:
+            for h in hs:
+                h.cancel()
+            raise
+        return hs
+
+    def _fork(self, r: _Request) -> None:
+        """r's prompt KV is complete: start its followers from a copy of it (see submit_n)."""
+        followers, r.followers = r.followers, []
+        n = r.prompt_len - 1
+        for f in followers:
+            if f.handle.cancelled:
+                self._finish(f, "cancelled")
+                continue
+            try:
+                if len(self.running) >= self.max_batch or n < 1:
+                    raise PoolExhausted("batch full")
+                if self.prefix is not None:  # share r's full pages (committed by now), copy the rest
+                    self.prefix.attach(f.seq, f.tokens, f.salt)
+                f.seq.reserve(r.prompt_len + 1)
+            except PoolExhausted:
+                f.seq.free()
+                self.waiting.appendleft(f)  # prefilled on its own
+                continue
+            self.runner.copy_prefix(r.seq, f.seq, n, start=f.seq.length)
+            f.prompt_lps = list(r.prompt_lps)
+            self.running.append(f)
+            if self.observer is not None:
+                self.observer.admit(f.handle)
 
     # ---- stats --------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -397,11 +501,12 @@ class Engine:
                 n = min(r.remaining, budget)
                 batch.append((r, r.seq.length, n))
                 budget -= n
-                self.counters["prefill_tokens"] += n
         # 3. admit new requests while the budget, the batch size and the pool allow
         while self.waiting and budget > 0 and len(self.running) < self.max_batch:
             r = self.waiting[0]
-            hit = self.prefix.attach(r.seq, r.tokens, r.salt) if self.prefix is not None else (0, 0)
+            # (a request that reports prompt logprobs computes its whole prompt)
+            hit = self.prefix.attach(r.seq, r.tokens, r.salt) if self.prefix is not None and r.prompt_lp is None \
+                else (0, 0)
             try:
                 r.seq.reserve(len(r.tokens) + 1)
             except PoolExhausted:
@@ -419,7 +524,6 @@ class Engine:
             n = min(r.remaining, budget)
             batch.append((r, r.seq.length, n))
             budget -= n
-            self.counters["prefill_tokens"] += n
         return batch
 
     def _run(self, batch: list[tuple[_Request, int, int]]) -> None:
@@ -428,8 +532,11 @@ class Engine:
         for r, start, n in batch:
             ids += r.tokens[start:start + n]
             chunks.append(Chunk(r.seq, start, n))
+            if start < r.prompt_len:
+                self.counters["prefill_tokens_computed"] += min(n, r.prompt_len - start)
+        every = any(r.prompt_lp is not None and start < r.prompt_len for r, start, _ in batch)
         try:
-            logits = self.runner.step(ids, chunks)  # [len(chunks), V]
+            logits = self.runner.step(ids, chunks, all_logits=every)  # [len(chunks), V] ([len(ids), V] with every)
         except Exception as e:  # noqa: BLE001 - fail this batch's requests, keep serving
             unavailable = bool(getattr(e, "unavailable", False))  # e.g. ShardError: no replica of a shard left
             msg = f"model step failed: {type(e).__name__}: {e}"
@@ -449,23 +556,35 @@ class Engine:
         if self.prefix is not None:
             for r, _, _ in batch:
                 self.prefix.commit(r.seq, r.tokens)  # pages filled by this step
-        # one device->host copy for every greedy row (sample() would sync once per request)
-        greedy = logits.argmax(-1).tolist() if any(r.params.greedy for r, _, _ in batch) else None
-        for j, (r, start, n) in enumerate(batch):
-            if start + n < len(r.tokens):
-                continue  # a prefill chunk short of the prompt's end: nothing to sample yet
-            tok = greedy[j] if r.params.greedy else sample(logits[j], r.params, r.gen)
+        if every:  # rows of every token: keep the prompt logprobs asked for, then the chunks' last rows
+            ends = list(itertools.accumulate(n for _, _, n in batch))
+            for (r, start, n), end in zip(batch, ends):
+                if r.prompt_lp is not None and start < r.prompt_len:
+                    upto = min(start + n, r.prompt_len) - 1  # row t predicts token t + 1
+                    if upto > start:
+                        r.prompt_lps += prompt_logprobs(logits[end - n:end - n + upto - start],
+                                                        r.tokens[start + 1:upto + 1], r.prompt_lp)
+            logits = logits[[e - 1 for e in ends]]
+        rows = [j for j, (r, start, n) in enumerate(batch) if start + n >= len(r.tokens)]  # the rest: mid-prompt
+        for j in rows:
+            if batch[j][0].followers and len(batch[j][0].out) == 0:
+                self._fork(batch[j][0])
+        picks = choose_tokens(logits if len(rows) == len(batch) else logits[rows], [batch[j][0] for j in rows])
+        for j, (tok, lp) in zip(rows, picks):
+            r = batch[j][0]
+            if r.max_tokens == 0:  # scoring the prompt only (echo with max_tokens 0)
+                self._emit(r, None, None)
+                continue
             r.tokens.append(tok)
             self.counters["generated_tokens"] += 1
             if self.observer is not None:
                 self.observer.token(r.handle)
-            self._emit(r, tok)
+            self._emit(r, tok, lp)
 
     # ---- outputs ------------------------------------------------------------------------------
-    def _detok(self, r: _Request) -> str:
+    def _detok(self, r: _Request, out: list[int]) -> str:
         """New text of the generated ids (prefix/read-offset incremental decoding: only complete
         characters are returned, so multi-byte characters split across tokens come out whole)."""
-        out = r.out
         prefix = self.tokenizer.decode(out[r.prefix_offset:r.read_offset])
         new = self.tokenizer.decode(out[r.prefix_offset:])
         if len(new) > len(prefix) and not new.endswith("\ufffd"):
@@ -473,19 +592,28 @@ class Engine:
             return new[len(prefix):]
         return ""
 
-    def _emit(self, r: _Request, tok: int) -> None:
-        finish = None
-        if tok in self.eos and not r.ignore_eos:
+    def _emit(self, r: _Request, tok: int | None, lp: TokenLogprob | None = None) -> None:
+        finish, error, hide = None, None, False
+        if tok is None:
+            finish = "length"
+        elif r.matcher is not None and not r.matcher.accept(tok):
+            finish, error = "error", f"grammar: token {tok} rejected: {r.matcher.error}"
+        elif tok in self.eos and not r.ignore_eos:
             finish = "stop"
+        elif tok in r.params.stop_token_ids:
+            finish, hide = "stop", True  # like EOS: its text is not part of the output
+        elif r.matcher is not None and r.matcher.stopped:
+            finish = "stop"  # the grammar is complete and cannot continue
         elif len(r.out) >= r.max_tokens:
             finish = "length"
         text = ""
+        out = r.out[:-1] if hide else r.out
         if self.tokenizer is not None:
             before = len(r.text)
-            r.text += self._detok(r)
-            if finish is not None and r.read_offset < len(r.out):  # flush an incomplete tail
-                tail = self.tokenizer.decode(r.out[r.prefix_offset:])
-                r.text += tail[len(self.tokenizer.decode(r.out[r.prefix_offset:r.read_offset])):]
+            r.text += self._detok(r, out)
+            if finish is not None and r.read_offset < len(out):  # flush an incomplete tail
+                tail = self.tokenizer.decode(out[r.prefix_offset:])
+                r.text += tail[len(self.tokenizer.decode(out[r.prefix_offset:r.read_offset])):]
             if r.stop:
                 longest = max(len(s) for s in r.stop)
                 lo = max(0, before - longest + 1)
@@ -498,18 +626,26 @@ class Engine:
                 hold = 0
             end = max(r.sent_chars, len(r.text) - hold)
             text, r.sent_chars = r.text[r.sent_chars:end], end
+        ids = [] if tok is None else [tok]
+        lps = [lp] if lp is not None else None
+        plp = None
+        if r.prompt_lp is not None:  # once: a preempted request's recompute does not report them again
+            plp, r.prompt_lps, r.prompt_lp = r.prompt_lps, [], None
         if finish is None:
-            r.handle._push(Output([tok], text))
+            r.handle._push(Output(ids, text, logprobs=lps, prompt_logprobs=plp))
             return
         self.running.remove(r)
         r.seq.free()
-        self.counters["finished"] += 1
-        r.handle._push(Output([tok], text, finish))
+        self.counters["finished" if finish != "error" else "errors"] += 1
+        r.handle._push(Output(ids, text, finish, error, logprobs=lps, prompt_logprobs=plp))
         if self.observer is not None:
             self.observer.finish(r.handle, finish)
 
     def _finish(self, r: _Request, reason: str, error: str | None = None, unavailable: bool = False) -> None:
         """End a request without a new token (cancelled, error, shutdown) and free its pages."""
+        followers, r.followers = r.followers, []  # not forked yet: end them too, or queue them on their own
+        for f in reversed(followers):
+            self._finish(f, reason, error) if self._stopping else self.waiting.appendleft(f)
         r.seq.free()
         self.counters["cancelled" if reason == "cancelled" else "errors"] += 1
         r.handle._push(Output([], "", reason, error, unavailable))
@@ -518,13 +654,7 @@ class Engine:
 
     def _check_pool(self) -> None:
         """Test mode: every page free, private to one live request, or cached; references match."""
-        seqs = [r.seq for r in self.running] + [r.seq for r in self.waiting if r.seq.pages]
-        if self.prefix is not None:
-            self.prefix.check(seqs)
-            return
-        held = [p for s in seqs for p in s.pages] + self.pool.free_pages
-        if sorted(held) != list(range(self.pool.num_pages)):
-            raise AssertionError(f"KV pages leaked or held twice: {len(held)} of {self.pool.num_pages}")
+        check_pool(self.pool, self.prefix, [r.seq for r in self.running + list(self.waiting)])
 
     def _abort_all(self, reason: str, error: str | None) -> None:
         with self._lock:

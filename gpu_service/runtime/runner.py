@@ -144,6 +144,15 @@ class ModelRunner:
     def new_seq(self) -> SeqKV:
         return SeqKV(self.pool)
 
+    def copy_prefix(self, src: SeqKV, dst: SeqKV, n: int, start: int = 0) -> None:
+        """Copy the KV of src's tokens [start, n) into dst (pages already reserved; dst already has
+        [0, start), e.g. shared prefix-cache pages); dst.length = n. (n choices of one prompt: the
+        prompt is prefilled once.)"""
+        s, d = src.slots(start, n, torch.device("cpu")), dst.slots(start, n, torch.device("cpu"))
+        for t in self.pool.kv + (self.pool.index_k or []):
+            t.index_copy_(0, d.to(t.device), t.index_select(0, s.to(t.device)))
+        dst.length = n
+
     def step(self, input_ids: list[int], chunks: list[Chunk], all_logits: bool = False) -> torch.Tensor:
         ids = torch.tensor(input_ids, dtype=torch.long)
         return self.model(ids, chunks, self.pool, self.experts, all_logits=all_logits)
