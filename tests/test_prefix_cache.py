@@ -421,3 +421,27 @@ def test_serving_host_kv_arguments():
     a = p.parse_args(["--model", "m", "--no-prefix-cache", "--host-kv-cache", "2GiB"])
     assert not a.prefix_cache and host_kv_bytes(a.host_kv_cache) == 2 << 30
     assert host_kv_bytes("auto", device="cpu") == 0  # the pool is in host memory already
+
+
+def test_n_choices_share_the_cached_prompt(v3):
+    """submit_n: choices 2..n reference the first one's cached pages (copying only the partial
+    page); seeded choices give the same tokens as without the cache, and the pool stays sound."""
+    from cpu_expert_service.server import load_shard
+    from gpu_service.runtime.sampling import SamplingParams
+
+    backend = load_shard(v3, None, None, "numpy")[1]
+    prompt = SYSTEM + list(range(300, 335))
+    params = [SamplingParams(temperature=0.8, seed=7 + i) for i in range(3)]
+    outs = {}
+    for cache in (False, True):
+        eng = engine(make_runner(v3, backend, cache=cache))
+        try:
+            hs = eng.submit_n(prompt, params, max_tokens=8, ignore_eos=True)
+            outs[cache] = [h.result(120)[0] for h in hs]
+            assert eng.last_error is None and eng.counters["prefill_tokens_computed"] <= len(prompt) + 2 * PAGE
+        finally:
+            eng.stop()
+        if cache:
+            eng.runner.prefix_cache.check()
+            assert eng.pool.pages_in_use == eng.pool.cached_pages
+    assert outs[True] == outs[False]
