@@ -5,7 +5,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-test protos build test soak demo bench bench-kernels gpu-check chart-check clean
+.PHONY: setup setup-test protos build test soak demo bench bench-kernels bench-prefix gpu-check chart-check clean
 
 setup: $(STAMP)
 
@@ -50,3 +50,7 @@ chart-check: setup
 
 clean:
 	rm -rf build *.egg-info $(VENV)
+
+# Prefix cache on an agent-like trace: off / GPU tier / GPU + host tier (bench/results/prefix.json + .png).
+bench-prefix: setup
+	$(PY) bench/bench_prefix.py

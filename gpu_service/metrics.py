@@ -261,6 +261,7 @@ class _ScrapeCollector:
             c = CounterMetricFamily(p + name, doc)
             c.add_metric([], s[key])
             yield c
+        yield from _prefix_cache_families(s, getattr(self.engine, "prefix", None))
         if self.health_fn is not None:
             g = GaugeMetricFamily(p + "expert_shard_up", "1 when the shard's gRPC health check says SERVING.",
                                   labels=["shard"])
@@ -307,6 +308,36 @@ class _ScrapeCollector:
                 g.add_metric([f"cuda:{i}", "torch_allocated"], torch.cuda.memory_allocated(i))
                 g.add_metric([f"cuda:{i}", "torch_reserved"], torch.cuda.memory_reserved(i))
         yield g
+
+
+def _prefix_cache_families(s: dict, cache):
+    """The prefix cache (gpu_service.model.prefix_cache), from engine.stats()."""
+    p = PREFIX
+    if cache is None:
+        return
+    c = CounterMetricFamily(p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+    c.add_metric([], s["prefix_queries"])
+    yield c
+    c = CounterMetricFamily(p + "prefix_cache_hits", "Prompt tokens served by the prefix cache, by tier (gpu|host).",
+                            labels=["tier"])
+    c.add_metric(["gpu"], s["prefix_hits_gpu"])
+    c.add_metric(["host"], s["prefix_hits_host"])
+    yield c
+    c = CounterMetricFamily(p + "prefix_cache_evictions", "Cached pages evicted: from the GPU pool (to the host "
+                            "tier or dropped) and dropped from the host tier.", labels=["tier"])
+    c.add_metric(["gpu"], s["prefix_evicted_gpu"])
+    c.add_metric(["host"], s["prefix_evicted_host"])
+    yield c
+    c = CounterMetricFamily(p + "prefix_cache_copied_bytes", "Bytes copied between the GPU pool and the host tier.",
+                            labels=["direction"])
+    c.add_metric(["to_host"], s["prefix_copy_out_bytes"])
+    c.add_metric(["to_gpu"], s["prefix_copy_in_bytes"])
+    yield c
+    g = GaugeMetricFamily(p + "prefix_cache_pages", "Prefix-cache pages by tier and state (gpu: referenced by "
+                          "requests | cached, unreferenced; host: cached | free).", labels=["tier", "state"])
+    for (tier, state), n in sorted(cache.page_counts().items()):
+        g.add_metric([tier, state], n)
+    yield g
 
 
 class GpuMetrics:

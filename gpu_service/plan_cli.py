@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu", action="append", type=_size, required=True, metavar="SIZE",
                    help="total memory of one GPU, e.g. 24GiB (GB = 1e9, GiB = 2^30); repeat per GPU")
     p.add_argument("--host-ram", type=_size, default=None, metavar="SIZE", help="host RAM to check shards against")
+    p.add_argument("--host-kv-cache", default="auto", metavar="SIZE|auto",
+                   help="host-RAM tier of the prefix cache (default auto: half the RAM --host-ram leaves free)")
     p.add_argument("--numa-nodes", type=int, default=1, help="CPU shards, one per NUMA node (default 1)")
     p.add_argument("--kv-tokens", type=int, default=None,
                    help=f"KV cache target in tokens (default {P.DEFAULT_KV_TARGET}); shrunk only if needed")
@@ -70,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
                            chunk_tokens=args.chunk_tokens, attention_weights=args.attention_weights,
                            embeddings=args.embeddings, gpu_experts=args.gpu_experts,
                            expert_format=args.expert_format, max_batch=args.max_batch, model=name,
-                           dtype=args.dtype)
+                           dtype=args.dtype, host_kv_cache=args.host_kv_cache)
     except (ConfigError, ValueError) as e:
         print(f"moesplit plan: {e}", file=sys.stderr)
         return 2

@@ -59,6 +59,12 @@ def add_serving_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"seconds a connection may take to send a request's headers (default {DEFAULT_HEADER_TIMEOUT_S:g})")
     p.add_argument("--kv-tokens", type=int, default=8192, help="KV cache size in tokens, shared by all requests")
     p.add_argument("--page-size", type=int, default=64, help="tokens per KV page")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="recompute every prompt (default: share full KV pages of common prefixes)")
+    p.add_argument("--host-kv-cache", default="auto", metavar="SIZE|auto|0",
+                   help="host-RAM tier of the prefix cache, e.g. 64GiB (pinned on CUDA); auto: half the RAM the "
+                        "plan leaves free with --host-ram, else a quarter of MemAvailable (at most 64 GiB); "
+                        "0 or a CPU pool: none")
     p.add_argument("--max-batch", type=int, default=16, help="most requests running at once")
     p.add_argument("--chunk-tokens", type=int, default=512,
                    help="token budget of one step (decodes + prefill chunks)")
@@ -93,6 +99,13 @@ def check_serving_args(args: argparse.Namespace) -> str | None:
                  "max_new_tokens", "limit_concurrency"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
+    if getattr(args, "host_kv_cache", "auto") != "auto":
+        from gpu_service.plan.bytes import parse_size
+
+        try:
+            parse_size(args.host_kv_cache)
+        except ValueError as e:
+            return f"--host-kv-cache: {e}; give a size such as 64GiB, 0 (off) or auto"
     if args.expert_timeout <= 0:
         return f"--expert-timeout must be > 0, got {args.expert_timeout}"
     if args.header_timeout <= 0 or (args.max_prompt_chars is not None and args.max_prompt_chars < 1):
@@ -136,10 +149,12 @@ def shard_health_fn(addresses: list[str], timeout_s: float = 1.0, tls=None) -> C
 
 def build_runner(model_dir: str, addresses: list[str], device=None, dtype=None, kv_tokens: int = 8192,
                  page_size: int = 64, expert_timeout: float = 5.0, tls=None, tls_server_name: str | None = None,
-                 placement=None, chat_template: str | None = None):
+                 placement=None, chat_template: str | None = None, prefix_cache: bool = True,
+                 host_kv_cache: str | int = 0):
     """Connect to the shards (fingerprint + coverage checked) and load the GPU side (its tensors
     verified first). Returns (runner, experts_client, tokenizer or None); `chat_template`: a Jinja file
-    overriding the checkpoint's chat format."""
+    overriding the checkpoint's chat format; `host_kv_cache`: bytes / "64GiB" / "auto" (`host_kv_bytes`)
+    of the prefix cache's host tier."""
     import torch
 
     from checkpoint.reader import CheckpointReader
@@ -153,7 +168,8 @@ def build_runner(model_dir: str, addresses: list[str], device=None, dtype=None, 
     try:
         runner = ModelRunner(reader, RemoteExperts(client), device=torch.device(device) if device else None,
                              dtype=getattr(torch, dtype) if dtype else None, kv_tokens=kv_tokens,
-                             page_size=page_size, placement=placement)
+                             page_size=page_size, placement=placement, prefix_cache=prefix_cache,
+                             host_kv_bytes=host_kv_bytes(host_kv_cache, placement, device))
     except BaseException:
         client.close()
         raise
@@ -163,6 +179,22 @@ def build_runner(model_dir: str, addresses: list[str], device=None, dtype=None, 
         log.warning("%s: serving token ids only", e)
         tokenizer = None
     return runner, client, tokenizer
+
+
+def host_kv_bytes(spec: str | int, placement=None, device=None) -> int:
+    """--host-kv-cache as bytes: "auto" is gpu_service.model.host_kv.auto_host_kv_bytes of the plan,
+    and nothing when the pool lives in host memory anyway (a CPU device)."""
+    import torch
+
+    from gpu_service.model.host_kv import auto_host_kv_bytes
+    from gpu_service.plan.bytes import parse_size
+
+    if spec != "auto":
+        return parse_size(spec)
+    cuda = torch.cuda.is_available() if device is None else str(device).startswith("cuda")
+    if placement is not None:
+        cuda = any(d.type == "cuda" for d in placement.layer_devices)
+    return auto_host_kv_bytes(getattr(placement, "plan", None)) if cuda else 0
 
 
 class ServingStack:
@@ -269,7 +301,8 @@ def run_stack(args: argparse.Namespace, prog: str, addresses: list[str], closers
         runner, client, tokenizer = build_runner(args.model, addresses, args.device, args.dtype,
                                                  args.kv_tokens, args.page_size, args.expert_timeout,
                                                  expert_client_tls(args, prog), args.tls_server_name, placement,
-                                                 getattr(args, "chat_template", None))
+                                                 getattr(args, "chat_template", None), args.prefix_cache,
+                                                 args.host_kv_cache)
         closers.append(client.close)
         shard_max = min((int(s.info.max_tokens) for s in client.shards if s.info.max_tokens), default=None)
         chunk = args.chunk_tokens

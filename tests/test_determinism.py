@@ -24,14 +24,14 @@ N_TOK = 160
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from gpu_service.tiny import make_tiny
+    from gpu_service.local.tiny import make_tiny
 
     return make_tiny(str(tmp_path_factory.mktemp("det") / MODEL), "bf16", seed=11)
 
 
 @pytest.fixture(scope="module")
 def stack(model_dir):
-    from gpu_service.local_stack import start_shards
+    from gpu_service.local.stack import start_shards
     from gpu_service.serving import ServingStack, build_runner
 
     shards = start_shards(model_dir, 2, split="experts", backend="auto", replicas=2)

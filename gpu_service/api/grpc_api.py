@@ -122,7 +122,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 logprobs=request.logprobs if request.HasField("logprobs") else None)
             h = self.engine.submit(ids, params, request.max_tokens if request.HasField("max_tokens") else None,
                                    stop=list(request.stop), ignore_eos=request.ignore_eos,
-                                   grammar=self._grammar(request))
+                                   grammar=self._grammar(request), cache_salt=request.cache_salt or None)
         except QueueFull as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except (RequestError, ValueError) as e:  # GrammarError is a ValueError
@@ -146,7 +146,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             if out.finish_reason is not None:
                 resp.usage.CopyFrom(generate_pb2.Usage(
                     prompt_tokens=h.prompt_tokens, completion_tokens=h.completion_tokens,
-                    total_tokens=h.prompt_tokens + h.completion_tokens))
+                    total_tokens=h.prompt_tokens + h.completion_tokens, cached_tokens=h.cached_tokens))
             yield resp
 
 

@@ -17,6 +17,8 @@
 Structured outputs (`response_format`, gpu_service.api.openai_params), logprobs (chat
 `logprobs`/`top_logprobs`, completions `logprobs` + `echo`), `n` choices (choice i seeded with
 seed + i), penalties and `logit_bias` are implemented; any other field is refused with 400 naming it.
+`cache_salt` (vLLM's: prefixes are shared only between requests of the same salt); usage reports
+`prompt_tokens_details.cached_tokens` (prompt tokens served by the prefix cache), as OpenAI does.
 Every error has OpenAI's shape `{"error": {"message", "type", "param", "code"}}`, including
 malformed JSON (400, not FastAPI's 422 shape) and a wrong API key (401). A client that goes away
 cancels its request: the engine frees its KV pages at the next step boundary.
@@ -241,7 +243,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
             for ids in prompts:
                 ps = [params if params.seed is None else OP.with_seed(params, params.seed + i) for i in range(n)]
                 hs += engine.submit_n(ids, ps, max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos,
-                                      grammar=grammar, prompt_logprobs=prompt_lp)
+                                      grammar=grammar, prompt_logprobs=prompt_lp,
+                                      cache_salt=_get(body, "cache_salt", str))
         except QueueFull as e:
             for h in hs:
                 h.cancel()
@@ -262,7 +265,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
         """Usage of all choices: each prompt counted once (its n choices share it)."""
         prompt = sum(h.prompt_tokens for h in hs[::n])
         done = sum(h.completion_tokens for h in hs)
-        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
+                "prompt_tokens_details": {"cached_tokens": sum(h.cached_tokens for h in hs[::n])}}
 
     async def _collect(request: Request, h) -> tuple[str, list[int], list, list]:
         """Wait for the whole completion; cancel it if the client disconnects meanwhile.

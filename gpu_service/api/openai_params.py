@@ -22,7 +22,7 @@ _COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "n", "se
            "presence_penalty", "frequency_penalty", "logit_bias", "user", "response_format",
            # extensions (vLLM's names)
            "top_k", "ignore_eos", "return_token_ids", "min_tokens", "stop_token_ids", "repetition_penalty",
-           "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
+           "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "cache_salt"}
 CHAT_FIELDS = frozenset(_COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                                    # gpu_service.api.chat_request
                                    "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",

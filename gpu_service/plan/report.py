@@ -51,6 +51,11 @@ def render_table(p: "Plan") -> str:  # a gpu_service.plan.search.Plan
     h = p.host
     cap = fmt_gib(h["capacity_bytes"]) if h["capacity_bytes"] is not None else "unchecked (no --host-ram)"
     lines.append(f"host RAM: needs {fmt_gib(h['required_bytes'])} (shards + GPU service + OS) of {cap}")
+    if h.get("host_kv_cache_bytes") is not None:
+        lines.append(f"host KV cache (prefix cache tier): {fmt_gib(h['host_kv_cache_bytes'])} = "
+                     f"{h['host_kv_cache_tokens']:,} cached tokens")
+    else:
+        lines.append("host KV cache (prefix cache tier): sized at start from free RAM (give --host-ram to plan it)")
     lines += ["", "choices:"] + [f"  - {x}" for x in p.choices]
     if p.fits:
         lines += ["", "FITS"]

@@ -35,6 +35,7 @@ from gpu_service.plan.bytes import (
     module_bytes, Options, param_counts, parse_size, SHARD_BASELINE_BYTES, workspace_bytes, dtype_bytes,
     checkpoint_format, qlinear_scratch_bytes,
 )
+from gpu_service.plan.host_tier import host_kv_fields
 from gpu_service.plan.report import render_table
 
 
@@ -316,14 +317,15 @@ def make_plan(cfg: ModelConfig, gpus: list[int | str], host_ram: int | str | Non
               chunk_tokens: int = DEFAULT_CHUNK_TOKENS, attention_weights: str = "auto",
               embeddings: str = "auto", gpu_experts: int | str = "auto", expert_format: str = "auto",
               max_batch: int = DEFAULT_MAX_BATCH, shard_split: str = "slice", model: str | None = None,
-              suggest: bool = True, dtype: str = "bfloat16") -> Plan:
+              suggest: bool = True, dtype: str = "bfloat16", host_kv_cache: int | str | None = "auto") -> Plan:
     """Plan GPU and CPU memory for `cfg` on GPUs of the given total capacities (bytes or "24GiB").
 
     Options left at "auto" (and kv_tokens, a target) are searched in the documented order of
     least harm; explicit options are kept as given. When nothing fits, the returned plan has
     fits=False, the most memory-saving configuration tried, and `suggestions` of changed options
     that do fit (each verified by re-planning). `dtype` is the compute dtype (bfloat16, float16,
-    float32): the bytes per element of unquantised weights, the KV cache and the activations."""
+    float32): the bytes per element of unquantised weights, the KV cache and the activations.
+    `host_kv_cache`: the prefix cache's host tier (gpu_service.plan.host_tier), reported in `plan.host`."""
     caps = [parse_size(g) for g in gpus]
     host = parse_size(host_ram) if host_ram is not None else None
     if not caps:
@@ -438,7 +440,9 @@ def make_plan(cfg: ModelConfig, gpus: list[int | str], host_ram: int | str | Non
     o = opts(a, e, kv, n_exp)
     layout = _Layout(cfg, o, caps)
     shards = shard_plans(cfg, efmt, numa_nodes, chunk_tokens, shard_split)
-    plan = Plan(name, cfg, o, layout.gpu_plans(), shards, host_summary(cfg, shards, e, host), choices)
+    host_d = host_summary(cfg, shards, e, host)
+    host_d.update(host_kv_fields(cfg, host_d, host_kv_cache))
+    plan = Plan(name, cfg, o, layout.gpu_plans(), shards, host_d, choices)
     if not plan.fits and suggest:
         plan.suggestions = _suggestions(cfg, dict(gpus=caps, host_ram=host, numa_nodes=numa_nodes, kv_tokens=kv_tokens,
                                                   min_kv_tokens=min_kv_tokens, chunk_tokens=chunk_tokens,

@@ -11,7 +11,10 @@ tokens in all (chunked prefill mixed with decode). KV lives in the runner's page
   its pages are freed and it goes back to the head of the queue, to be re-prefilled from
   prompt + generated tokens later (recompute);
 - a request that can never fit (prompt + max_tokens larger than the pool or the context) is
-  refused at `submit` with a `RequestError`, so nothing ever runs out of memory mid-step.
+  refused at `submit` with a `RequestError`, so nothing ever runs out of memory mid-step;
+- with the runner's prefix cache (gpu_service.model.prefix_cache), admission first takes the
+  longest cached prefix of the prompt (per `cache_salt`) and prefills only the rest; pages are
+  inserted as they fill, and cached pages are evicted (LRU) only when a reservation needs them.
 
 Sampling uses gpu_service.sampling with one generator per request, so a seeded request gives the
 same tokens whatever it is batched with. The model computes attention per chunk, so batching
@@ -37,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gpu_service.model.kv import Chunk, PoolExhausted, SeqKV
+from gpu_service.model.prefix_cache import check_pool
 from gpu_service.runtime.grammar import compiler_for
 from gpu_service.runtime.logits import choose_tokens, prompt_logprobs, TokenLogprob
 from gpu_service.runtime.sampling import SamplingParams
@@ -95,6 +99,7 @@ class RequestHandle:
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.unavailable = False  # the error was an unavailable expert shard (HTTP 503 / gRPC UNAVAILABLE)
@@ -198,6 +203,8 @@ class _Request:
     prompt_lp: int | None = None  # top-k of the prompt's logprobs to report (echo), None = off
     prompt_lps: list = field(default_factory=list)
     followers: list = field(default_factory=list)  # choices 2..n of the same prompt: fork off this one's KV
+    salt: str | None = None  # cache_salt: prefixes are shared only between equal salts
+    looked_up: bool = False  # the prefix-cache lookup has been counted
     arrival: float = field(default_factory=time.monotonic)
     # incremental detokenisation (prefix/read offsets into the generated ids) and stop handling
     prefix_offset: int = 0
@@ -227,7 +234,7 @@ class Engine:
 
     def __init__(self, runner, tokenizer=None, max_batch: int = 16, chunk_tokens: int = 512,
                  eos_token_ids: tuple[int, ...] | None = None, max_context: int | None = None,
-                 max_waiting: int = 256, max_new_tokens: int = 8192):
+                 max_waiting: int = 256, max_new_tokens: int = 8192, check_pool: bool = False):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if chunk_tokens < 1:
@@ -244,6 +251,8 @@ class Engine:
         self.max_waiting = int(max_waiting)
         self.max_new_tokens = int(max_new_tokens)
         self.pool = runner.pool
+        self.prefix = getattr(runner, "prefix_cache", None)  # PrefixCache or None (--no-prefix-cache)
+        self.check_pool = check_pool  # test mode: assert the pool's invariants after every step
         self.pool_tokens = self.pool.num_pages * self.pool.page_size
         self._inbox: collections.deque[_Request] = collections.deque()
         self._lock = threading.Lock()
@@ -255,7 +264,7 @@ class Engine:
         self.running: list[_Request] = []
         self.counters = dict(peak_running=0, requests=0, finished=0, cancelled=0, errors=0, preempted=0, steps=0,
                              prompt_tokens=0, generated_tokens=0, step_tokens=0, prefill_tokens_computed=0,
-                             structured_requests=0)
+                             structured_requests=0, cached_tokens=0)
         self.last_error: str | None = None
         self.grammars = compiler_for(tokenizer, self.cfg)  # GrammarCompiler (structured outputs) or None
         self.observer = None  # metrics hooks (gpu_service.metrics.EngineObserver): submit/admit/token/finish/preempt
@@ -292,8 +301,10 @@ class Engine:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, max_tokens: int | None = None,
                stop: list[str] | tuple[str, ...] = (), ignore_eos: bool = False, grammar=None,
-               prompt_logprobs: int | None = None, _leader: _Request | None = None) -> RequestHandle:
+               prompt_logprobs: int | None = None, _leader: _Request | None = None,
+               cache_salt: str | None = None) -> RequestHandle:
         """Queue a request. `max_tokens=None` means up to `max_new_tokens` (within the context / pool).
+        Requests share cached prefixes only with requests of the same `cache_salt`.
 
         `grammar`: a gpu_service.runtime.grammar.CompiledGrammar the output must match (compile it
         first, off this thread: `GrammarCompiler.compile(spec)`); its end stops the request.
@@ -340,6 +351,8 @@ class Engine:
             raise RequestError("stop strings must be non-empty strings", "stop")
         if stop and self.tokenizer is None:
             raise RequestError("stop strings need the checkpoint's tokenizer.json", "stop")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise RequestError(f"cache_salt must be a string, got {cache_salt!r}", "cache_salt")
         params = params or SamplingParams()
         bad = next((t for t in params.stop_token_ids + tuple(t for t, _ in params.logit_bias) if not 0 <= t < V), None)
         if bad is not None:
@@ -352,7 +365,8 @@ class Engine:
         handle = RequestHandle(rid, n, max_tokens, self._wake)
         handle._request = req = _Request(handle, n, list(prompt_ids), params, params.generator(), max_tokens, stop, ignore_eos,
                        self.runner.new_seq(), grammar.matcher() if grammar is not None else None,
-                       tuple(sorted(self.eos | set(params.stop_token_ids))), prompt_logprobs)
+                       tuple(sorted(self.eos | set(params.stop_token_ids))), prompt_logprobs,
+                       salt=cache_salt or None)
         if self.observer is not None:
             self.observer.submit(handle)
         with self._lock:
@@ -392,11 +406,14 @@ class Engine:
             try:
                 if len(self.running) >= self.max_batch or n < 1:
                     raise PoolExhausted("batch full")
+                if self.prefix is not None:  # share r's full pages (committed by now), copy the rest
+                    self.prefix.attach(f.seq, f.tokens, f.salt)
                 f.seq.reserve(r.prompt_len + 1)
             except PoolExhausted:
+                f.seq.free()
                 self.waiting.appendleft(f)  # prefilled on its own
                 continue
-            self.runner.copy_prefix(r.seq, f.seq, n)
+            self.runner.copy_prefix(r.seq, f.seq, n, start=f.seq.length)
             f.prompt_lps = list(r.prompt_lps)
             self.running.append(f)
             if self.observer is not None:
@@ -415,7 +432,9 @@ class Engine:
             "pool_usage": p.pages_in_use / p.num_pages if p.num_pages else 0.0,
             "max_batch": self.max_batch,
             "chunk_tokens": self.chunk_tokens,
+            "pool_pages_cached": p.cached_pages,
             **self.counters,
+            **({"prefix_" + k: v for k, v in self.prefix.stats.items()} if self.prefix is not None else {}),
         }
 
     # ---- scheduler ----------------------------------------------------------------------------
@@ -431,6 +450,14 @@ class Engine:
                 self._wake_ev.wait()
                 continue
             self._run(batch)
+            if self.check_pool:
+                try:
+                    self._check_pool()
+                except AssertionError as e:  # test mode: fail every request loudly, stop serving
+                    self.last_error = f"KV pool invariant broken: {e}"
+                    log.error("%s", self.last_error)
+                    self._stopping = True
+                    self._abort_all("error", self.last_error)
 
     def _reap_cancelled(self) -> None:
         for r in [r for r in self.running if r.handle.cancelled]:
@@ -477,11 +504,20 @@ class Engine:
         # 3. admit new requests while the budget, the batch size and the pool allow
         while self.waiting and budget > 0 and len(self.running) < self.max_batch:
             r = self.waiting[0]
+            # (a request that reports prompt logprobs computes its whole prompt)
+            hit = self.prefix.attach(r.seq, r.tokens, r.salt) if self.prefix is not None and r.prompt_lp is None \
+                else (0, 0)
             try:
                 r.seq.reserve(len(r.tokens) + 1)
             except PoolExhausted:
+                r.seq.free()  # the prefix it took stays cached
                 break  # wait until a request finishes (FIFO: no overtaking)
             self.waiting.popleft()
+            if self.prefix is not None and not r.looked_up:  # counted once (not again after a preemption)
+                r.looked_up = True
+                r.handle.cached_tokens = r.seq.length
+                self.counters["cached_tokens"] += r.seq.length
+                self.prefix.note_query(r.prompt_len, *hit)
             self.running.append(r)
             if self.observer is not None:
                 self.observer.admit(r.handle)
@@ -517,6 +553,9 @@ class Engine:
         self.counters["steps"] += 1
         self.counters["peak_running"] = max(self.counters["peak_running"], len(self.running))
         self.counters["step_tokens"] += len(ids)
+        if self.prefix is not None:
+            for r, _, _ in batch:
+                self.prefix.commit(r.seq, r.tokens)  # pages filled by this step
         if every:  # rows of every token: keep the prompt logprobs asked for, then the chunks' last rows
             ends = list(itertools.accumulate(n for _, _, n in batch))
             for (r, start, n), end in zip(batch, ends):
@@ -612,6 +651,10 @@ class Engine:
         r.handle._push(Output([], "", reason, error, unavailable))
         if self.observer is not None:
             self.observer.finish(r.handle, reason)
+
+    def _check_pool(self) -> None:
+        """Test mode: every page free, private to one live request, or cached; references match."""
+        check_pool(self.pool, self.prefix, [r.seq for r in self.running + list(self.waiting)])
 
     def _abort_all(self, reason: str, error: str | None) -> None:
         with self._lock:

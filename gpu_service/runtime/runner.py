@@ -16,6 +16,7 @@ import torch
 from checkpoint.config import ModelConfig
 from gpu_service.model.kv import Chunk, KVPool, SeqKV
 from gpu_service.model.deepseek import build_model, DeepseekV3
+from gpu_service.model.prefix_cache import make_prefix_cache
 from gpu_service.model.placement import Placement
 from gpu_service.runtime.sampling import sample, SamplingParams
 
@@ -118,7 +119,8 @@ def verify_gpu_weights(reader) -> int:
 
 class ModelRunner:
     def __init__(self, reader, experts, device: torch.device | None = None, dtype: torch.dtype | None = None,
-                 kv_tokens: int = 4096, page_size: int = 64, placement: Placement | None = None):
+                 kv_tokens: int = 4096, page_size: int = 64, placement: Placement | None = None,
+                 prefix_cache: bool = True, host_kv_bytes: int = 0):
         self.cfg: ModelConfig = reader.config
         self.device = device or (placement.devices[0] if placement else default_device())
         self.dtype = dtype or default_dtype(self.device)
@@ -138,14 +140,17 @@ class ModelRunner:
         self.page_size = page_size
         self.pool = KVPool(self.cfg, -(-self.placement.kv_tokens // page_size), page_size, self.dtype,
                            self.placement.layer_devices)
+        # prefix sharing (the engine looks prompts up and inserts pages); host_kv_bytes: its host tier
+        self.prefix_cache = make_prefix_cache(self.pool, host_kv_bytes) if prefix_cache else None
 
     def new_seq(self) -> SeqKV:
         return SeqKV(self.pool)
 
-    def copy_prefix(self, src: SeqKV, dst: SeqKV, n: int) -> None:
-        """Copy the KV of src's first n tokens into dst (pages already reserved); dst.length = n.
-        (n choices of one prompt: the prompt is prefilled once.)"""
-        s, d = src.slots(0, n, torch.device("cpu")), dst.slots(0, n, torch.device("cpu"))
+    def copy_prefix(self, src: SeqKV, dst: SeqKV, n: int, start: int = 0) -> None:
+        """Copy the KV of src's tokens [start, n) into dst (pages already reserved; dst already has
+        [0, start), e.g. shared prefix-cache pages); dst.length = n. (n choices of one prompt: the
+        prompt is prefilled once.)"""
+        s, d = src.slots(start, n, torch.device("cpu")), dst.slots(start, n, torch.device("cpu"))
         for t in self.pool.kv + (self.pool.index_k or []):
             t.index_copy_(0, d.to(t.device), t.index_select(0, s.to(t.device)))
         dst.length = n
