@@ -236,11 +236,13 @@ class _ScrapeCollector:
         g = GaugeMetricFamily(p + "num_requests_waiting", "Requests waiting for admission.")
         g.add_metric([], s["waiting"])
         yield g
-        g = GaugeMetricFamily(p + "kv_cache_usage_ratio", "Fraction of KV cache pages in use (0-1).")
+        g = GaugeMetricFamily(p + "kv_cache_usage_ratio", "Fraction of KV cache pages held by requests (0-1; reclaimable prefix-cache pages excluded).")
         g.add_metric([], s["pool_usage"])
         yield g
-        g = GaugeMetricFamily(p + "kv_cache_pages", "KV cache pages by state (used|free|total).", labels=["state"])
-        g.add_metric(["used"], s["pool_pages_in_use"])
+        g = GaugeMetricFamily(p + "kv_cache_pages", "KV cache pages by state (used: held by requests, cached: "
+                              "only by the prefix cache, reclaimable; free; total).", labels=["state"])
+        g.add_metric(["used"], s["pool_pages_in_use"] - s["pool_pages_cached"])
+        g.add_metric(["cached"], s["pool_pages_cached"])
         g.add_metric(["free"], s["pool_pages_total"] - s["pool_pages_in_use"])
         g.add_metric(["total"], s["pool_pages_total"])
         yield g

@@ -60,7 +60,8 @@ def _serve(tmp_path_factory, kind, arch):
                   overrides={"max_position_embeddings": 4096})  # V3.2's tools preamble is long in tiny BPE
     _, backend, _ = load_shard(d, None, None, "numpy")
     runner = Scripted(ModelRunner(CheckpointReader(d), LocalExperts(backend), device=torch.device("cpu"),
-                                  dtype=torch.float32, kv_tokens=4096, page_size=16))
+                                  dtype=torch.float32, kv_tokens=4096, page_size=16,
+                                  prefix_cache=False))  # the script keys on whole-prompt prefill chunks (start 0)
     tok = load_tokenizer(d)
     st = ServingStack(runner, tok, kind, port=0, grpc_port=0, max_batch=4, chunk_tokens=2048).start()
     st.runner = runner

@@ -253,7 +253,8 @@ class Engine:
             "pool_pages_total": p.num_pages,
             "pool_pages_in_use": p.pages_in_use,
             "pool_page_size": p.page_size,
-            "pool_usage": p.pages_in_use / p.num_pages if p.num_pages else 0.0,
+            # held by requests; unreferenced prefix-cache pages are reclaimable, so they count as free here
+            "pool_usage": (p.pages_in_use - p.cached_pages) / p.num_pages if p.num_pages else 0.0,
             "max_batch": self.max_batch,
             "chunk_tokens": self.chunk_tokens,
             "pool_pages_cached": p.cached_pages,
