@@ -4,6 +4,7 @@
     POST /v1/completions        text prompt, or token ids
     GET  /v1/models             the one served model
     GET  /health                200 when the engine and every expert shard serve, else 503
+    GET  /live                  200 while the engine loop is alive (shards not checked), else 503
     GET  /metrics               Prometheus metrics (gpu_service.metrics), unauthenticated like /health
 
 `stream: true` answers with server-sent events ending in `data: [DONE]`; `stream_options:
@@ -368,6 +369,11 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
         detail["status"] = "ok" if ok else "unavailable"
         detail.update({k: v for k, v in engine.stats().items() if k in ("running", "waiting", "pool_usage")})
         return JSONResponse(detail, status_code=200 if ok else 503)
+
+    @app.get("/live")
+    async def live():  # liveness: the engine loop only; a shard outage is /health's (readiness) business
+        return JSONResponse({"engine": "serving" if engine.alive else "stopped"},
+                            status_code=200 if engine.alive else 503)
 
     if metrics is not None:
         @app.get("/metrics")
