@@ -86,7 +86,7 @@ base() {
 
 # Hash of the files that go into the project wheel (tracked and untracked-not-ignored, minus tests/docs).
 source_hash() {
-  { git ls-files -co --exclude-standard -z -- . ':!tests' ':!docs' ':!bench' ':!deploy' ':!README.md' ':!.venv' \
+  { git ls-files -co --exclude-standard -z -- . ':!tests' ':!docs' ':!bench' ':!deploy' ':!README.md' ':!.venv' ':!scripts' ':!.ci' ':!Makefile' ':!.containerignore' ':!.dockerignore' \
       | xargs -0 sha256sum 2>/dev/null || true; } | sha256sum | cut -c1-16
 }
 
@@ -108,12 +108,17 @@ prepare() {
     >"$OUT/constraints.txt"
   local pipdl=("$PY" -m pip download -q --only-binary=:all: -c "$OUT/constraints.txt")
 
-  if [ "$ONLY" != gpu ]; then
+  # A resolution is kept while its inputs (the project wheel, the pins, the torch choice) are unchanged.
+  local key_base; key_base=$(cat "$WHEELS/project/.hash" "$OUT/constraints.txt" | sha256sum | cut -c1-16)
+  if [ "$ONLY" != gpu ] && [ "$(cat "$WHEELS/experts/.key" 2>/dev/null)" = "$key_base" ]; then
+    log "moesplit-experts' packages resolved already"
+  elif [ "$ONLY" != gpu ]; then
     log "resolving moesplit-experts' packages (no torch)"
     rm -rf "$WHEELS/experts.new"
     "${pipdl[@]}" -d "$WHEELS/experts.new" "moesplit @ file://$wheel" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
     rm -f "$WHEELS"/experts.new/moesplit-*.whl
     ! ls "$WHEELS"/experts.new/torch-* >/dev/null 2>&1 || die "torch resolved into moesplit-experts"
+    echo "$key_base" >"$WHEELS/experts.new/.key"
     rm -rf "$WHEELS/experts" && mv "$WHEELS/experts.new" "$WHEELS/experts"
   fi
   if [ "$ONLY" != experts ]; then
@@ -136,6 +141,10 @@ prepare() {
     else
       torchreq="torch>=2.4"  # PyPI's default Linux torch: the CUDA build
     fi
+    local key; key=$(echo "$key_base $kind $torchreq" | sha256sum | cut -c1-16)
+    if [ "$(cat "$WHEELS/gpu/.key" 2>/dev/null)" = "$key" ]; then
+      log "moesplit-gpu's packages resolved already (torch $kind)"; return 0
+    fi
     log "resolving moesplit-gpu's packages (torch $kind)"
     rm -rf "$WHEELS/gpu.new"
     "${pipdl[@]}" -d "$WHEELS/gpu.new" "moesplit[gpu] @ file://$wheel" "$torchreq" 2>&1 \
@@ -143,6 +152,7 @@ prepare() {
     rm -f "$WHEELS"/gpu.new/moesplit-*.whl
     if [ "$kind" = cpu ] && ls "$WHEELS"/gpu.new/nvidia_* >/dev/null 2>&1; then die "a CUDA package resolved into a CPU build"; fi
     echo "$kind" >"$WHEELS/gpu.new/.torch"
+    echo "$key" >"$WHEELS/gpu.new/.key"
     rm -rf "$WHEELS/gpu" && mv "$WHEELS/gpu.new" "$WHEELS/gpu"
   fi
 }
