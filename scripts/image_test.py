@@ -109,18 +109,18 @@ def gpu_args(model: str, http: int, grpc_port: int, shards: list[int]) -> list[s
             "--shards-addresses", ",".join(f"127.0.0.1:{p}" for p in shards)]
 
 
-def local_run(moesplit: str, model: str, n_experts: int) -> tuple[str, dict]:
+def local_run(moesplit: list[str], model: str, n_experts: int) -> tuple[str, dict]:
     """The reference: the same three processes on the host, no container."""
     ports, mports = [free_port(), free_port()], [free_port(), free_port()]
     http = free_port()
     procs = []
     try:
         for i in range(2):
-            procs.append(subprocess.Popen([moesplit, *shard_args(model, n_experts, i, ports[i], mports[i])],
+            procs.append(subprocess.Popen([*moesplit, *shard_args(model, n_experts, i, ports[i], mports[i])],
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         for p in ports:
             wait_for(lambda: serving(p), 120, f"local shard :{p}")
-        procs.append(subprocess.Popen([moesplit, *gpu_args(model, http, free_port(), ports)],
+        procs.append(subprocess.Popen([*moesplit, *gpu_args(model, http, free_port(), ports)],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         wait_for(lambda: http_status(f"http://127.0.0.1:{http}/health") == 200, 180, "local GPU service /health")
         return complete(http, "tiny"), backend_info(mports[0])
@@ -136,11 +136,13 @@ def local_run(moesplit: str, model: str, n_experts: int) -> tuple[str, dict]:
 
 def main() -> int:
     experts_img, gpu_img = names()
-    moesplit = os.path.join(os.path.dirname(sys.executable), "moesplit")
+    # This checkout's code (the venv may hold an editable install of another one): python -m moesplit from ROOT.
+    moesplit = [sys.executable, "-m", "moesplit"]
+    os.environ["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
     work = tempfile.mkdtemp(prefix="moesplit-image-test-")
     os.chmod(work, 0o755)
     model = os.path.join(work, "tiny")
-    subprocess.run([moesplit, "make-tiny", model], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([*moesplit, "make-tiny", model], check=True, stdout=subprocess.DEVNULL)
     for dirpath, dirs, files in os.walk(model):  # readable by the images' non-root user
         os.chmod(dirpath, 0o755)
         for f in files:
@@ -165,6 +167,12 @@ def main() -> int:
     check(size_mb < MAX_EXPERTS_MB, f"{experts_img} is {size_mb:.0f} MB (< {MAX_EXPERTS_MB} MB)")
     r = podman("run", "--rm", *PODMAN_RUN, "--entrypoint", "python", experts_img, "-c", "import torch", check=False)
     check(r.returncode != 0 and "No module named 'torch'" in r.stderr, f"{experts_img}: `import torch` fails")
+    r = podman("run", "--rm", *PODMAN_RUN, "--entrypoint", "python", experts_img, "-c",
+               "import moesplit.cli, wire, checkpoint, cpu_expert_service.server, protos, importlib.util as u; "
+               "import cpu_expert_service.kernels._moe; print(u.find_spec('gpu_service'))", check=False)
+    check(r.returncode == 0 and r.stdout.strip() == "None",
+          f"{experts_img}: moesplit, wire, checkpoint, cpu_expert_service, protos; no gpu_service "
+          f"({(r.stdout + r.stderr).strip()[-200:]})")
     r = podman("run", "--rm", *PODMAN_RUN, "--entrypoint", "python", gpu_img, "-c",
                "import torch; print(torch.__version__, torch.version.cuda)", check=False)
     check(r.returncode == 0 and "+cpu" in r.stdout, f"{gpu_img}: CPU torch ({r.stdout.strip() or r.stderr[-200:]})")
