@@ -140,6 +140,7 @@ prepare() {
       torchreq="torch @ file://$torchreq"
     else
       torchreq="torch>=2.4"  # PyPI's default Linux torch: the CUDA build
+      export PIP_FIND_LINKS=""  # not a local +cpu wheel from pip's config (it would sort above the same release)
     fi
     local key; key=$(echo "$key_base $kind $torchreq" | sha256sum | cut -c1-16)
     if [ "$(cat "$WHEELS/gpu/.key" 2>/dev/null)" = "$key" ]; then
@@ -151,6 +152,7 @@ prepare() {
       | grep -v "is ignored: it is neither" >&2 || true
     rm -f "$WHEELS"/gpu.new/moesplit-*.whl
     if [ "$kind" = cpu ] && ls "$WHEELS"/gpu.new/nvidia_* >/dev/null 2>&1; then die "a CUDA package resolved into a CPU build"; fi
+    if [ "$kind" = cuda ] && ls "$WHEELS"/gpu.new/torch-*+cpu-* >/dev/null 2>&1; then die "TORCH=cuda resolved a CPU torch"; fi
     echo "$kind" >"$WHEELS/gpu.new/.torch"
     echo "$key" >"$WHEELS/gpu.new/.key"
     rm -rf "$WHEELS/gpu" && mv "$WHEELS/gpu.new" "$WHEELS/gpu"
