@@ -45,7 +45,7 @@ GPU=$IMAGE_REPO/moesplit-gpu:$IMAGE_TAG
 # The script's own pip cache: `rm -rf build/images` is a cold build.
 export PIP_CACHE_DIR=${PIP_CACHE_DIR:-$PWD/$OUT/pip-cache} PIP_DISABLE_PIP_VERSION_CHECK=1
 
-log() { echo "build_images: $*" >&2; }
+log() { echo "build_images [${SECONDS}s]: $*" >&2; }
 die() { log "$*"; exit 1; }
 
 torch_kind() {
