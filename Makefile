@@ -5,7 +5,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-test protos build test soak demo bench bench-kernels gpu-check chart-check images image-test clean
+.PHONY: setup setup-test protos build test soak demo bench bench-kernels bench-prefix gpu-check chart-check images image-test clean
 
 setup: $(STAMP)
 
@@ -42,7 +42,7 @@ bench-kernels: build
 bench: setup
 	$(PY) bench/bench_pipeline.py
 
-gpu-check: setup
+gpu-check:  # offline, the interpreter's own CUDA torch (PYTHON=...); no venv, no download
 	scripts/gpu_check.sh
 
 chart-check: setup
@@ -68,3 +68,7 @@ image-test: setup
 
 clean:
 	rm -rf build *.egg-info $(VENV)
+
+# Prefix cache on an agent-like trace: off / GPU tier / GPU + host tier (bench/results/prefix.json + .png).
+bench-prefix: setup
+	$(PY) bench/bench_prefix.py

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from checkpoint.config import load_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository (this file: gpu_service/local/)
 
 
 class ShardStartError(RuntimeError):

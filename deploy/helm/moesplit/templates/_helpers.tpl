@@ -162,3 +162,29 @@ app.kubernetes.io/component: {{ .component }}
 {{- fail (printf "experts.kernelIsa must be amx, avx512, avx2 or auto, not %q" $isa) }}
 {{- end }}
 {{- end }}
+
+{{/* securityContext of a pod / a container (values podSecurityContext / containerSecurityContext). */}}
+{{- define "moesplit.podSecurityContext" -}}
+{{- with .Values.podSecurityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{- define "moesplit.containerSecurityContext" -}}
+{{- with .Values.containerSecurityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* The API key from apiKey.secretName as MOESPLIT_API_KEY (an env entry; empty without a Secret). */}}
+{{- define "moesplit.apiKeyEnv" -}}
+{{- if .Values.apiKey.secretName }}
+- name: MOESPLIT_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.apiKey.secretName }}
+      key: {{ .Values.apiKey.key }}
+{{- end }}
+{{- end }}
