@@ -225,7 +225,8 @@ def test_helm_values_from_plan_details(tmp_path):
     v = helm_values_from_plan(p, "/models/DeepSeek-V3", image="registry.local:5000/moesplit:1.2",
                               hugepages_size="1Gi")
     assert [g["experts"] for g in v["experts"]["groups"]] == ["0-127", "128-255"]
-    assert v["image"] == {"repository": "registry.local:5000/moesplit", "tag": "1.2"}
+    assert v["image"] == {"experts": {"repository": "registry.local:5000/moesplit/moesplit-experts", "tag": "1.2"},
+                          "gpu": {"repository": "registry.local:5000/moesplit/moesplit-gpu", "tag": "1.2"}}
     g0 = v["experts"]["groups"][0]
     assert parse_quantity(g0["hugepages"]) >= p["shards"][0]["weight_bytes"]
     assert parse_quantity(g0["hugepages"]) % (1 << 30) == 0
@@ -236,6 +237,37 @@ def test_helm_values_from_plan_details(tmp_path):
     write_helm_values(plan, str(out), "/models/Kimi-K2-Thinking")
     assert yaml.safe_load(out.read_text())["gpu"]["count"] == 1
     assert out.read_text().startswith("# Helm values from a moesplit memory plan for kimi-k2-thinking")
+
+
+# ---------------------------------------------------------------------------------- images
+def pod_images(docs: list[dict]) -> dict[str, set[str]]:
+    """Images of every pod template (and bare pod), by kind."""
+    out: dict[str, set[str]] = {}
+    for d in docs:
+        spec = d["spec"] if d["kind"] == "Pod" else d.get("spec", {}).get("template", {}).get("spec")
+        if spec:
+            for c in spec.get("initContainers", []) + spec.get("containers", []):
+                out.setdefault(d["kind"], set()).add(c["image"])
+    return out
+
+
+def test_pods_reference_exactly_the_built_image_names(tmp_path):
+    """The default values name the images scripts/build_images.sh builds (IMAGE_REPO, IMAGE_TAG = appVersion)."""
+    experts, gpu = subprocess.run([os.path.join(ROOT, "scripts", "build_images.sh"), "names"], check=True,
+                                  capture_output=True, text=True, env={**os.environ, "IMAGE_TAG": ""}).stdout.split()
+    with open(os.path.join(CHART, "Chart.yaml")) as f:
+        assert experts.endswith(":" + yaml.safe_load(f)["appVersion"])
+    values = dict(report_values("kimi"), tests={"enabled": True},
+                  convert={"enabled": True, "mode": "initContainer"})
+    images = pod_images(render(values, tmp_path))
+    assert images == {"Deployment": {gpu}, "StatefulSet": {experts}, "Pod": {experts}}, images
+    values["convert"]["mode"] = "job"
+    assert pod_images(render(values, tmp_path))["Job"] == {experts}
+    pushed = dict(values, image={"experts": {"repository": "reg.local/ms/moesplit-experts", "tag": "t1"},
+                                 "gpu": {"repository": "reg.local/ms/moesplit-gpu"}})
+    images = pod_images(render(pushed, tmp_path))
+    assert images["Deployment"] == {gpu.replace("ghcr.io/moesplit", "reg.local/ms")}
+    assert images["StatefulSet"] == {"reg.local/ms/moesplit-experts:t1"}
 
 
 # ---------------------------------------------------------------------------------- bad values

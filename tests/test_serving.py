@@ -92,6 +92,8 @@ def test_health_503_when_a_shard_is_down(stack):
     r = TestClient(app).get("/health")
     assert r.status_code == 503 and r.json()["shards"][stack.shard_addresses[0]] == "SERVING"
     assert r.json()["shards"][dead].startswith("UNAVAILABLE")
+    r = TestClient(app).get("/live")  # liveness is the engine loop only: a shard outage does not fail it
+    assert r.status_code == 200 and r.json() == {"engine": "serving"}
 
 
 def test_chat_completion(stack, oai):

@@ -36,9 +36,11 @@ app.kubernetes.io/instance: {{ .ctx.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
+{{/* Image of one component; pass {"ctx": $, "which": "experts"|"gpu"} (scripts/build_images.sh builds both). */}}
 {{- define "moesplit.image" -}}
-{{- $repo := required "image.repository is required (an image with the `moesplit` entry point)" .Values.image.repository }}
-{{- printf "%s:%s" $repo (default .Chart.AppVersion .Values.image.tag) }}
+{{- $img := index .ctx.Values.image .which }}
+{{- $repo := required (printf "image.%s.repository is required (an image with the `moesplit` entry point)" .which) $img.repository }}
+{{- printf "%s:%s" $repo (default .ctx.Chart.AppVersion $img.tag) }}
 {{- end }}
 
 {{- define "moesplit.gpuName" -}}
