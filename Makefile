@@ -5,7 +5,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-test protos build test soak demo bench bench-decode bench-kernels gpu-check chart-check clean
+.PHONY: setup setup-test protos build test soak demo bench bench-decode bench-kernels bench-prefix gpu-check chart-check images image-test clean
 
 setup: $(STAMP)
 
@@ -47,11 +47,33 @@ bench: setup
 bench-decode: setup
 	$(PY) bench/bench_decode.py
 
-gpu-check: setup
+gpu-check:  # offline, the interpreter's own CUDA torch (PYTHON=...); no venv, no download
 	scripts/gpu_check.sh
 
 chart-check: setup
 	scripts/chart_check.sh
 
+# OCI images moesplit-experts (no torch) and moesplit-gpu (TORCH=auto|cpu|cuda) with podman; installs
+# podman/mmdebstrap/runc when missing. BASE=debian: a Debian base made with mmdebstrap (offline machines).
+# IMAGE_REPO (default ghcr.io/moesplit, the chart's default) and IMAGE_TAG (default: the project version).
+BASE ?=
+IMAGE_TAG ?=
+IMAGE_REPO ?=
+TORCH ?=
+IMAGE_ENV = $(if $(BASE),BASE=$(BASE)) $(if $(IMAGE_TAG),IMAGE_TAG=$(IMAGE_TAG)) \
+            $(if $(IMAGE_REPO),IMAGE_REPO=$(IMAGE_REPO)) $(if $(TORCH),TORCH=$(TORCH))
+images: setup
+	$(IMAGE_ENV) scripts/build_images.sh all
+
+# Both images from the Debian base (CPU torch), then 2 shard containers + a GPU-service container
+# against the openai client (scripts/image_test.py).
+image-test: setup
+	$(IMAGE_ENV) BASE=debian TORCH=cpu scripts/build_images.sh all
+	$(IMAGE_ENV) $(PY) scripts/image_test.py
+
 clean:
 	rm -rf build *.egg-info $(VENV)
+
+# Prefix cache on an agent-like trace: off / GPU tier / GPU + host tier (bench/results/prefix.json + .png).
+bench-prefix: setup
+	$(PY) bench/bench_prefix.py

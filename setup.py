@@ -19,7 +19,7 @@ if platform.machine().lower() in ("x86_64", "amd64"):
         "cpu_expert_service.kernels._moe",
         sources=[f"{KDIR}/_moe.pyx"] + [f"{KDIR}/{f}" for f in ISA_FILES],
         include_dirs=[KDIR],
-        depends=[f"{KDIR}/moe.h", f"{KDIR}/amx_emu.h"],
+        depends=[f"{KDIR}/moe.h", f"{KDIR}/amx_emu.h", f"{KDIR}/simde_x86.h"],
         extra_compile_args=["-O3", "-std=gnu11", "-pthread", "-fno-math-errno", "-Wno-unused-function"],
         extra_link_args=["-pthread"],
     )

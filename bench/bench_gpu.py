@@ -17,6 +17,37 @@ from gpu_service.runtime.runner import LocalExperts, ModelRunner  # noqa: E402
 from gpu_service.local.tiny import make_tiny  # noqa: E402
 
 
+def linear_times(devices, shapes=((7168, 2048), (4096, 7168)), tokens=(1, 512)):
+    """Time per call of one bf16 / fp8 / int8 linear [out, in] (DeepSeek-V3 sizes: q_a/o_proj/dense
+    q_a, part of a dense gate) at decode and prefill token counts, in the compute dtype of each device."""
+    from gpu_service.model.qlinear import make_quantized
+
+    rows = []
+    for dev in devices:
+        dt = torch.bfloat16 if dev == "cuda" else torch.float32
+        for out, inp in (shapes if dev == "cuda" else shapes[:1]):
+            w = torch.randn(out, inp) * 0.02
+            for fmt in ("bf16", "fp8", "int8"):
+                lin = make_quantized(w, fmt, torch.device(dev))
+                if fmt == "bf16":
+                    lin = lin.to(dt)
+                for t in tokens:
+                    x = torch.randn(t, inp, device=dev, dtype=dt)
+                    with torch.inference_mode():
+                        lin(x)
+                        if dev == "cuda":
+                            torch.cuda.synchronize()
+                        n, t0 = 5, time.perf_counter()
+                        for _ in range(n):
+                            lin(x)
+                        if dev == "cuda":
+                            torch.cuda.synchronize()
+                    rows.append({"device": dev, "format": fmt, "shape": [out, inp], "tokens": t,
+                                 "ms_per_call": round((time.perf_counter() - t0) / n * 1e3, 3)})
+            del w
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -37,7 +68,8 @@ def main() -> int:
             res = r.generate(list(range(1, 257)), args.tokens)
             results.append({"device": dev, "dtype": str(dtype).replace("torch.", ""), **res.timings,
                             "wall_s": round(time.perf_counter() - t0, 3)})
-    out = {"bench": "gpu-service decode (tiny wide model, in-process numpy experts)", "results": results}
+    out = {"bench": "gpu-service decode (tiny wide model, in-process numpy experts)", "results": results,
+           "linears": linear_times(devices)}
     print(json.dumps(out, indent=1))
     if args.out:
         with open(args.out, "w") as f:

@@ -7,7 +7,7 @@ bench/results/kernels.png. kt-kernel is looked for in a separate venv ($KT_KERNE
 /tmp/ktvenv, made with `pip install --no-deps kt-kernel`) and run in a subprocess per format, so
 its worker threads never overlap our measurements.
 
-    python bench/bench_kernels.py [--quick]
+    python bench/bench_kernels.py [--no-kt]
 """
 from __future__ import annotations
 
@@ -107,10 +107,25 @@ def record(impl, fmt, T, ms, cpu, touched_bytes, extra=None):
 
 
 # ----------------------------------------------------------------------------- ceilings
-def read_bandwidth_gbps(threads: int = 2) -> float:
-    """Best of 3 passes over a 2 GiB buffer read by numpy: one thread summing float32, and
-    `threads` threads each taking the max of its half viewed as uint64 (numpy releases the GIL);
-    a single-threaded float32 sum is compute-bound here and would understate the ceiling."""
+def read_bandwidth_gbps(threads: int = THREADS, passes: int = 5) -> float:
+    """Best of `passes` streaming reads of a 2 GiB buffer by the kernels' own pool (`threads`
+    pinned threads, each its contiguous share, 256-bit loads: moe_probe_read in C), so the
+    ceiling is what a weight stream of these threads can get, measured in the same run."""
+    from cpu_expert_service.kernel_backend import KernelExperts
+
+    be = KernelExperts("bf16", num_threads=threads)
+    raw = np.ones((2 << 30) + 64, dtype=np.uint8)  # 2 GiB, touched
+    off = (-raw.ctypes.data) % 64
+    buf = raw[off:off + (2 << 30)]
+    best = max(buf.nbytes / be.read_seconds(buf) / 1e9 for _ in range(passes))
+    del be, raw, buf
+    return best
+
+
+def read_bandwidth_numpy_gbps(threads: int = THREADS) -> float:
+    """The old ceiling, for comparison: numpy over 2 GiB (float32 sum on one thread, uint64 max
+    over `threads` parts on threads), best of 3. It understates the machine (numpy's loops are
+    not a streaming kernel): the bf16 decode once measured above it."""
     import threading
 
     buf = np.ones(2 << 30 >> 2, dtype=np.float32)  # 2 GiB
@@ -131,31 +146,52 @@ def read_bandwidth_gbps(threads: int = 2) -> float:
     return best
 
 
-def torch_bf16_gflops() -> float | None:
+def torch_bf16_gflops(budget_s: float = 20.0) -> tuple[float | None, int]:
+    """torch's bf16 GEMM [M, H] x [H, 2I] on THREADS threads, M = 256 unless that would take more
+    than `budget_s` (torch's bf16 matmul without native bf16 instructions runs at ~0.2 GFLOP/s,
+    and 256 rows would take minutes): then M = 16. Returns (GFLOP/s, M)."""
     try:
         import torch
     except ImportError:
-        return None
+        return None, 0
     torch.set_num_threads(THREADS)
-    a = torch.randn(256, H, dtype=torch.bfloat16)
     b = torch.randn(H, 2 * I, dtype=torch.bfloat16)
+    a = torch.randn(16, H, dtype=torch.bfloat16)
+    a @ b
+    t = time.perf_counter()
+    a @ b
+    small_s = time.perf_counter() - t
+    m = 256 if small_s * 16 * 4 < budget_s else 16
+    a = torch.randn(m, H, dtype=torch.bfloat16)
     a @ b
     t = time.perf_counter()
     n = 3
     for _ in range(n):
         a @ b
-    return 2.0 * 256 * H * 2 * I * n / (time.perf_counter() - t) / 1e9
+    return 2.0 * m * H * 2 * I * n / (time.perf_counter() - t) / 1e9, m
 
 
-def probe_gflops(kind: str, threads: int = THREADS, iters: int = 5 * 10**7) -> float | None:
-    """This machine's peak of one instruction kind, on `threads` threads at once (best of 3):
-    "fma_f32" (what our bf16 GEMM runs on: widened weights x f32 activations) or "dpbf16"
-    (vdpbf16ps). 12 independent 512-bit chains per thread (cpu_expert_service.kernels)."""
+# probe kind -> (ceiling key, ops per cycle per core at 2 vector ports: the nominal rate)
+PROBES = {
+    "fma_f32": ("peak_fma_f32_gflops", 2 * 32), "dpbf16": ("peak_dpbf16_gflops", 2 * 64),
+    "vnni_int8": ("peak_vnni_int8_gops", 2 * 128),
+    "fma_f32_avx2": ("peak_fma_f32_avx2_gflops", 2 * 16), "maddubs_int8_avx2": ("peak_maddubs_int8_avx2_gops", 2 * 64),
+}
+# which ceiling a record of (ISA, format) is held to beyond 1 token: the instruction its GEMM runs on
+COMPUTE_CEILING = {("avx512", "bf16"): "peak_dpbf16_gflops", ("avx512", "int8"): "peak_vnni_int8_gops",
+                   ("avx512", "int4"): "peak_vnni_int8_gops", ("avx2", "bf16"): "peak_fma_f32_avx2_gflops",
+                   ("avx2", "int8"): "peak_maddubs_int8_avx2_gops", ("avx2", "int4"): "peak_maddubs_int8_avx2_gops"}
+
+
+def probe_gops(kind: str, threads: int = THREADS, iters: int = 5 * 10**7) -> float | None:
+    """This machine's peak of one instruction kind (a key of PROBES), on `threads` threads at
+    once, each running 12 independent vector chains (_moe.probe_peak), best of 3; None when the
+    CPU lacks the instruction."""
     import threading
 
     from cpu_expert_service.kernels import _moe
 
-    if not _moe.cpu_has("avx512"):
+    if not _moe.cpu_has(_moe.PROBES[kind][0]):
         return None
     best = 0.0
     for _ in range(3):
@@ -168,6 +204,71 @@ def probe_gflops(kind: str, threads: int = THREADS, iters: int = 5 * 10**7) -> f
             th.join()
         best = max(best, sum(done) / (time.perf_counter() - t) / 1e9)
     return best
+
+
+def cpu_clock_ghz() -> tuple[float | None, str]:
+    """The core clock the nominal peaks use: cpufreq's maximum, else /proc/cpuinfo's MHz."""
+    try:
+        with open("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq") as f:
+            return int(f.read()) / 1e6, "cpufreq cpuinfo_max_freq"
+    except (OSError, ValueError):
+        pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            mhz = [float(line.split(":")[1]) for line in f if line.startswith("cpu MHz")]
+        return (max(mhz) / 1e3, "/proc/cpuinfo cpu MHz") if mhz else (None, "unknown")
+    except OSError:
+        return None, "unknown"
+
+
+def _cpu_vendor_family_model() -> tuple[str, int, int]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            head = f.read(4096)
+    except OSError:
+        return "", 0, 0
+    def field(name):
+        line = next((ln for ln in head.splitlines() if ln.split(":")[0].strip() == name), ":")
+        return line.split(":", 1)[1].strip()
+    try:
+        return field("vendor_id"), int(field("cpu family") or 0), int(field("model") or 0)
+    except ValueError:
+        return field("vendor_id"), 0, 0
+
+
+def theoretical_peaks(threads: int = THREADS) -> dict:
+    """Nominal peaks from clock x cores x ops per cycle, beside the probed ones: 2 vector ports per
+    core at full width, except where AMD splits a wide op into halves (Zen 4, family 19h: 512-bit
+    ops as two 256-bit halves; Zen 1, family 17h models < 30h: 256-bit ops as two 128-bit halves)."""
+    ghz, src = cpu_clock_ghz()
+    vendor, family, model = _cpu_vendor_family_model()
+    amd = vendor == "AuthenticAMD"
+    zen1 = amd and family == 0x17 and model < 0x30
+    out = {"clock_ghz": round(ghz, 3) if ghz else None,
+           "theoretical_method": (f"clock ({src}) x {threads} cores x ops/cycle at 2 full-width vector ports per "
+                                  f"core; {vendor or 'unknown vendor'} family {family:#x} model {model:#x}"
+                                  + ("; 512-bit ops at half rate" if amd else "")
+                                  + ("; 256-bit ops at half rate (Zen 1)" if zen1 else ""))}
+    for kind, (key, per_cycle) in PROBES.items():
+        if ghz:
+            half = (amd and not kind.endswith("avx2")) or (zen1 and kind.endswith("avx2"))
+            out[key.replace("peak_", "theoretical_")] = round(ghz * threads * per_cycle / (2 if half else 1), 1)
+    return out
+
+
+def add_fractions(records: list, ceilings: dict) -> None:
+    """Each of our records' fraction of its ceiling: the probed read bandwidth (what bounds the
+    1-token stream) and the probed peak of the instruction its GEMM runs on (what bounds prefill)."""
+    for r in records:
+        if r["impl"] != "moesplit":
+            continue
+        r["frac_of_read_bw"] = round(r["gbps"] / ceilings["read_gbps"], 3)
+        key = COMPUTE_CEILING.get((r.get("isa"), r["format"]))
+        if key is None and r.get("isa") == "amx":
+            key = COMPUTE_CEILING.get(("avx512", r["format"]))
+        if key and ceilings.get(key):
+            r["compute_ceiling"] = key
+            r["frac_of_compute_peak"] = round(r["gflops"] / ceilings[key], 3)
 
 
 # ----------------------------------------------------------------------------- ours
@@ -303,6 +404,11 @@ def plot(records, ceilings, path):
                 fl = [2.0 * 3 * H * I * t * TOPK for t in toks]
                 ax.plot(toks, [f / (ceilings["peak_fma_f32_gflops"] * 1e9) * 1e3 for f in fl], "--", color="silver",
                         label=f"f32 FMA peak ({ceilings['peak_fma_f32_gflops']:.0f} GFLOP/s)")
+            key = next((r["compute_ceiling"] for r in rs if r.get("compute_ceiling")), None)
+            if key:
+                fl = [2.0 * 3 * H * I * t * TOPK for t in toks]
+                ax.plot(toks, [f / (ceilings[key] * 1e9) * 1e3 for f in fl], "--", color="tan",
+                        label=f"{key} ({ceilings[key]:.0f})")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(f"{fmt}: H={H} I={I} E={E} top-{TOPK}, {THREADS} threads")
@@ -326,18 +432,26 @@ def main() -> int:
         return 0
 
     os.makedirs(RESULTS, exist_ok=True)
+    from cpu_expert_service.kernels import _moe
+
+    print(f"bf16 form of the AVX-512 kernels here: {_moe.bf16_dot_form()}", flush=True)
     t0 = time.time()
-    ceilings = {"read_gbps": round(read_bandwidth_gbps(), 2)}
-    tg = torch_bf16_gflops()
+    ceilings = {"read_gbps": round(read_bandwidth_gbps(), 2),
+                "read_gbps_method": (f"C streaming read (moe_probe_read) of 2 GiB by the kernels' pool, {THREADS} "
+                                     "pinned threads, 256-bit loads, best of 5"),
+                "read_gbps_numpy": round(read_bandwidth_numpy_gbps(), 2)}
+    tg, tm = torch_bf16_gflops()
     ceilings["torch_bf16_gflops"] = round(tg, 1) if tg else None
-    ceilings["read_gbps_method"] = ("numpy over a 2 GiB buffer, best of 3: float32 sum (1 thread) and "
-                                    "uint64 max over halves (2 threads)")
-    ceilings["torch_bf16_gflops_method"] = f"torch bf16 [256,{H}]x[{H},{2 * I}] matmul, {THREADS} threads"
-    for kind in ("fma_f32", "dpbf16"):  # compute peaks without AMX: what a bf16 GEMM here can reach
-        g = probe_gflops(kind)
-        ceilings[f"peak_{kind}_gflops"] = round(g, 1) if g else None
-    ceilings["peak_method"] = (f"{THREADS} threads x 12 independent zmm chains of vfmadd ps / vdpbf16ps "
-                               "(cpu_expert_service.kernels._moe.probe_peak), best of 3")
+    ceilings["torch_bf16_gflops_method"] = f"torch bf16 [{tm},{H}]x[{H},{2 * I}] matmul, {THREADS} threads"
+    for kind, (key, _) in PROBES.items():
+        g = probe_gops(kind)
+        ceilings[key] = round(g, 1) if g else None
+    ceilings["peak_method"] = (f"{THREADS} threads x 12 independent vector chains of one instruction "
+                               "(vfmadd ps zmm / vdpbf16ps / vpdpbusd; AVX2: vfmadd ps ymm / vpmaddubsw), "
+                               "cpu_expert_service.kernels._moe.probe_peak, best of 3; 2 ops per multiply-add")
+    ceilings.update({k: v for k, v in theoretical_peaks().items()  # only for instructions this CPU has
+                     if not k.startswith("theoretical_") or k == "theoretical_method"
+                     or ceilings.get(k.replace("theoretical_", "peak_")) is not None})
     print(f"ceilings: {ceilings}", flush=True)
 
     so = None if args.no_kt else kt_extension_path()
@@ -369,9 +483,7 @@ def main() -> int:
         if kt:
             ratios.append({"format": r["format"], "tokens": r["tokens"],
                            "speedup_vs_kt": round(kt["ms"] / r["ms"], 2)})
-    for r in records:
-        if r["impl"] == "moesplit" and r["tokens"] == 1:
-            r["frac_of_read_bw"] = round(r["gbps"] / ceilings["read_gbps"], 2)
+    add_fractions(records, ceilings)
     result = {
         "shape": {"H": H, "I": I, "experts": E, "top_k": TOPK, "threads": THREADS},
         "ceilings": ceilings,
@@ -383,6 +495,7 @@ def main() -> int:
                             "is bf16, ours f32."),
         "ratios": ratios,
         "ours": ours_info,
+        "bf16_form_avx512": _moe.bf16_dot_form(),
         "notes": ("cpu_util = process CPU seconds / wall seconds during a call (2.0 = both cores ours); the "
                   "machine is shared, so lower values mean other processes held the cores. *_per_core divide by "
                   "CPU seconds instead of wall seconds. Our pool sleeps when idle (no spinning), so under "

@@ -129,6 +129,11 @@ class KernelExperts:
         ids = np.where(w != 0, ids, -1)
         return self._engine.forward(int(layer), x, ids, w)
 
+    def read_seconds(self, buf: np.ndarray) -> float:
+        """Seconds for this backend's pool threads (pinned as for forward) to stream-read `buf`
+        once, each thread its contiguous share: the read ceiling of a weight stream (bench)."""
+        return float(self._engine.read_probe(buf.reshape(-1).view(np.uint8)))
+
     # -- introspection ---------------------------------------------------------------------
     def weight_bytes(self) -> int:
         return int(self._engine.weight_bytes())

@@ -33,7 +33,6 @@ import signal
 import sys
 import threading
 import time
-from concurrent import futures
 
 import grpc
 import ml_dtypes
@@ -50,7 +49,7 @@ log = logging.getLogger("moesplit.expert_server")
 
 SERVICE_NAME = "moesplit.v1.ExpertService"
 DEFAULT_MAX_TOKENS = transport.DEFAULT_MAX_TOKENS
-DEFAULT_MAX_WORKERS = 32  # each open Forward stream holds one worker thread for its lifetime
+DEFAULT_MAX_WORKERS = 32  # Forward streams at once (each holds a thread); health etc. keep threads of their own
 
 # wire dtype name -> numpy dtype
 WIRE_DTYPES: dict[str, np.dtype] = {
@@ -451,12 +450,14 @@ def create_server(
     else:
         cfg, be, info = load_shard(model_dir, experts, slice_spec, backend, weight_format)
     shard_id = shard_id or _default_shard_id(experts, slice_spec)
-    interceptors = []
+    from cpu_expert_service.rpc_limits import server_kwargs, StreamLimits
+
+    interceptors = [StreamLimits(max_workers)]  # streams can never take the threads health needs
     if metrics_registry is not None:  # Prometheus: metered backend + arrival-stamping interceptor
         from cpu_expert_service.metrics import ShardMetrics
 
         sm = ShardMetrics(metrics_registry, info, shard_id, be, cfg.n_routed_experts)
-        be, interceptors = sm.wrap(be), [sm.interceptor()]
+        be, interceptors = sm.wrap(be), interceptors + [sm.interceptor()]
     servicer = ExpertServicer(cfg, be, info, shard_id, max_tokens)
     servicer.shm_dir = shm_dir or None  # co-located clients may attach shared memory inside it
     if data_port is not None and data_port >= 0:
@@ -465,7 +466,7 @@ def create_server(
 
         if enabled():  # cross-host clients may attach to it (TLS with the gRPC files when given)
             servicer.data = DataServer(servicer, host, data_port, tls)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=interceptors,
+    server = grpc.server(**server_kwargs(max_workers), interceptors=interceptors,
                          options=transport.server_options(cfg, max_tokens))
     add_servicer(servicer, server)
     health_servicer = health.HealthServicer()
@@ -506,7 +507,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto",
                    help="expert kernel: auto (best built; env MOESPLIT_CPU_BACKEND overrides) | kernels | numpy")
     p.add_argument("--max-workers", type=int, default=DEFAULT_MAX_WORKERS,
-                   help="gRPC worker threads (each open stream holds one)")
+                   help="Forward streams served at once (each holds a thread; RESOURCE_EXHAUSTED beyond)")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="largest T accepted per request")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus /metrics on this port of --host (default 0: off)")

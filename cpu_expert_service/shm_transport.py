@@ -9,15 +9,15 @@ import logging
 import mmap
 import os
 import socket
-import stat
+import struct
 import sys
 import threading
 import time
 
 from wire.shm import (
-    _inside, CALL, DOORBELL, DTYPES, enabled, FLOAT_CODES, HEADER_BYTES, INT_CODES, INTERNAL,
-    INVALID_ARGUMENT, Layout, MSG_OFFSET, OK, OP_FORWARD, recv_spin, RESULT, RESULT_OFFSET,
-    SLOT_META_BYTES, spin_seconds, TOKEN_BYTES, view,
+    _inside, allowed_peer_uids, CALL, check_region, DOORBELL, DTYPES, enabled, FLOAT_CODES, HEADER_BYTES,
+    INT_CODES, INTERNAL, INVALID_ARGUMENT, Layout, MSG_OFFSET, OK, OP_FORWARD, PEER_UID_ENV, peer_uid, recv_spin,
+    RESULT, RESULT_OFFSET, SLOT_META_BYTES, spin_seconds, TOKEN_BYTES, view,
 )
 
 log = logging.getLogger("moesplit.shm")
@@ -28,46 +28,72 @@ class Refused(Exception):
 
 
 def attach(servicer, path: str, token: bytes, socket_path: str, shm_dir: str | None) -> str:
-    """Open the client's shared file, check it, connect its doorbell and serve it on a thread.
-    Returns the thread's name; raises Refused with a reason."""
+    """Connect the client's doorbell, check its peer, receive its sealed memfd, check it, map it and
+    serve it on a thread. Returns the thread's name; raises Refused with a reason. No path is
+    opened: `path` must be empty (a client of the file-based protocol is refused, stays on gRPC)."""
     if not shm_dir or not enabled():
         raise Refused("the shared-memory fast path is disabled on this shard (--shm-dir '' or MOESPLIT_SHM=0)")
-    for p in (path, socket_path):
-        if not os.path.isabs(p) or not _inside(p, shm_dir):
-            raise Refused(f"{p!r} is not inside this shard's shared directory {shm_dir!r}")
+    if path:
+        raise Refused("this shard takes the region as a sealed memfd over the doorbell socket, not a file path; "
+                      "upgrade the GPU service")
+    if not os.path.isabs(socket_path) or not _inside(socket_path, shm_dir):
+        raise Refused(f"{socket_path!r} is not inside this shard's shared directory {shm_dir!r}")
+    if len(token) != TOKEN_BYTES:
+        raise Refused(f"token of {len(token)} bytes, expected {TOKEN_BYTES}")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    fds: list[int] = []
+    mm = None
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
-    except OSError as e:  # another host, another volume, permissions
-        raise Refused(f"cannot open {path}: {e.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size < HEADER_BYTES:
-            raise Refused(f"{path} is not a shared-memory file of this protocol")
-        mm = mmap.mmap(fd, st.st_size)
-    finally:
-        os.close(fd)
-    try:
-        lay, tok = Layout.unpack_header(mm)
-        if len(token) != TOKEN_BYTES or tok != token:
-            raise Refused(f"{path}: token mismatch (a different file of the same name: not the client's host?)")
-        if lay.file_bytes > len(mm):
-            raise Refused(f"{path}: {len(mm)} bytes, the header needs {lay.file_bytes}")
-        if lay.hidden_size != servicer.cfg.hidden_size:
-            raise Refused(f"hidden_size {lay.hidden_size} != model hidden_size {servicer.cfg.hidden_size}")
-        if not 1 <= lay.n_slots <= 64 or lay.max_tokens < 1 or lay.max_k < 1:
-            raise Refused(f"bad layout: {lay.n_slots} slots, {lay.max_tokens} tokens, k {lay.max_k}")
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             sock.settimeout(5.0)
             sock.connect(socket_path)
-            sock.settimeout(None)
         except OSError as e:
-            sock.close()
             raise Refused(f"cannot connect the doorbell {socket_path}: {e}") from None
-    except (Refused, ValueError) as e:
-        mm.close()
-        raise e if isinstance(e, Refused) else Refused(f"{path}: {e}") from None
-    name = f"shm-{os.path.basename(path)}"
+        uid, allowed = peer_uid(sock), allowed_peer_uids()
+        if uid not in allowed:  # another user on this host: never trust its memory
+            raise Refused(f"the doorbell's peer runs as uid {uid}, not one of {sorted(allowed)} "
+                          f"(allow it with {PEER_UID_ENV})")
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, 64, 4)
+        except OSError as e:
+            raise Refused(f"no region received on the doorbell: {e}") from None
+        if len(fds) != 1 or msg != token:
+            raise Refused(f"expected the token and one descriptor on the doorbell, got {len(msg)} bytes and "
+                          f"{len(fds)} descriptors")
+        fd = fds[0]
+        head = os.pread(fd, HEADER_BYTES, 0) if check_region(fd, HEADER_BYTES) is None else b""
+        if len(head) < HEADER_BYTES:
+            raise Refused(check_region(fd, HEADER_BYTES) or "the region is shorter than its header")
+        try:
+            lay, tok = Layout.unpack_header(head)
+        except (ValueError, struct.error) as e:
+            raise Refused(f"region header: {e}") from None
+        if tok != token:
+            raise Refused("token mismatch: the region is not the one the AttachShm caller announced")
+        cfg = servicer.cfg
+        if lay.hidden_size != cfg.hidden_size:
+            raise Refused(f"hidden_size {lay.hidden_size} != model hidden_size {cfg.hidden_size}")
+        if not (1 <= lay.n_slots <= 64 and 1 <= lay.max_tokens <= servicer.max_tokens
+                and 1 <= lay.max_k <= cfg.n_routed_experts):
+            raise Refused(f"bad layout: {lay.n_slots} slots (1-64), {lay.max_tokens} tokens "
+                          f"(1-{servicer.max_tokens}), k {lay.max_k} (1-{cfg.n_routed_experts})")
+        why = check_region(fd, lay.file_bytes)  # sealed: it can never shrink under the mapping (no SIGBUS)
+        if why is not None:
+            raise Refused(why)
+        try:
+            mm = mmap.mmap(fd, lay.file_bytes)
+        except OSError as e:
+            raise Refused(f"cannot map the region: {e}") from None
+        sock.settimeout(None)
+    except BaseException:
+        sock.close()
+        if mm is not None:
+            mm.close()
+        raise
+    finally:
+        for fd in fds:
+            os.close(fd)  # the mapping keeps the memory
+    name = f"shm-{os.path.basename(socket_path)}"
     threading.Thread(target=_serve, args=(servicer, mm, lay, sock), name=name, daemon=True).start()
     return name
 

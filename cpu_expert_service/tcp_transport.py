@@ -15,8 +15,8 @@ import time
 import numpy as np
 
 from wire.tcp import (
-    ACK, DTYPES, FLOAT_CODES, HELLO_TIMEOUT_S, INTERNAL, INVALID_ARGUMENT, MAX_MESSAGE, OK, recv_exact,
-    REQUEST, RESPONSE, send_parts, server_context, TOKEN_BYTES, TOKEN_TTL_S,
+    ACK, DTYPES, FLOAT_CODES, frame_timeout_s, HELLO_TIMEOUT_S, INTERNAL, INVALID_ARGUMENT, MAX_CONNECTIONS,
+    MAX_MESSAGE, OK, recv_exact, REQUEST, RESPONSE, send_parts, server_context, TOKEN_BYTES, TOKEN_TTL_S,
 )
 from wire.shm import spin_seconds
 
@@ -25,15 +25,18 @@ log = logging.getLogger("moesplit.tcp")
 
 class DataServer:
     """The shard's data port: accepts connections that present a token from `offer()` and serves
-    each on its own thread."""
+    each on its own thread; at most `max_connections` at once (more are closed on arrival)."""
 
-    def __init__(self, servicer, host: str, port: int, tls=None):
+    def __init__(self, servicer, host: str, port: int, tls=None, max_connections: int = MAX_CONNECTIONS):
         self.servicer = servicer
         self.ctx = server_context(tls) if tls is not None else None  # mTLS data connections
         self.sock = socket.create_server((host, port), reuse_port=False)
         self.port = self.sock.getsockname()[1]
         self.tokens: dict[bytes, float] = {}  # token -> expiry (monotonic)
         self.lock = threading.Lock()
+        self.slots = threading.BoundedSemaphore(max_connections)
+        self.max_connections = max_connections
+        self.frame_timeout_s = frame_timeout_s()
         threading.Thread(target=self._accept, name=f"tcp-data-{self.port}", daemon=True).start()
 
     def offer(self) -> tuple[int, bytes]:
@@ -50,10 +53,21 @@ class DataServer:
                 conn, peer = self.sock.accept()
             except OSError:
                 return  # closed
+            if not self.slots.acquire(blocking=False):
+                log.warning("tcp data path: %s:%s closed: %d data connections open already", peer[0], peer[1],
+                            self.max_connections)
+                conn.close()
+                continue
             threading.Thread(target=self._hello, args=(conn, peer), name=f"tcp-data-{peer[0]}:{peer[1]}",
                              daemon=True).start()
 
     def _hello(self, conn: socket.socket, peer) -> None:
+        try:
+            self._hello_and_serve(conn, peer)
+        finally:
+            self.slots.release()
+
+    def _hello_and_serve(self, conn: socket.socket, peer) -> None:
         try:
             conn.settimeout(HELLO_TIMEOUT_S)
             if self.ctx is not None:  # the handshake (client certificate required) before anything else
@@ -75,7 +89,7 @@ class DataServer:
             return
         log.info("shard %s: tcp data path from %s:%s%s", self.servicer.shard_id, peer[0], peer[1],
                  " (TLS)" if self.ctx is not None else "")
-        _serve(self.servicer, conn)
+        _serve(self.servicer, conn, self.frame_timeout_s)
 
     def close(self) -> None:
         try:
@@ -84,36 +98,42 @@ class DataServer:
             pass
 
 
-def _serve(servicer, conn: socket.socket) -> None:
-    """One client's connection: frame in, validated and computed, frame out."""
+def _serve(servicer, conn: socket.socket, frame_timeout_s: float = 10.0) -> None:
+    """One client's connection: frame in, validated and computed, frame out. Between frames the
+    connection may idle; once a frame's first byte came, the rest must within frame_timeout_s."""
     from cpu_expert_service.metrics import mark_arrival
     RequestError = sys.modules[type(servicer).__module__].RequestError
 
     cfg = servicer.cfg
-    H, E = cfg.hidden_size, cfg.n_routed_experts
+    H, K = cfg.hidden_size, cfg.num_experts_per_tok
     hdr = bytearray(REQUEST.size)
     hv = memoryview(hdr)
-    payload = bytearray(0)
+    payload = np.empty(0, np.uint8)  # np.empty: pages are committed as bytes arrive, not by the header
     spin_s = spin_seconds()
     try:
         while True:
-            if not recv_exact(conn, hv, spin_s):
+            if not recv_exact(conn, hv[:1], spin_s):
+                return
+            conn.settimeout(frame_timeout_s)  # the rest of the frame under a deadline (socket.timeout: closed)
+            if not recv_exact(conn, hv[1:]):
                 return
             t_start = time.perf_counter()
             mark_arrival(t_start)
             seq, layer, T, k, hc, oc = REQUEST.unpack(hdr)
-            if T > servicer.max_tokens or not 1 <= k <= E or hc not in FLOAT_CODES or oc not in FLOAT_CODES:
+            if T > servicer.max_tokens or not 1 <= k <= K or hc not in FLOAT_CODES or oc not in FLOAT_CODES:
                 msg = (f"shard {servicer.shard_id}: seq {seq}: bad frame header (T {T} of at most {servicer.max_tokens}, "
-                       f"k {k} of 1-{E}, dtype codes {hc}/{oc}); closing the data connection").encode()
+                       f"k {k} of 1-{K}, dtype codes {hc}/{oc}); closing the data connection").encode()
                 send_parts(conn, [RESPONSE.pack(seq, INVALID_ARGUMENT, 0, 0, len(msg), T), msg])
                 return
             hb = T * H * DTYPES[hc].itemsize
             n = hb + T * k * 12
             if len(payload) < n:
-                payload = bytearray(max(n, 2 * len(payload)))
+                payload = np.empty(max(n, min(2 * len(payload), servicer.max_tokens * H * 4 + servicer.max_tokens * K * 12)),
+                                   np.uint8)
             pv = memoryview(payload)
             if not recv_exact(conn, pv[:n]):
                 return
+            conn.settimeout(None)
             status, compute_us, body = OK, 0, b""
             try:
                 x = np.frombuffer(payload, DTYPES[hc], T * H, 0).reshape(T, H)
@@ -131,6 +151,6 @@ def _serve(servicer, conn: socket.socket) -> None:
             send_parts(conn, [RESPONSE.pack(seq, status, compute_us, server_us, 0 if status == OK else len(body), T),
                               body])  # body: the [T, H] answer in the output dtype, or the message
     except OSError:
-        pass  # client went away
+        pass  # client went away, or a frame stalled past its deadline (socket.timeout)
     finally:
         conn.close()

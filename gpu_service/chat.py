@@ -63,7 +63,9 @@ def run(args: argparse.Namespace) -> int:
 
     from gpu_service.api.grpc_client import GenerateClient
 
-    with GenerateClient(args.address) as client:
+    import os
+
+    with GenerateClient(args.address, api_key=os.environ.get("MOESPLIT_API_KEY")) as client:  # the server's key
         try:
             grpc.channel_ready_future(client.channel).result(timeout=args.connect_timeout)
         except grpc.FutureTimeoutError:

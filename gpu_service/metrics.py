@@ -191,16 +191,18 @@ def planned_bytes(runner, plan=None, placement=None) -> dict[tuple[str, str], in
             for cat, b in gp.items.items():
                 out[(cat, device_label(g))] = int(b)
         if getattr(plan.options, "embeddings", "gpu") == "cpu":
-            out[("embeddings", "cpu")] = 2 * plan.cfg.vocab_size * plan.cfg.hidden_size
+            out[("embeddings", "cpu")] = getattr(plan.options, "eb", 2) * plan.cfg.vocab_size * plan.cfg.hidden_size
         return out
     cfg = runner.cfg
     placement = placement or getattr(runner, "placement", None) or Placement.single(cfg, runner.device)
+    dt = getattr(runner, "dtype", None)
+    eb = dt.itemsize if dt is not None else 2  # the compute dtype's bytes per element
     for m in P.gpu_modules(cfg):
         if cfg.tie_word_embeddings and m.category == "lm_head":
             continue
         k = (m.category, device_label(placement.gpu_index_of(m.name + ".weight")))
-        out[k] = out.get(k, 0) + P.module_bytes(cfg, m, placement.attention_weights)
-    kv, idx = P.kv_bytes_per_token_layer(cfg)
+        out[k] = out.get(k, 0) + P.module_bytes(cfg, m, placement.attention_weights, eb)
+    kv, idx = P.kv_bytes_per_token_layer(cfg, eb)
     tokens = runner.pool.num_pages * runner.pool.page_size
     for layer, g in enumerate(placement.layer_gpu):
         for cat, b in (("kv_cache", kv), ("index_keys", idx)):
@@ -210,7 +212,7 @@ def planned_bytes(runner, plan=None, placement=None) -> dict[tuple[str, str], in
         hot = placement.hot_experts.get(layer, [])
         if hot:
             k = ("gpu_experts", device_label(g))
-            out[k] = out.get(k, 0) + len(hot) * P.expert_bytes(cfg, placement.expert_format)
+            out[k] = out.get(k, 0) + len(hot) * P.expert_bytes(cfg, placement.expert_format, eb=eb)
     return out
 
 
@@ -234,11 +236,13 @@ class _ScrapeCollector:
         g = GaugeMetricFamily(p + "num_requests_waiting", "Requests waiting for admission.")
         g.add_metric([], s["waiting"])
         yield g
-        g = GaugeMetricFamily(p + "kv_cache_usage_ratio", "Fraction of KV cache pages in use (0-1).")
+        g = GaugeMetricFamily(p + "kv_cache_usage_ratio", "Fraction of KV cache pages held by requests (0-1; reclaimable prefix-cache pages excluded).")
         g.add_metric([], s["pool_usage"])
         yield g
-        g = GaugeMetricFamily(p + "kv_cache_pages", "KV cache pages by state (used|free|total).", labels=["state"])
-        g.add_metric(["used"], s["pool_pages_in_use"])
+        g = GaugeMetricFamily(p + "kv_cache_pages", "KV cache pages by state (used: held by requests, cached: "
+                              "only by the prefix cache, reclaimable; free; total).", labels=["state"])
+        g.add_metric(["used"], s["pool_pages_in_use"] - s["pool_pages_cached"])
+        g.add_metric(["cached"], s["pool_pages_cached"])
         g.add_metric(["free"], s["pool_pages_total"] - s["pool_pages_in_use"])
         g.add_metric(["total"], s["pool_pages_total"])
         yield g
@@ -251,10 +255,15 @@ class _ScrapeCollector:
                 ("request_submitted", "requests", "Requests accepted by the engine."),
                 ("num_preemptions", "preempted", "Requests preempted to free KV pages (recomputed later)."),
                 ("engine_steps", "steps", "Engine steps (batched forward passes)."),
-                ("engine_step_tokens", "step_tokens", "Tokens fed through the model (prefill + decode).")):
+                ("engine_step_tokens", "step_tokens", "Tokens fed through the model (prefill + decode)."),
+                ("prefill_tokens_computed", "prefill_tokens_computed",
+                 "Prompt tokens run through the model (a prompt shared by n choices counts once)."),
+                ("structured_output_requests", "structured_requests",
+                 "Requests constrained by a grammar (response_format, guided_*).")):
             c = CounterMetricFamily(p + name, doc)
             c.add_metric([], s[key])
             yield c
+        yield from _prefix_cache_families(s, getattr(self.engine, "prefix", None))
         if self.health_fn is not None:
             g = GaugeMetricFamily(p + "expert_shard_up", "1 when the shard's gRPC health check says SERVING.",
                                   labels=["shard"])
@@ -303,6 +312,36 @@ class _ScrapeCollector:
         yield g
 
 
+def _prefix_cache_families(s: dict, cache):
+    """The prefix cache (gpu_service.model.prefix_cache), from engine.stats()."""
+    p = PREFIX
+    if cache is None:
+        return
+    c = CounterMetricFamily(p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+    c.add_metric([], s["prefix_queries"])
+    yield c
+    c = CounterMetricFamily(p + "prefix_cache_hits", "Prompt tokens served by the prefix cache, by tier (gpu|host).",
+                            labels=["tier"])
+    c.add_metric(["gpu"], s["prefix_hits_gpu"])
+    c.add_metric(["host"], s["prefix_hits_host"])
+    yield c
+    c = CounterMetricFamily(p + "prefix_cache_evictions", "Cached pages evicted: from the GPU pool (to the host "
+                            "tier or dropped) and dropped from the host tier.", labels=["tier"])
+    c.add_metric(["gpu"], s["prefix_evicted_gpu"])
+    c.add_metric(["host"], s["prefix_evicted_host"])
+    yield c
+    c = CounterMetricFamily(p + "prefix_cache_copied_bytes", "Bytes copied between the GPU pool and the host tier.",
+                            labels=["direction"])
+    c.add_metric(["to_host"], s["prefix_copy_out_bytes"])
+    c.add_metric(["to_gpu"], s["prefix_copy_in_bytes"])
+    yield c
+    g = GaugeMetricFamily(p + "prefix_cache_pages", "Prefix-cache pages by tier and state (gpu: referenced by "
+                          "requests | cached, unreferenced; host: cached | free).", labels=["tier", "state"])
+    for (tier, state), n in sorted(cache.page_counts().items()):
+        g.add_metric([tier, state], n)
+    yield g
+
+
 class GpuMetrics:
     """Everything the GPU service exports, on one registry; hooks itself into the engine and the
     experts client (`runner.experts.client`) when they are given."""
@@ -317,6 +356,11 @@ class GpuMetrics:
         self.registry.register(_ScrapeCollector(engine, runner, health_fn, plan))
         ProcessCollector(registry=self.registry)
         engine.observer = self.engine_observer
+        self.grammar_compile = Histogram(PREFIX + "grammar_compile_seconds",
+                                         "Time to compile a structured-output grammar (cache misses).",
+                                         ["kind", "ok"], buckets=RTT_BUCKETS, registry=self.registry)
+        if getattr(engine, "grammars", None) is not None:
+            engine.grammars.observer = lambda s, kind, ok: self.grammar_compile.labels(kind, str(ok).lower()).observe(s)
         if client is None and runner is not None:
             client = getattr(getattr(runner, "experts", None), "client", None)
         if client is not None:

@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu", action="append", type=_size, required=True, metavar="SIZE",
                    help="total memory of one GPU, e.g. 24GiB (GB = 1e9, GiB = 2^30); repeat per GPU")
     p.add_argument("--host-ram", type=_size, default=None, metavar="SIZE", help="host RAM to check shards against")
+    p.add_argument("--host-kv-cache", default="auto", metavar="SIZE|auto",
+                   help="host-RAM tier of the prefix cache (default auto: half the RAM --host-ram leaves free)")
     p.add_argument("--numa-nodes", type=int, default=1, help="CPU shards, one per NUMA node (default 1)")
     p.add_argument("--kv-tokens", type=int, default=None,
                    help=f"KV cache target in tokens (default {P.DEFAULT_KV_TARGET}); shrunk only if needed")
@@ -48,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-experts", type=_gpu_experts, default="auto", metavar="N|auto",
                    help="hot routed experts per MoE layer held on the GPU")
     p.add_argument("--expert-format", choices=P.EXPERT_FORMATS, default="auto")
+    p.add_argument("--dtype", choices=P.DTYPES, default="bfloat16",
+                   help="compute dtype of the GPU service (unquantised weights, KV cache, activations; "
+                        "default %(default)s, as generate/serve use on CUDA)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--helm-values", metavar="FILE", default=None,
                    help="write Helm values encoding the plan (GPU count and memory, shard pods, layout)")
@@ -66,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
                            kv_tokens=args.kv_tokens, min_kv_tokens=args.min_kv_tokens,
                            chunk_tokens=args.chunk_tokens, attention_weights=args.attention_weights,
                            embeddings=args.embeddings, gpu_experts=args.gpu_experts,
-                           expert_format=args.expert_format, max_batch=args.max_batch, model=name)
+                           expert_format=args.expert_format, max_batch=args.max_batch, model=name,
+                           dtype=args.dtype, host_kv_cache=args.host_kv_cache)
     except (ConfigError, ValueError) as e:
         print(f"moesplit plan: {e}", file=sys.stderr)
         return 2

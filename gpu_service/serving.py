@@ -17,12 +17,15 @@ import time
 from typing import Callable
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gpu_service.runtime.engine import Engine
 from gpu_service.model.placement import add_plan_arguments, placement_from_args
 from gpu_service.experts.client import add_expert_client_arguments, expert_client_tls
-from gpu_service.api.grpc_api import create_server as create_grpc_server
+from gpu_service.api.grpc_api import ApiTLS, create_server as create_grpc_server
+from gpu_service.api.guard import (
+    DEFAULT_HEADER_TIMEOUT_S, DEFAULT_LIMIT_CONCURRENCY, DEFAULT_MAX_BODY_BYTES, ServerLimits,
+)
+from gpu_service.api.chat_request import ChatSettings
 from gpu_service.api.http_api import create_app, HTTPServer
 from gpu_service.metrics import GpuMetrics
 
@@ -37,9 +40,31 @@ def add_serving_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="HTTP (OpenAI API) port; 0 picks a free one")
     p.add_argument("--grpc-port", type=int, default=50050, help="gRPC Generate port; 0 picks a free one")
     p.add_argument("--api-key", default=os.environ.get("MOESPLIT_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: $MOESPLIT_API_KEY, else none)")
+                   help="require 'Authorization: Bearer KEY' on /v1 and on gRPC Generate (default: "
+                        "$MOESPLIT_API_KEY, else none; prefer the variable: a flag shows in `ps`)")
+    p.add_argument("--grpc-tls-cert", help="PEM certificate: serve gRPC Generate over TLS (needs --grpc-tls-key)")
+    p.add_argument("--grpc-tls-key", help="PEM private key of --grpc-tls-cert")
+    p.add_argument("--grpc-tls-ca", help="PEM CA: require gRPC Generate clients to present a certificate it signed")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"largest HTTP request body; larger: 413 before reading it (default {DEFAULT_MAX_BODY_BYTES})")
+    p.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="longest text prompt, checked before tokenizing (default: 16 x the tokens a request may hold)")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="most requests queued for admission; beyond: HTTP 429 / gRPC RESOURCE_EXHAUSTED (default 256)")
+    p.add_argument("--max-new-tokens", type=int, default=8192,
+                   help="longest completion (and the default when a request omits max_tokens; default 8192)")
+    p.add_argument("--limit-concurrency", type=int, default=DEFAULT_LIMIT_CONCURRENCY,
+                   help=f"most open HTTP connections; beyond: 503 (default {DEFAULT_LIMIT_CONCURRENCY})")
+    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                   help=f"seconds a connection may take to send a request's headers (default {DEFAULT_HEADER_TIMEOUT_S:g})")
     p.add_argument("--kv-tokens", type=int, default=8192, help="KV cache size in tokens, shared by all requests")
     p.add_argument("--page-size", type=int, default=64, help="tokens per KV page")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="recompute every prompt (default: share full KV pages of common prefixes)")
+    p.add_argument("--host-kv-cache", default="auto", metavar="SIZE|auto|0",
+                   help="host-RAM tier of the prefix cache, e.g. 64GiB (pinned on CUDA); auto: half the RAM the "
+                        "plan leaves free with --host-ram, else a quarter of MemAvailable (at most 64 GiB); "
+                        "0 or a CPU pool: none")
     p.add_argument("--max-batch", type=int, default=32, help="most requests running at once (default 32)")
     p.add_argument("--chunk-tokens", type=int, default=512,
                    help="token budget of one step (decodes + prefill chunks)")
@@ -47,6 +72,12 @@ def add_serving_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
     add_expert_client_arguments(p)
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template to use instead of the checkpoint's (or the built-in V3.2 format)")
+    p.add_argument("--tool-call-parser", default="auto",
+                   help="auto|kimi_k2|deepseek_v3|deepseek_v31|deepseek_v32|none (default auto: by model)")
+    p.add_argument("--reasoning-parser", default="auto",
+                   help="auto|kimi_k2|deepseek_r1|deepseek_v3|none (default auto: by model)")
     p.add_argument("--log-level", default="INFO")
     add_plan_arguments(p)
 
@@ -64,17 +95,38 @@ def plan_or_exit(args: argparse.Namespace, prog: str):
 
 def check_serving_args(args: argparse.Namespace) -> str | None:
     """An error message for impossible sizes, else None."""
-    for name in ("kv_tokens", "page_size", "max_batch", "chunk_tokens"):
+    for name in ("kv_tokens", "page_size", "max_batch", "chunk_tokens", "max_body_bytes", "max_waiting",
+                 "max_new_tokens", "limit_concurrency"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
+    if getattr(args, "host_kv_cache", "auto") != "auto":
+        from gpu_service.plan.bytes import parse_size
+
+        try:
+            parse_size(args.host_kv_cache)
+        except ValueError as e:
+            return f"--host-kv-cache: {e}; give a size such as 64GiB, 0 (off) or auto"
     if args.expert_timeout <= 0:
         return f"--expert-timeout must be > 0, got {args.expert_timeout}"
+    if args.header_timeout <= 0 or (args.max_prompt_chars is not None and args.max_prompt_chars < 1):
+        return "--header-timeout must be > 0 and --max-prompt-chars >= 1"
     try:
         expert_client_tls(args, "")
+        ApiTLS.from_args(args.grpc_tls_cert, args.grpc_tls_key, args.grpc_tls_ca)
     except ValueError as e:
         return str(e).lstrip(": ")
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         return f"{args.model}: no config.json; --model must be a checkpoint directory"
+    from gpu_service.api.parsers import check_parser_name
+
+    try:
+        check_parser_name("tool", getattr(args, "tool_call_parser", "auto"))
+        check_parser_name("reasoning", getattr(args, "reasoning_parser", "auto"))
+    except ValueError as e:
+        return str(e)
+    template = getattr(args, "chat_template", None)
+    if template and not os.path.isfile(template):
+        return f"--chat-template {template}: no such file"
     return None
 
 
@@ -84,34 +136,31 @@ def shard_health_fn(addresses: list[str], timeout_s: float = 1.0, tls=None) -> C
     shard group is enough.) `tls`: TLSFiles for shards that require mutual TLS."""
     from wire.channel import make_channel
 
-    stubs = {a: health_pb2_grpc.HealthStub(make_channel(a, [], tls)) for a in addresses}
+    from gpu_service.experts.health import check_parallel
 
-    def check() -> tuple[bool, dict]:
-        out, ok = {}, True
-        for a, stub in stubs.items():
-            try:
-                r = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
-                status = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
-            except grpc.RpcError as e:
-                status = f"{e.code().name}: {e.details()}"
-            out[a] = status
-            ok = ok and status == "SERVING"
-        return ok, out
+    channels = {a: make_channel(a, [], tls) for a in addresses}
+
+    def check() -> tuple[bool, dict]:  # every shard asked at once: at most timeout_s in all
+        out = check_parallel(channels, timeout_s)
+        return all(v == "SERVING" for v in out.values()), out
 
     return check
 
 
 def build_runner(model_dir: str, addresses: list[str], device=None, dtype=None, kv_tokens: int = 8192,
                  page_size: int = 64, expert_timeout: float = 5.0, tls=None, tls_server_name: str | None = None,
-                 placement=None):
+                 placement=None, chat_template: str | None = None, prefix_cache: bool = True,
+                 host_kv_cache: str | int = 0):
     """Connect to the shards (fingerprint + coverage checked) and load the GPU side (its tensors
-    verified first). Returns (runner, experts_client, tokenizer or None)."""
+    verified first). Returns (runner, experts_client, tokenizer or None); `chat_template`: a Jinja file
+    overriding the checkpoint's chat format; `host_kv_cache`: bytes / "64GiB" / "auto" (`host_kv_bytes`)
+    of the prefix cache's host tier."""
     import torch
 
     from checkpoint.reader import CheckpointReader
     from gpu_service.experts.client import ExpertsClient
     from gpu_service.runtime.runner import ModelRunner, RemoteExperts
-    from gpu_service.api.tokenizer import Tokenizer, TokenizerError
+    from gpu_service.api.tokenizer import TokenizerError, load_tokenizer
 
     reader = CheckpointReader(model_dir)
     client = ExpertsClient(addresses, reader.config, timeout_s=expert_timeout, tls=tls,
@@ -119,16 +168,33 @@ def build_runner(model_dir: str, addresses: list[str], device=None, dtype=None, 
     try:
         runner = ModelRunner(reader, RemoteExperts(client), device=torch.device(device) if device else None,
                              dtype=getattr(torch, dtype) if dtype else None, kv_tokens=kv_tokens,
-                             page_size=page_size, placement=placement)
+                             page_size=page_size, placement=placement, prefix_cache=prefix_cache,
+                             host_kv_bytes=host_kv_bytes(host_kv_cache, placement, device))
     except BaseException:
         client.close()
         raise
     try:
-        tokenizer = Tokenizer(model_dir)
+        tokenizer = load_tokenizer(model_dir, chat_template)
     except TokenizerError as e:
         log.warning("%s: serving token ids only", e)
         tokenizer = None
     return runner, client, tokenizer
+
+
+def host_kv_bytes(spec: str | int, placement=None, device=None) -> int:
+    """--host-kv-cache as bytes: "auto" is gpu_service.model.host_kv.auto_host_kv_bytes of the plan,
+    and nothing when the pool lives in host memory anyway (a CPU device)."""
+    import torch
+
+    from gpu_service.model.host_kv import auto_host_kv_bytes
+    from gpu_service.plan.bytes import parse_size
+
+    if spec != "auto":
+        return parse_size(spec)
+    cuda = torch.cuda.is_available() if device is None else str(device).startswith("cuda")
+    if placement is not None:
+        cuda = any(d.type == "cuda" for d in placement.layer_devices)
+    return auto_host_kv_bytes(getattr(placement, "plan", None)) if cuda else 0
 
 
 class ServingStack:
@@ -136,14 +202,22 @@ class ServingStack:
 
     def __init__(self, runner, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000,
                  grpc_port: int = 50050, api_key: str | None = None, max_batch: int = 16,
-                 chunk_tokens: int = 512, health_fn=None, closers: list[Callable[[], None]] | None = None):
-        self.engine = Engine(runner, tokenizer, max_batch=max_batch, chunk_tokens=chunk_tokens)
+                 chunk_tokens: int = 512, health_fn=None, closers: list[Callable[[], None]] | None = None,
+                 limits: ServerLimits | None = None, max_waiting: int = 256, max_new_tokens: int = 8192,
+                 grpc_tls: ApiTLS | None = None, chat_settings=None):
+        # generation ends at config.json's EOS and at generation_config.json's end-of-turn ids (Kimi: <|im_end|>)
+        eos = tuple(runner.cfg.eos_token_ids) + tuple(getattr(tokenizer, "stop_token_ids", ()) or ())
+        self.engine = Engine(runner, tokenizer, max_batch=max_batch, chunk_tokens=chunk_tokens,
+                             max_waiting=max_waiting, max_new_tokens=max_new_tokens,
+                             eos_token_ids=tuple(dict.fromkeys(eos)))
+        self.limits = limits or ServerLimits()
+        self.api_key, self.grpc_tls = api_key, grpc_tls
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.host, self.port, self.grpc_port = host, port, grpc_port
         self.metrics = GpuMetrics(self.engine, runner, health_fn=health_fn)  # GET /metrics; own registry
         self.app = create_app(self.engine, tokenizer, model_name, api_key=api_key, health_fn=health_fn,
-                              metrics=self.metrics)
+                              metrics=self.metrics, limits=self.limits, chat_settings=chat_settings)
         self.closers = list(closers or [])
         self.http: HTTPServer | None = None
         self.grpc_server: grpc.Server | None = None
@@ -152,9 +226,10 @@ class ServingStack:
     def start(self) -> "ServingStack":
         try:
             self.engine.start()
-            self.http = HTTPServer(self.app, self.host, self.port).start()
-            self.grpc_server, self.grpc_port = create_grpc_server(self.engine, self.tokenizer, self.host,
-                                                                  self.grpc_port)
+            self.http = HTTPServer(self.app, self.host, self.port, limits=self.limits).start()
+            self.grpc_server, self.grpc_port = create_grpc_server(
+                self.engine, self.tokenizer, self.host, self.grpc_port, api_key=self.api_key, tls=self.grpc_tls,
+                max_prompt_chars=self.limits.prompt_chars_for(self.engine.max_request_tokens))
         except BaseException:
             self.stop()
             raise
@@ -225,7 +300,9 @@ def run_stack(args: argparse.Namespace, prog: str, addresses: list[str], closers
     try:
         runner, client, tokenizer = build_runner(args.model, addresses, args.device, args.dtype,
                                                  args.kv_tokens, args.page_size, args.expert_timeout,
-                                                 expert_client_tls(args, prog), args.tls_server_name, placement)
+                                                 expert_client_tls(args, prog), args.tls_server_name, placement,
+                                                 getattr(args, "chat_template", None), args.prefix_cache,
+                                                 args.host_kv_cache)
         closers.append(client.close)
         shard_max = min((int(s.info.max_tokens) for s in client.shards if s.info.max_tokens), default=None)
         chunk = args.chunk_tokens
@@ -236,7 +313,13 @@ def run_stack(args: argparse.Namespace, prog: str, addresses: list[str], closers
         name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
         stack = ServingStack(runner, tokenizer, name, host=args.host, port=args.port, grpc_port=args.grpc_port,
                              api_key=args.api_key, max_batch=args.max_batch, chunk_tokens=chunk,
-                             health_fn=client.health, closers=closers)
+                             health_fn=client.health, closers=closers,
+                             limits=ServerLimits(args.max_body_bytes, args.max_prompt_chars, args.header_timeout,
+                                                 args.limit_concurrency),
+                             max_waiting=args.max_waiting, max_new_tokens=args.max_new_tokens,
+                             grpc_tls=ApiTLS.from_args(args.grpc_tls_cert, args.grpc_tls_key, args.grpc_tls_ca),
+                             chat_settings=ChatSettings(getattr(args, "tool_call_parser", "auto"),
+                                                        getattr(args, "reasoning_parser", "auto")))
         stack.start()  # on failure it stops itself, running the closers
     except BaseException as e:
         if stack is None:

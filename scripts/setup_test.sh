@@ -3,6 +3,8 @@
 set -euo pipefail
 need=()
 command -v prometheus >/dev/null 2>&1 || need+=(prometheus)
+# SIMDe headers: tests/test_kernels.py runs the AVX-512 kernels on CPUs without AVX-512 with them
+[ -e /usr/include/simde/x86/avx512.h ] || need+=(libsimde-dev)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null

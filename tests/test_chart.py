@@ -172,8 +172,8 @@ def test_seed_plan_hardware_requirements_are_rendered(key, tmp_path):
         assert g["used_bytes"] / MiB <= need_mib <= g["capacity_bytes"] / MiB
     assert expr["nvidia.com/gpu.count"]["values"] == [str(n_gpus - 1)]
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}} in spec["volumes"]
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe]["httpGet"]["path"] == "/health"
+    paths = {probe: c[probe]["httpGet"]["path"] for probe in ("startupProbe", "readinessProbe", "livenessProbe")}
+    assert paths == {"startupProbe": "/live", "readinessProbe": "/health", "livenessProbe": "/live"}  # issue 22
 
     # Expert pods: one StatefulSet per shard, Guaranteed QoS, plan memory, AMX labels, gRPC probes.
     stss = by_kind(docs, "StatefulSet")
@@ -225,7 +225,8 @@ def test_helm_values_from_plan_details(tmp_path):
     v = helm_values_from_plan(p, "/models/DeepSeek-V3", image="registry.local:5000/moesplit:1.2",
                               hugepages_size="1Gi")
     assert [g["experts"] for g in v["experts"]["groups"]] == ["0-127", "128-255"]
-    assert v["image"] == {"repository": "registry.local:5000/moesplit", "tag": "1.2"}
+    assert v["image"] == {"experts": {"repository": "registry.local:5000/moesplit/moesplit-experts", "tag": "1.2"},
+                          "gpu": {"repository": "registry.local:5000/moesplit/moesplit-gpu", "tag": "1.2"}}
     g0 = v["experts"]["groups"][0]
     assert parse_quantity(g0["hugepages"]) >= p["shards"][0]["weight_bytes"]
     assert parse_quantity(g0["hugepages"]) % (1 << 30) == 0
@@ -236,6 +237,37 @@ def test_helm_values_from_plan_details(tmp_path):
     write_helm_values(plan, str(out), "/models/Kimi-K2-Thinking")
     assert yaml.safe_load(out.read_text())["gpu"]["count"] == 1
     assert out.read_text().startswith("# Helm values from a moesplit memory plan for kimi-k2-thinking")
+
+
+# ---------------------------------------------------------------------------------- images
+def pod_images(docs: list[dict]) -> dict[str, set[str]]:
+    """Images of every pod template (and bare pod), by kind."""
+    out: dict[str, set[str]] = {}
+    for d in docs:
+        spec = d["spec"] if d["kind"] == "Pod" else d.get("spec", {}).get("template", {}).get("spec")
+        if spec:
+            for c in spec.get("initContainers", []) + spec.get("containers", []):
+                out.setdefault(d["kind"], set()).add(c["image"])
+    return out
+
+
+def test_pods_reference_exactly_the_built_image_names(tmp_path):
+    """The default values name the images scripts/build_images.sh builds (IMAGE_REPO, IMAGE_TAG = appVersion)."""
+    experts, gpu = subprocess.run([os.path.join(ROOT, "scripts", "build_images.sh"), "names"], check=True,
+                                  capture_output=True, text=True, env={**os.environ, "IMAGE_TAG": ""}).stdout.split()
+    with open(os.path.join(CHART, "Chart.yaml")) as f:
+        assert experts.endswith(":" + yaml.safe_load(f)["appVersion"])
+    values = dict(report_values("kimi"), tests={"enabled": True},
+                  convert={"enabled": True, "mode": "initContainer"})
+    images = pod_images(render(values, tmp_path))
+    assert images == {"Deployment": {gpu}, "StatefulSet": {experts}, "Pod": {experts}}, images
+    values["convert"]["mode"] = "job"
+    assert pod_images(render(values, tmp_path))["Job"] == {experts}
+    pushed = dict(values, image={"experts": {"repository": "reg.local/ms/moesplit-experts", "tag": "t1"},
+                                 "gpu": {"repository": "reg.local/ms/moesplit-gpu"}})
+    images = pod_images(render(pushed, tmp_path))
+    assert images["Deployment"] == {gpu.replace("ghcr.io/moesplit", "reg.local/ms")}
+    assert images["StatefulSet"] == {"reg.local/ms/moesplit-experts:t1"}
 
 
 # ---------------------------------------------------------------------------------- bad values
@@ -336,3 +368,55 @@ def posix_parent(path: str) -> str:
 
 if __name__ == "__main__" and "--regen" in sys.argv:
     _regen()
+
+
+def test_hardened_pods_secret_key_and_gpu_network_policy_in_every_ci_file(tmp_path):
+    """Issue 22: every pod runs non-root with the runtime's seccomp profile, every container with a
+    read-only root filesystem (emptyDirs at /tmp and /dev/shm), no privilege escalation and no
+    capabilities; the API key comes from a Secret (never args) and the helm test sends it; the GPU
+    pods have a NetworkPolicy; liveness is /live, readiness /health, both with a timeout."""
+    for f in sorted(glob.glob(os.path.join(CI, "*.yaml"))):
+        with open(f) as fh:
+            values = yaml.safe_load(fh) or {}
+        values["apiKey"] = {"secretName": "moesplit-api-key", "key": "api-key"}
+        values.setdefault("tests", {})["enabled"] = True
+        docs = render(values, tmp_path, os.path.basename(f))
+        name = os.path.basename(f)
+        pods = [(d["kind"], d["spec"]["template"]["spec"]) for d in docs if d["kind"] in ("Deployment", "StatefulSet", "Job")]
+        pods += [(d["kind"], d["spec"]) for d in docs if d["kind"] == "Pod"]
+        assert pods, name
+        for kind, spec in pods:
+            psc = spec["securityContext"]
+            assert psc["runAsNonRoot"] is True and psc["seccompProfile"] == {"type": "RuntimeDefault"}, (name, kind)
+            mounts_by = {}
+            for c in spec.get("initContainers", []) + spec["containers"]:
+                sc = c["securityContext"]
+                assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False, (name, c["name"])
+                assert sc["capabilities"]["drop"] == ["ALL"], (name, c["name"])
+                assert not any("api-key" in str(a) or "sk-" in str(a) for a in c.get("args", [])), c["args"]
+                mounts_by[c["name"]] = {m["mountPath"] for m in c.get("volumeMounts", [])}
+            vols = {v["name"]: v for v in spec.get("volumes", [])}
+            if kind != "Pod":
+                assert all("/tmp" in m for m in mounts_by.values()), (name, kind, mounts_by)
+                assert "emptyDir" in vols["tmp"], (name, kind)
+            if kind in ("Deployment", "StatefulSet"):
+                assert all("/dev/shm" in m for n, m in mounts_by.items() if n != "convert"), (name, kind)
+        gpu = next(d for d in by_kind(docs, "Deployment"))
+        c = gpu["spec"]["template"]["spec"]["containers"][0]
+        env = {e["name"]: e for e in c["env"]}
+        assert env["MOESPLIT_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "moesplit-api-key", "key": "api-key"}
+        assert c["livenessProbe"]["httpGet"]["path"] == "/live" and c["readinessProbe"]["httpGet"]["path"] == "/health"
+        assert all(c[p]["timeoutSeconds"] >= 1 for p in ("startupProbe", "readinessProbe", "livenessProbe"))
+        test_pod = next(d for d in by_kind(docs, "Pod"))
+        t_env = {e["name"]: e for e in test_pod["spec"]["containers"][0]["env"]}
+        assert t_env["MOESPLIT_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "moesplit-api-key"
+        assert "Authorization" in test_pod["spec"]["containers"][0]["command"][-1]
+        policies = {d["metadata"]["name"]: d for d in by_kind(docs, "NetworkPolicy")}
+        gpu_pol = policies[gpu["metadata"]["name"]]
+        assert gpu_pol["spec"]["podSelector"]["matchLabels"] == gpu["spec"]["selector"]["matchLabels"], name
+        ports = {p["port"] for rule in gpu_pol["spec"]["ingress"] for p in rule["ports"]}
+        assert {c_port["containerPort"] for c_port in c["ports"]} <= ports, name
+    # without a Secret: no key variable at all (and none on the command line)
+    docs = render({"gpu": {"count": 1, "memoryMiB": 15000}}, tmp_path, "nokey")
+    c = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
+    assert "MOESPLIT_API_KEY" not in {e["name"] for e in c["env"]}

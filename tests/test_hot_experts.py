@@ -126,6 +126,7 @@ def stack(tmp_path_factory):
 
     d = make_tiny(str(tmp_path_factory.mktemp("hot") / "bf16"), fmt="bf16", seed=7, overrides=OVERRIDES)
     ports = [_free_port(), _free_port()]
+    # numpy: f32 experts like the GPU's copy of the hot ones, which the last check compares with
     with start_shards(d, 2, split="experts", backend="numpy", metrics_ports=ports) as shards:
         client = ExpertsClient(shards.addresses, ModelConfig.from_dict(tiny_config("deepseek_v3", "bf16", OVERRIDES)))
         client.connect()

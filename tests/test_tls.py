@@ -109,7 +109,7 @@ def tls_shard(model_dir, pki):
     from gpu_service.local.stack import start_shards
 
     s = pki["server"]
-    with start_shards(model_dir, 1, backend="numpy",
+    with start_shards(model_dir, 1, backend="auto",
                       extra_args=["--tls-cert", s["cert"], "--tls-key", s["key"], "--tls-ca", pki["ca"]]) as sh:
         yield sh
 

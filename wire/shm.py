@@ -6,12 +6,16 @@ Both sides import this: the GPU service's client (gpu_service.experts.shm) and t
 
 When the GPU service and a shard share a host and a directory (`/dev/shm`, or in Kubernetes an
 emptyDir / hostPath mounted at the same path in both containers), tensors need not cross the
-gRPC stream. The GPU side creates a file in that directory, sized for `n_slots` in-flight calls
-of up to `max_tokens` rows, writes a random token at its head and listens on a Unix socket beside
-it; then it asks the shard with the `AttachShm` RPC. The shard opens the file (only inside its
-own `--shm-dir`, never through a symlink), checks the token (so the file really is the one the
-client wrote: same host, same volume), maps it and connects to the socket. Both then unlink the
-names; the mapping and the socket live until either side closes. The gRPC stream stays for
+gRPC stream. The GPU side creates the region as an anonymous memfd, sized for `n_slots` in-flight
+calls of up to `max_tokens` rows, seals its size (`F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL`),
+writes a random token at its head and listens on a Unix socket (mode 0600) in that directory;
+then it asks the shard with the `AttachShm` RPC (`path` empty, `token`, `socket_path`). The shard
+connects to the socket (only inside its own `--shm-dir`), checks the peer's uid (`SO_PEERCRED`:
+its own uid or one allowed by MOESPLIT_SHM_PEER_UID), receives the descriptor with the token
+(`SCM_RIGHTS`), checks the seals, the size and the token, and maps it. No path is ever opened
+and the mapping cannot shrink under the shard, so a hostile client cannot make it fault (SIGBUS);
+every slot access is bounds-checked against the layout read once at attach. Both unlink the
+socket name; the mapping and the socket live until either side closes. The gRPC stream stays for
 control, health and every call that does not fit (more rows than a slot holds, no free slot).
 
 Layout of the file (little-endian):
@@ -68,6 +72,8 @@ TOKEN_BYTES = 32
 SHM_ENV = "MOESPLIT_SHM"  # "0" disables the fast path (shard: refuse AttachShm; client: never ask)
 SHM_DIR_ENV = "MOESPLIT_SHM_DIR"  # shared directory (default /dev/shm)
 DEFAULT_SHM_DIR = "/dev/shm"
+PEER_UID_ENV = "MOESPLIT_SHM_PEER_UID"  # further uids (comma-separated) allowed as the peer of a doorbell
+SEALS = 0x0002 | 0x0004 | 0x0001  # F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL: the size can never change
 
 OP_FORWARD = 1
 OK, INVALID_ARGUMENT, INTERNAL = 0, 3, 13  # gRPC status code values
@@ -166,6 +172,56 @@ class Layout:
 def view(mm, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """A zero-copy numpy view of the shared mapping."""
     return np.ndarray(shape, dtype=dtype, buffer=mm, offset=offset)
+
+
+def allowed_peer_uids() -> frozenset[int]:
+    """This process's uid and the ones in MOESPLIT_SHM_PEER_UID (e.g. the GPU service's uid when the
+    shard runs as another user): the only peers a doorbell is accepted from."""
+    raw = os.environ.get(PEER_UID_ENV, "").strip()
+    try:
+        extra = {int(u) for u in raw.split(",") if u.strip()}
+    except ValueError:
+        raise ValueError(f"{PEER_UID_ENV}={raw!r}: expected comma-separated numeric uids, e.g. 1000") from None
+    return frozenset({os.getuid(), *extra})
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a connected Unix socket (SO_PEERCRED)."""
+    _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return uid
+
+
+def create_region(size: int) -> int:
+    """A sealed anonymous shared-memory file of `size` bytes (its descriptor): no name, and a
+    size that neither side can change afterwards."""
+    import fcntl
+
+    fd = os.memfd_create("moesplit-shm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)  # sparse: pages exist once written
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_region(fd: int, need: int) -> str | None:
+    """Why a received descriptor is not a usable region (None when it is): it must be a memfd whose
+    size is sealed and at least `need` bytes."""
+    import fcntl
+    import stat
+
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        return "the descriptor is not a sealable memfd (send one from os.memfd_create)"
+    if seals & (SEALS & ~0x0001) != SEALS & ~0x0001:
+        return f"the memfd's size is not sealed (seals {seals:#x}; need F_SEAL_SHRINK | F_SEAL_GROW)"
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size < need:
+        return f"the memfd has {st.st_size} bytes, the layout needs {need}"
+    return None
 
 
 def _inside(path: str, directory: str) -> bool:

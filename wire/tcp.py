@@ -24,9 +24,16 @@ Frames (little-endian), request then response, matched by seq (answers come in o
                        server_us, message length, T (36 bytes)
               then output [T, H] (output dtype) if status is 0, else the UTF-8 message
 
-A request whose header is invalid (T above the shard's --max-tokens, k outside [1, E], unknown
-dtype codes) is answered with INVALID_ARGUMENT and the connection closed, since its payload length
-cannot be trusted; any other invalid call (layer not served, expert id out of range, NaN) is
+A request whose header is invalid (T above the shard's --max-tokens, k outside [1,
+num_experts_per_tok], unknown dtype codes) is answered with INVALID_ARGUMENT and the connection
+closed, since its payload length cannot be trusted; once a frame's first byte arrived its rest must
+arrive within MOESPLIT_TCP_FRAME_TIMEOUT_S (default 10 s) or the connection is closed, and the
+payload buffer commits memory only as bytes arrive (a header alone costs nothing); a shard holds at
+most MAX_CONNECTIONS data connections. The client checks each response header against its request
+(known seq, the T it asked for, a bounded message) before reading the body.
+Plaintext data connections are as trusted as plaintext gRPC: the Helm chart's NetworkPolicy admits
+only the GPU pods; give the shards --tls-* (mutual TLS) where the network is shared.
+ any other invalid call (layer not served, expert id out of range, NaN) is
 answered with INVALID_ARGUMENT and the connection kept, like the shared-memory path. Validation
 and compute are the gRPC path's (`ExpertServicer.check_and_forward`).
 
@@ -54,6 +61,21 @@ TOKEN_BYTES = 32
 ACK = b"\x01"
 TOKEN_TTL_S = 30.0
 HELLO_TIMEOUT_S = 5.0
+FRAME_TIMEOUT_ENV = "MOESPLIT_TCP_FRAME_TIMEOUT_S"  # once a frame's first byte came, the rest must within it
+DEFAULT_FRAME_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 64  # data connections (in their hello or serving) a shard holds at once; more are closed
+
+
+def frame_timeout_s() -> float:
+    """Seconds a shard waits for the rest of a frame once its first byte arrived (MOESPLIT_TCP_FRAME_TIMEOUT_S)."""
+    raw = os.environ.get(FRAME_TIMEOUT_ENV, "").strip()
+    try:
+        v = float(raw) if raw else DEFAULT_FRAME_TIMEOUT_S
+    except ValueError:
+        v = -1.0
+    if not 0 < v <= 3600:
+        raise ValueError(f"{FRAME_TIMEOUT_ENV}={raw!r}: expected seconds in (0, 3600], e.g. 10")
+    return v
 MAX_MESSAGE = 4096
 OK, INVALID_ARGUMENT, INTERNAL = shm.OK, shm.INVALID_ARGUMENT, shm.INTERNAL
 DTYPES, FLOAT_CODES = shm.DTYPES, shm.FLOAT_CODES

@@ -25,7 +25,10 @@ cdef extern from "moe.h" nogil:
     void moe_kernels_avx512(MoeKernels *k)
     void moe_kernels_amx(MoeKernels *k)
     int moe_cpu_has(int isa)
+    int moe_bf16_dot_fma()
     double moe_probe_avx512(int kind, long iters)
+    double moe_probe_avx2(int kind, long iters)
+    double moe_probe_read(MoePool *pool, const unsigned char *buf, size_t nbytes)
     MoePool *moe_pool_create(int nthreads, const int *cpus, int ncpus)
     void moe_pool_destroy(MoePool *pool)
     int moe_expert_pack_float(MoePool *pool, MoeExpert *e, int fmt, int H, int I,
@@ -50,16 +53,30 @@ def cpu_has(str isa):
     return bool(moe_cpu_has(ISAS[isa]))
 
 
+def bf16_dot_form():
+    """The form an AVX-512 bf16 kernel table made now takes: "fma" (widened weights x f32 FMA)
+    or "dpbf16" (vdpbf16ps); see moe_bf16_dot_fma in moe.h ($MOESPLIT_BF16_DOT overrides)."""
+    return "fma" if moe_bf16_dot_fma() else "dpbf16"
+
+
+# compute-ceiling probes: kind -> (ISA it needs, index in that ISA's probe function)
+PROBES = {"fma_f32": ("avx512", 0), "dpbf16": ("avx512", 1), "vnni_int8": ("avx512", 2),
+          "fma_f32_avx2": ("avx2", 0), "maddubs_int8_avx2": ("avx2", 1)}
+
+
 def probe_peak(str kind, long iters):
-    """Run `iters` rounds of a compute-ceiling probe ("fma_f32" or "dpbf16", AVX-512) on this
-    thread without the GIL; returns the FLOPs done (the caller times it, on several threads)."""
-    cdef int k = {"fma_f32": 0, "dpbf16": 1}[kind]
-    cdef double flops
-    if not moe_cpu_has(MOE_ISA_AVX512):
-        raise RuntimeError("probe_peak needs AVX-512 BF16 (this CPU lacks it)")
+    """Run `iters` rounds of a compute-ceiling probe (a key of PROBES: 12 independent vector
+    chains of one instruction) on this thread without the GIL; returns the operations done
+    (2 per multiply-add; the caller times it, on several threads)."""
+    isa, k = PROBES[kind]
+    cdef double ops
+    cdef int ki = k, wide = isa == "avx512"
+    if not moe_cpu_has(ISAS[isa]):
+        raise RuntimeError(f"probe_peak({kind!r}) needs {'AVX-512 BF16/VNNI' if isa == 'avx512' else 'AVX2'} "
+                           "(this CPU lacks it)")
     with nogil:
-        flops = moe_probe_avx512(k, iters)
-    return flops
+        ops = moe_probe_avx512(ki, iters) if wide else moe_probe_avx2(ki, iters)
+    return ops
 
 
 cdef class _Layer:
@@ -184,6 +201,18 @@ cdef class Engine:
                                       &dp[0, 0], &ds[0, 0])
         if rc != 0:
             raise MemoryError(f"packing layer {layer} expert {expert} failed ({rc})")
+
+    def read_probe(self, const unsigned char[::1] buf):
+        """Seconds for this engine's threads (pinned as for the kernels) to stream-read `buf` once,
+        each its contiguous share: the read-bandwidth ceiling of a weight stream. buf: 64-byte
+        aligned, its length a multiple of 256 x threads."""
+        cdef size_t n = buf.shape[0]
+        cdef double s
+        if n % (256 * self.num_threads) or (<size_t>&buf[0]) % 64:
+            raise ValueError(f"read_probe: buffer must be 64-byte aligned and a multiple of {256 * self.num_threads} bytes")
+        with nogil:
+            s = moe_probe_read(self.pool, &buf[0], n)
+        return s
 
     def has_layer(self, int layer):
         return layer in self.layers

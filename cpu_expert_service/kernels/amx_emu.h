@@ -4,7 +4,8 @@
  * Built only with -DMOE_AMX_EMULATE (tests/test_kernels.py builds such a copy of the extension);
  * the normal build uses the real instructions. Semantics follow the Intel SDM:
  *   tile config: palette 1, rows[t] rows of colsb[t] bytes per tile (at most 16 x 64 B);
- *   TDPBF16PS  C[m][n] (f32) += sum_k A[m][2k] * B[k][2n] + A[m][2k+1] * B[k][2n+1]   (bf16 inputs)
+ *   TDPBF16PS  for k ascending: C[m][n] (f32) += A[m][2k] * B[k][2n]; C[m][n] += A[m][2k+1] * B[k][2n+1]
+ *              (bf16 inputs, each addition rounded to f32)
  *   TDPBSUD    C[m][n] (i32) += sum_k sum_i s8(A[m][4k+i]) * u8(B[k][4n+i])
  * with K = colsb(A) / 4 and N = colsb(C) / 4. State is per thread, like the real tile registers. */
 #ifndef MOE_AMX_EMU_H
@@ -59,7 +60,11 @@ static inline void moe_emu_dpbf16ps(int dst, int a, int b) {
             memcpy(&acc, &moe_amx_emu.data[dst][m][4 * n], 4);
             for (int k = 0; k < K; k++) {
                 const uint8_t *ar = &moe_amx_emu.data[a][m][4 * k], *br = &moe_amx_emu.data[b][k][4 * n];
-                acc += moe_emu_bf16(ar) * moe_emu_bf16(br) + moe_emu_bf16(ar + 2) * moe_emu_bf16(br + 2);
+                /* the SDM's order: the even product, then the odd one, each added to the f32
+                 * accumulator and rounded (bf16 x bf16 products are exact in f32) */
+                float pe = moe_emu_bf16(ar) * moe_emu_bf16(br), po = moe_emu_bf16(ar + 2) * moe_emu_bf16(br + 2);
+                acc += pe;
+                acc += po;
             }
             memcpy(&moe_amx_emu.data[dst][m][4 * n], &acc, 4);
         }

@@ -17,7 +17,8 @@
  *   gate and up are fused into one matrix whose panel holds NP/2 gate channels followed by
  *   the same NP/2 up channels, so silu(gate) * up is finished per panel.
  *
- * Activations: bf16 rows [Kp] (and the same rows in f32) for bf16; for int8/int4, two-level int8 rows [2*Kp]: per group g
+ * Activations (one format per weight format, whatever the batch, so a row's result does not
+ * depend on its neighbours): bf16 rows [Kp] for bf16; for int8/int4, two-level int8 rows [2*Kp]: per group g
  * of 32, 32 bytes q1 then 32 bytes q2 with x ~= (254*q1 + q2) * xs[g], and a correction
  * xc[g] = offset * xs[g] * sum(254*q1 + q2) (offset 128 for int8, 8 for int4), so kernels that
  * multiply unsigned weights (vpdpbusd, tdpbsud) subtract it.
@@ -57,7 +58,7 @@ typedef struct {
 typedef struct {
     int n;
     const uint16_t *const *b;  /* bf16 rows */
-    const float *const *f;     /* the same rows in f32 (bf16 format only) */
+    const float *const *f;     /* the same bf16 values in f32 (exact; bf16 format only) */
     const int8_t *const *q;    /* two-level int8 rows [2*Kp] */
     const float *const *xs;    /* [Kp/32] group scales per row */
     const float *const *xc;    /* [Kp/32] corrections per row */
@@ -84,7 +85,9 @@ void moe_act_generic(const float *g, const float *u, int n, float *out, uint16_t
 void moe_kernels_generic(MoeKernels *k);
 void moe_kernels_avx2(MoeKernels *k);
 void moe_kernels_avx512(MoeKernels *k);
-double moe_probe_avx512(int kind, long iters); /* compute-ceiling probe: 0 f32 FMA, 1 vdpbf16ps; returns FLOPs */
+double moe_probe_avx512(int kind, long iters); /* compute-ceiling probe: 0 f32 FMA, 1 vdpbf16ps, 2 vpdpbusd; returns ops */
+double moe_probe_avx2(int kind, long iters);   /* 0 f32 FMA (ymm), 1 vpmaddubsw; returns ops */
+uint64_t moe_read_avx2(const uint8_t *p, size_t n);
 void moe_kernels_amx(MoeKernels *k);
 
 /* generic panels, used by the others for odd cases */
@@ -107,6 +110,11 @@ static inline uint16_t moe_f32_to_bf16(float f) {
 }
 
 /* CPU features */
+/* Which form the AVX-512 bf16 kernels take, decided once per kernel table: 1 = widened weights x
+ * f32 FMA (AMD family 19h, Zen 4: vdpbf16ps at half the FMA rate), 0 = vdpbf16ps (elsewhere).
+ * $MOESPLIT_BF16_DOT=fma|dpbf16 overrides (tests, tuning). Each form is batch-invariant on its
+ * own; two processes compare bit for bit only when they took the same form. */
+int moe_bf16_dot_fma(void);
 int moe_cpu_has(int isa);          /* 1 if the CPU and OS support the ISA path */
 int moe_amx_request_permission(void); /* 0 on success */
 
@@ -118,6 +126,10 @@ void moe_pool_destroy(MoePool *pool);
 int moe_pool_size(const MoePool *pool);
 void moe_pool_run(MoePool *pool, moe_job_fn fn, void *arg); /* caller is thread 0 */
 void moe_pool_barrier(MoePool *pool);
+/* Streaming-read probe: every pool thread reads its contiguous share of buf (64-byte aligned,
+ * bytes a multiple of 256 * threads) once, with 256-bit loads where the CPU has AVX2; returns the
+ * wall seconds of the pass. */
+double moe_probe_read(MoePool *pool, const uint8_t *buf, size_t bytes);
 
 /* ---------------- experts ---------------- */
 typedef struct {

@@ -7,12 +7,16 @@
  * Activations are gathered 16 tokens at a time into a contiguous A tile buffer in scratch.
  * int8/int4 use TDPBSUD (signed activations x unsigned weights, w + 128 / q + 8) one group of 32
  * at a time, once per level of the two-level int8 activations, so the per-group activation scale and the unsigned-offset correction apply exactly
- * as in the AVX-512 path. Fewer than 16 tokens go to the AVX-512 kernels.
+ * as in the AVX-512 path. bf16 runs every token count on the tiles; int8/int4 send fewer than 16
+ * tokens to the AVX-512 kernels (same bits: integer dot products, the same f32 epilogue).
  *
  * The dispatcher only selects this file after moe_cpu_has(MOE_ISA_AMX), which also obtained
  * the XTILEDATA permission with arch_prctl(ARCH_REQ_XCOMP_PERM). Built with -DMOE_AMX_EMULATE,
  * the tile instructions are a software model (amx_emu.h) so tests run this file without AMX. */
-#ifdef MOE_AMX_EMULATE /* tests: the tile instructions in software (amx_emu.h), on any AVX-512 CPU */
+#if defined(MOE_AMX_EMULATE) && defined(MOE_SIMDE) /* tests without AVX-512: portable intrinsics too */
+#include "simde_x86.h"
+#include "amx_emu.h"
+#elif defined(MOE_AMX_EMULATE) /* tests: the tile instructions in software (amx_emu.h), on any AVX-512 CPU */
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni")
 #include <immintrin.h>
 #include "amx_emu.h"
@@ -24,7 +28,6 @@
 
 #include "moe.h"
 
-void moe_panel_bf16_avx512(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch);
 void moe_panel_int8_avx512(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch);
 void moe_panel_int4_avx512(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch);
 void moe_scale_channels_avx512(const float *chs, float *C, int n);
@@ -42,30 +45,31 @@ static void cfg_tile(TileCfg *c, int t, int rows, int colsb) {
     c->colsb[t] = (uint16_t)colsb;
 }
 
-/* ---------------- bf16: tiles 0-3 = C (16 tokens x 64 ch), 4 = A, 5 = B ---------------- */
+/* ---------------- bf16: tiles 0-3 = C (mr tokens x 64 ch), 4 = A, 5 = B ----------------
+ * Every token count, 1 included, runs on the tiles (a tail block of mr < 16 tokens configures
+ * mr-row A and C tiles): each output element is then the same TDPBF16PS chain over k whatever
+ * else is in the call, so a row's bits do not depend on its neighbours (batch invariance). The
+ * int8/int4 kernels below hand < 16 tokens to AVX-512 instead: integer dot products are exact, and
+ * both paths apply the same f32 epilogue in the same order. */
+
+static void cfg_bf16(TileCfg *cfg, int mr) {
+    memset(cfg, 0, sizeof(*cfg));
+    cfg->palette_id = 1;
+    for (int t = 0; t < 4; t++) cfg_tile(cfg, t, mr, 64);
+    cfg_tile(cfg, 4, mr, 64);
+    cfg_tile(cfg, 5, 16, 64);
+    _tile_loadconfig(cfg);
+}
 
 void moe_panel_bf16_amx(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {
-    int n = rows->n, Kp = W->Kp;
-    if (n < 16) {
-        moe_panel_bf16_avx512(W, p, rows, C, scratch);
-        return;
-    }
+    int n = rows->n, Kp = W->Kp, cur = 0;
     const uint16_t *wp = (const uint16_t *)(W->data + W->panel_bytes * (size_t)p);
-    uint16_t *A = (uint16_t *)scratch;                              /* [16][Kp] bf16 */
-    float *Ct = (float *)((uint8_t *)scratch + (size_t)16 * Kp * 2); /* [16][64] f32 */
+    uint16_t *A = (uint16_t *)scratch; /* [mr][Kp] bf16 */
     TileCfg cfg;
-    memset(&cfg, 0, sizeof(cfg));
-    cfg.palette_id = 1;
-    for (int t = 0; t < 4; t++) cfg_tile(&cfg, t, 16, 64);
-    cfg_tile(&cfg, 4, 16, 64);
-    cfg_tile(&cfg, 5, 16, 64);
-    _tile_loadconfig(&cfg);
     for (int m0 = 0; m0 < n; m0 += 16) {
         int mr = n - m0 < 16 ? n - m0 : 16;
-        for (int m = 0; m < 16; m++) {
-            if (m < mr) memcpy(A + (size_t)m * Kp, rows->b[m0 + m], (size_t)Kp * 2);
-            else memset(A + (size_t)m * Kp, 0, (size_t)Kp * 2);
-        }
+        if (mr != cur) cfg_bf16(&cfg, cur = mr);
+        for (int m = 0; m < mr; m++) memcpy(A + (size_t)m * Kp, rows->b[m0 + m], (size_t)Kp * 2);
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
@@ -82,12 +86,11 @@ void moe_panel_bf16_amx(const MoeMat *W, int p, const MoeRows *rows, float *C, v
             _tile_loadd(5, wb + 96, 256);
             _tile_dpbf16ps(3, 4, 5);
         }
-        float *dst = mr == 16 ? C + (size_t)m0 * 64 : Ct;
+        float *dst = C + (size_t)m0 * 64;
         _tile_stored(0, dst, 256);
         _tile_stored(1, dst + 16, 256);
         _tile_stored(2, dst + 32, 256);
         _tile_stored(3, dst + 48, 256);
-        if (mr < 16) memcpy(C + (size_t)m0 * 64, Ct, sizeof(float) * 64 * mr);
     }
     _tile_release();
 }
@@ -193,7 +196,7 @@ void moe_panel_int4_amx(const MoeMat *W, int p, const MoeRows *rows, float *C, v
 }
 
 void moe_kernels_amx(MoeKernels *k) {
-    moe_kernels_avx512(k); /* activation epilogue and the < 16-token paths */
+    moe_kernels_avx512(k); /* activation epilogue and the < 16-token int8/int4 paths */
     k->isa = MOE_ISA_AMX;
     k->panel[MOE_FMT_BF16] = moe_panel_bf16_amx;
     k->panel[MOE_FMT_INT8] = moe_panel_int8_amx;

@@ -1,48 +1,65 @@
 /* moesplit CPU MoE: AVX2 + FMA kernels (any x86-64 from Haswell / Zen 1 on).
  * bf16 weights are widened to f32 (shift) and FMA'd; int8 uses the sign trick with
  * vpmaddubsw (|w| x sign(x, w), no saturation for |w|, |x| <= 127); int4 nibbles (0..15)
- * go straight into vpmaddubsw. One token at a time over an L1-resident k-block. */
+ * go straight into vpmaddubsw. bf16: micro-tiles of 4 tokens x 16 channels over an L1-resident
+ * k-block; int8/int4: one token at a time over an L1-resident k-block. */
 #pragma GCC target("avx2,fma,f16c")
 #include <immintrin.h>
 
 #include "moe.h"
 
-#define KC_BF 128 /* k-pairs per block */
+#define KC_BF 128 /* k-pairs per block: 64 ch x 256 k x 2 B = 32 KiB of weights, L1-resident */
 #define GC_INT 16 /* groups per block */
+#define BF2_MR 4  /* tokens per micro-tile: 4 x 2 ymm = 8 accumulators + 4 widened weights + 2 broadcasts */
+
+/* C[m][c0 .. c0+16) (+)= x[m] . W over k-pairs [kp0, kp0 + nkp): each loaded weight vector (8
+ * channels x one k-pair) is widened to f32 once and feeds MR tokens. Per output element the
+ * order is fixed whatever MR is (batch invariance): for each k-pair ascending, the even product
+ * then the odd one, each a rounded FMA into one f32 accumulator (bf16 x bf16 products are exact). */
+static inline __attribute__((always_inline)) void mk_bf16_avx2(const int MR, const uint16_t *w, int nkp,
+                                                                const float *const *x, int kp0, float *C, int load) {
+    __m256 acc[BF2_MR][2];
+    for (int m = 0; m < MR; m++)
+        for (int v = 0; v < 2; v++) acc[m][v] = load ? _mm256_loadu_ps(C + m * 64 + 8 * v) : _mm256_setzero_ps();
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+    for (int kp = 0; kp < nkp; kp++) {
+        const uint16_t *wr = w + (size_t)kp * 128;
+        __m256 we[2], wo[2];
+        for (int v = 0; v < 2; v++) {
+            __m256i t = _mm256_loadu_si256((const __m256i *)(wr + 16 * v));
+            we[v] = _mm256_castsi256_ps(_mm256_slli_epi32(t, 16));
+            wo[v] = _mm256_castsi256_ps(_mm256_and_si256(t, hi));
+        }
+        for (int m = 0; m < MR; m++) {
+            __m256 xe = _mm256_broadcast_ss(x[m] + 2 * (kp0 + kp)), xo = _mm256_broadcast_ss(x[m] + 2 * (kp0 + kp) + 1);
+            for (int v = 0; v < 2; v++) {
+                acc[m][v] = _mm256_fmadd_ps(we[v], xe, acc[m][v]);
+                acc[m][v] = _mm256_fmadd_ps(wo[v], xo, acc[m][v]);
+            }
+        }
+    }
+    for (int m = 0; m < MR; m++)
+        for (int v = 0; v < 2; v++) _mm256_storeu_ps(C + m * 64 + 8 * v, acc[m][v]);
+}
 
 void moe_panel_bf16_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {
     (void)scratch;
     const uint16_t *wp = (const uint16_t *)(W->data + W->panel_bytes * (size_t)p);
     int nkp = W->Kp / 2, n = rows->n;
-    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
     for (int k0 = 0; k0 < nkp; k0 += KC_BF) {
-        int k1 = k0 + KC_BF < nkp ? k0 + KC_BF : nkp;
-        for (int m = 0; m < n; m++) {
-            const uint16_t *xr = rows->b[m];
-            for (int half = 0; half < 2; half++) { /* 32 channels = 4 ymm accumulators */
-                float *c = C + (size_t)m * 64 + half * 32;
-                __m256 a0, a1, a2, a3;
-                if (k0 > 0) {
-                    a0 = _mm256_loadu_ps(c); a1 = _mm256_loadu_ps(c + 8);
-                    a2 = _mm256_loadu_ps(c + 16); a3 = _mm256_loadu_ps(c + 24);
-                } else a0 = a1 = a2 = a3 = _mm256_setzero_ps();
-                for (int kp = k0; kp < k1; kp++) {
-                    const uint16_t *wr = wp + (size_t)kp * 128 + half * 64;
-                    __m256 x0 = _mm256_set1_ps(moe_bf16_to_f32(xr[2 * kp]));
-                    __m256 x1 = _mm256_set1_ps(moe_bf16_to_f32(xr[2 * kp + 1]));
-#define BFSTEP(A, OFF)                                                                      \
-    {                                                                                       \
-        __m256i v = _mm256_loadu_si256((const __m256i *)(wr + OFF));                        \
-        A = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), x0, A);          \
-        A = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v, hi)), x1, A);           \
-    }
-                    BFSTEP(a0, 0) BFSTEP(a1, 16) BFSTEP(a2, 32) BFSTEP(a3, 48)
-#undef BFSTEP
+        int kc = nkp - k0 < KC_BF ? nkp - k0 : KC_BF;
+        for (int c0 = 0; c0 < 64; c0 += 16) /* 16-channel slices of the panel */
+            for (int m0 = 0; m0 < n; m0 += BF2_MR) {
+                const uint16_t *w = wp + (size_t)k0 * 128 + 2 * c0;
+                const float *const *x = rows->f + m0;
+                float *Cm = C + (size_t)m0 * 64 + c0;
+                switch (n - m0 < BF2_MR ? n - m0 : BF2_MR) {
+                case 1: mk_bf16_avx2(1, w, kc, x, k0, Cm, k0 > 0); break;
+                case 2: mk_bf16_avx2(2, w, kc, x, k0, Cm, k0 > 0); break;
+                case 3: mk_bf16_avx2(3, w, kc, x, k0, Cm, k0 > 0); break;
+                default: mk_bf16_avx2(BF2_MR, w, kc, x, k0, Cm, k0 > 0); break;
                 }
-                _mm256_storeu_ps(c, a0); _mm256_storeu_ps(c + 8, a1);
-                _mm256_storeu_ps(c + 16, a2); _mm256_storeu_ps(c + 24, a3);
             }
-        }
     }
 }
 
@@ -135,3 +152,52 @@ void moe_kernels_avx2(MoeKernels *k) {
     k->panel[MOE_FMT_INT8] = moe_panel_int8_avx2;
     k->panel[MOE_FMT_INT4] = moe_panel_int4_avx2;
 }
+
+/* ---------------- machine-ceiling probes (for bench/bench_kernels.py) ---------------- */
+
+/* Stream-read [p, p + n) (n a multiple of 256) with 256-bit loads into 4 independent xor chains:
+ * what a weight stream can get from memory on one core. Returns the xor (so nothing is elided). */
+uint64_t moe_read_avx2(const uint8_t *p, size_t n) {
+    __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;
+    for (size_t i = 0; i + 256 <= n; i += 256) {
+        const __m256i *q = (const __m256i *)(p + i);
+        a = _mm256_xor_si256(a, _mm256_xor_si256(_mm256_load_si256(q), _mm256_load_si256(q + 1)));
+        b = _mm256_xor_si256(b, _mm256_xor_si256(_mm256_load_si256(q + 2), _mm256_load_si256(q + 3)));
+        c = _mm256_xor_si256(c, _mm256_xor_si256(_mm256_load_si256(q + 4), _mm256_load_si256(q + 5)));
+        d = _mm256_xor_si256(d, _mm256_xor_si256(_mm256_load_si256(q + 6), _mm256_load_si256(q + 7)));
+    }
+    __m256i x = _mm256_xor_si256(_mm256_xor_si256(a, b), _mm256_xor_si256(c, d));
+    uint64_t r[4];
+    _mm256_storeu_si256((__m256i *)r, x);
+    return r[0] ^ r[1] ^ r[2] ^ r[3];
+}
+
+/* `iters` rounds of 12 independent 256-bit chains: kind 0 f32 FMA (the AVX2 bf16 kernel's
+ * instruction), 1 vpmaddubsw u8 x s8 (the AVX2 int8/int4 kernels' multiply). Returns the
+ * operations done (2 per multiply-add); the caller times it on every thread at once. */
+#define PROBE2_CHAINS 12
+double moe_probe_avx2(int kind, long iters) {
+    if (kind == 0) {
+        __m256 acc[PROBE2_CHAINS];
+        for (int c = 0; c < PROBE2_CHAINS; c++) acc[c] = _mm256_set1_ps(1e-3f * (float)c);
+        const __m256 a = _mm256_set1_ps(0.999f), b = _mm256_set1_ps(1e-6f);
+        for (long i = 0; i < iters; i++)
+            for (int c = 0; c < PROBE2_CHAINS; c++) acc[c] = _mm256_fmadd_ps(acc[c], a, b);
+        __m256 s = acc[0];
+        for (int c = 1; c < PROBE2_CHAINS; c++) s = _mm256_add_ps(s, acc[c]);
+        volatile float sink = _mm256_cvtss_f32(s);
+        (void)sink;
+        return (double)iters * PROBE2_CHAINS * 16.0; /* 8 lanes x 2 */
+    }
+    __m256i acc[PROBE2_CHAINS];
+    for (int c = 0; c < PROBE2_CHAINS; c++) acc[c] = _mm256_set1_epi8((char)(1 + c));
+    const __m256i s8 = _mm256_set1_epi8(1);
+    for (long i = 0; i < iters; i++)
+        for (int c = 0; c < PROBE2_CHAINS; c++) acc[c] = _mm256_maddubs_epi16(acc[c], s8);
+    __m256i t = acc[0];
+    for (int c = 1; c < PROBE2_CHAINS; c++) t = _mm256_xor_si256(t, acc[c]);
+    volatile int sink = _mm256_extract_epi32(t, 0);
+    (void)sink;
+    return (double)iters * PROBE2_CHAINS * 64.0; /* 32 u8 x s8 products x 2 */
+}
+

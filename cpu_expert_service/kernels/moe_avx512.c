@@ -1,55 +1,52 @@
 /* moesplit CPU MoE: AVX-512 kernels (F/BW/VL/DQ + BF16 vdpbf16ps + VNNI vpdpbusd).
  * This whole file is compiled for that target (pragma below); nothing here runs unless the
  * dispatcher has checked the CPU with moe_cpu_has(MOE_ISA_AVX512). */
+#ifdef MOE_SIMDE /* tests on a CPU without AVX-512: the same code on portable intrinsics (simde_x86.h) */
+#include "simde_x86.h"
+#else
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni")
 #include <immintrin.h>
+#endif
 
 #include "moe.h"
 
 #define AI static inline __attribute__((always_inline))
 
 /* ---------------- bf16: panel [Kp/2][64][2] ----------------
- * 1 token: vdpbf16ps GEMV (a pure weight stream). 2+ tokens: the bf16 weights of a k-pair are
- * widened to f32 once (shift / mask) and reused by MR tokens with f32 FMAs on f32 activations.
- * Measured on the development CPU (AVX512_BF16, no AMX): vdpbf16ps ~80 GFLOP/s per core however
- * many accumulators, f32 FMA ~165 GFLOP/s per core; widening costs 4 uops per 48 FMAs of a
- * 12 x 2 micro-tile, so this is ~1.6x the vdpbf16ps GEMM (130 vs 80 GFLOP/s per core). */
+ * Batch invariance: every token row takes bf16 activations (rounded once, in moe_forward) and
+ * every output element is one vdpbf16ps chain over the k-pairs in ascending order, started from
+ * zero, whatever the number of tokens: the 1-token GEMV and the register-blocked micro-kernel run
+ * the same chain (the micro-kernel only stores and reloads it between k-blocks, which is exact),
+ * so a row's bits do not depend on what else is in the call.
+ * 2+ tokens: micro-tiles of BF_MR tokens x 64 channels (4 zmm): each loaded weight vector (16
+ * channels x one k-pair) feeds BF_MR vdpbf16ps, one per token, from a broadcast bf16 pair. */
 
 #ifndef BF_MR
-#define BF_MR 12 /* tokens per micro-tile */
-#endif
-#ifndef BF_NV
-#define BF_NV 2 /* 16-channel vectors per micro-tile: 12 x 2 = 24 accumulators, 4 widened weights */
+#define BF_MR 6 /* tokens per micro-tile: 6 x 4 = 24 accumulators + 4 weight vectors + 1 broadcast */
 #endif
 #define BF_KC 128 /* k-pairs per block: 64 ch x 256 k x 2 B = 32 KiB of weights, L1-resident */
 
-/* C[m][0..16*BF_NV) of channel offset c0 (+)= x[m] . W[c0 ..] over k-pairs [kp0, kp0 + nkp) */
-AI void mk_bf16(const int MR, const uint16_t *w, int nkp, const float *const *x, int kp0, float *C, int load,
+/* C[m][0..64) (+)= x[m] . W[0..64) over k-pairs [kp0, kp0 + nkp), x bf16 rows */
+AI void mk_bf16(const int MR, const uint16_t *w, int nkp, const uint16_t *const *x, int kp0, float *C, int load,
                 const char *pf, int npf) {
-    __m512 acc[BF_MR][BF_NV];
+    __m512 acc[BF_MR][4];
     for (int m = 0; m < MR; m++)
-        for (int v = 0; v < BF_NV; v++) acc[m][v] = load ? _mm512_loadu_ps(C + m * 64 + 16 * v) : _mm512_setzero_ps();
-    const float *xr[BF_MR];
-    for (int m = 0; m < MR; m++) xr[m] = x[m] + 2 * kp0;
-    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+        for (int v = 0; v < 4; v++) acc[m][v] = load ? _mm512_loadu_ps(C + m * 64 + 16 * v) : _mm512_setzero_ps();
+    const int32_t *xr[BF_MR];
+    for (int m = 0; m < MR; m++) xr[m] = (const int32_t *)x[m] + kp0;
     for (int kp = 0; kp < nkp; kp++) {
         const uint16_t *wr = w + (size_t)kp * 128;
         if (kp < npf) _mm_prefetch(pf + (size_t)kp * 64, _MM_HINT_T1); /* this tile's share of the next k-block */
         if (kp + nkp < npf) _mm_prefetch(pf + (size_t)(kp + nkp) * 64, _MM_HINT_T1);
-        __m512 we[BF_NV], wo[BF_NV];
-        for (int v = 0; v < BF_NV; v++) {
-            __m512i t = _mm512_loadu_si512(wr + 32 * v);
-            we[v] = _mm512_castsi512_ps(_mm512_slli_epi32(t, 16));
-            wo[v] = _mm512_castsi512_ps(_mm512_and_si512(t, hi));
-        }
+        __m512bh wv[4];
+        for (int v = 0; v < 4; v++) wv[v] = (__m512bh)_mm512_loadu_si512(wr + 32 * v);
         for (int m = 0; m < MR; m++) {
-            __m512 xe = _mm512_set1_ps(xr[m][2 * kp]), xo = _mm512_set1_ps(xr[m][2 * kp + 1]);
-            for (int v = 0; v < BF_NV; v++) acc[m][v] = _mm512_fmadd_ps(we[v], xe, acc[m][v]);
-            for (int v = 0; v < BF_NV; v++) acc[m][v] = _mm512_fmadd_ps(wo[v], xo, acc[m][v]);
+            __m512bh xb = (__m512bh)_mm512_set1_epi32(xr[m][kp]);
+            for (int v = 0; v < 4; v++) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], wv[v], xb);
         }
     }
     for (int m = 0; m < MR; m++)
-        for (int v = 0; v < BF_NV; v++) _mm512_storeu_ps(C + m * 64 + 16 * v, acc[m][v]);
+        for (int v = 0; v < 4; v++) _mm512_storeu_ps(C + m * 64 + 16 * v, acc[m][v]);
 }
 
 /* Weight-stream prefetch of the 1-token paths (bf16 GEMV, int8 and int4 groups), in bytes ahead
@@ -74,10 +71,10 @@ AI void stream_prefetch(const void *p, const int lines) {
 #endif
 }
 
-/* 1 token: a pure weight stream, 4 independent chains x 2 to cover the dpbf16 latency; each
- * iteration reads 2 k-pairs x 64 channels = 512 B = 8 cache lines and prefetches the 8 ahead */
+/* 1 token: a pure weight stream, the micro-kernel's chains (one per 16 channels, k ascending);
+ * each iteration reads 2 k-pairs x 64 channels = 512 B = 8 cache lines and prefetches the 8 ahead */
 static void gemv_bf16(const uint16_t *w, int nkp, const uint16_t *x, float *C) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     const int32_t *xr = (const int32_t *)x;
     int kp = 0;
     for (; kp + 2 <= nkp; kp += 2) {
@@ -88,10 +85,10 @@ static void gemv_bf16(const uint16_t *w, int nkp, const uint16_t *x, float *C) {
         a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(wr + 32), x0);
         a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(wr + 64), x0);
         a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(wr + 96), x0);
-        b0 = _mm512_dpbf16_ps(b0, (__m512bh)_mm512_loadu_si512(wr + 128), x1);
-        b1 = _mm512_dpbf16_ps(b1, (__m512bh)_mm512_loadu_si512(wr + 160), x1);
-        b2 = _mm512_dpbf16_ps(b2, (__m512bh)_mm512_loadu_si512(wr + 192), x1);
-        b3 = _mm512_dpbf16_ps(b3, (__m512bh)_mm512_loadu_si512(wr + 224), x1);
+        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(wr + 128), x1);
+        a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(wr + 160), x1);
+        a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(wr + 192), x1);
+        a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(wr + 224), x1);
     }
     for (; kp < nkp; kp++) {
         const uint16_t *wr = w + (size_t)kp * 128;
@@ -101,18 +98,18 @@ static void gemv_bf16(const uint16_t *w, int nkp, const uint16_t *x, float *C) {
         a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(wr + 64), x0);
         a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(wr + 96), x0);
     }
-    _mm512_storeu_ps(C, _mm512_add_ps(a0, b0));
-    _mm512_storeu_ps(C + 16, _mm512_add_ps(a1, b1));
-    _mm512_storeu_ps(C + 32, _mm512_add_ps(a2, b2));
-    _mm512_storeu_ps(C + 48, _mm512_add_ps(a3, b3));
+    _mm512_storeu_ps(C, a0);
+    _mm512_storeu_ps(C + 16, a1);
+    _mm512_storeu_ps(C + 32, a2);
+    _mm512_storeu_ps(C + 48, a3);
 }
 
 #define MKB(R) \
-    case R: mk_bf16((R) < BF_MR ? (R) : BF_MR, w, nkp, x, kp0, C, load, pf, npf); break;
-static void mk_bf16_n(int mr, const uint16_t *w, int nkp, const float *const *x, int kp0, float *C, int load,
+    case R: mk_bf16(R, w, nkp, x, kp0, C, load, pf, npf); break;
+static void mk_bf16_n(int mr, const uint16_t *w, int nkp, const uint16_t *const *x, int kp0, float *C, int load,
                       const char *pf, int npf) {
     switch (mr) {
-    MKB(1) MKB(2) MKB(3) MKB(4) MKB(5) MKB(6) MKB(7) MKB(8) MKB(9) MKB(10) MKB(11)
+    MKB(1) MKB(2) MKB(3) MKB(4) MKB(5)
     default: mk_bf16(BF_MR, w, nkp, x, kp0, C, load, pf, npf); break;
     }
 }
@@ -126,21 +123,115 @@ void moe_panel_bf16_avx512(const MoeMat *W, int p, const MoeRows *rows, float *C
         gemv_bf16(wp, nkp, rows->b[0], C);
         return;
     }
+    int nb = (n + BF_MR - 1) / BF_MR; /* balanced m-blocks: 8 tokens = 4 + 4, not 6 + 2 */
     for (int k0 = 0; k0 < nkp; k0 += BF_KC) {
         int kc = nkp - k0 < BF_KC ? nkp - k0 : BF_KC;
-        int nb = (n + BF_MR - 1) / BF_MR; /* balanced m-blocks: 16 tokens = 8 + 8, not 12 + 4 */
-        int ntile = nb * (64 / (16 * BF_NV)), tile = 0;
         /* every micro-tile of this k-block prefetches its share of the next k-block into L2, so the
-         * weight stream overlaps the FMAs instead of stalling at each k-block start */
+         * weight stream overlaps the dot products instead of stalling at each k-block start */
         int next = k0 + kc < nkp ? (nkp - k0 - kc < BF_KC ? nkp - k0 - kc : BF_KC) : 0;
-        int lines = next * 4, share = (lines + ntile - 1) / ntile; /* 256 B = 4 lines per k-pair */
+        int lines = next * 4, share = (lines + nb - 1) / nb; /* 256 B = 4 lines per k-pair */
         const char *nb_base = (const char *)(wp + (size_t)(k0 + kc) * 128);
-        for (int c0 = 0; c0 < 64; c0 += 16 * BF_NV) /* channel slices of the panel */
+        for (int b = 0, m0 = 0; b < nb; b++) {
+            int mr = n / nb + (b < n % nb);
+            int l0 = b * share, npf = lines - l0 < share ? lines - l0 : share;
+            mk_bf16_n(mr, wp + (size_t)k0 * 128, kc, rows->b + m0, k0, C + (size_t)m0 * 64, k0 > 0,
+                      nb_base + (size_t)l0 * 64, npf > 0 ? (npf < 2 * kc ? npf : 2 * kc) : 0);
+            m0 += mr;
+        }
+    }
+}
+
+/* ---------------- bf16, FMA form (cores whose vdpbf16ps runs at half the f32 FMA rate) ----------------
+ * The bf16 weights of a k-pair are widened to f32 once (shift / mask) and reused by FMR tokens
+ * with f32 FMAs on the same bf16-rounded activations held in f32 (rows->f, exact). Per output
+ * element the chain is fixed whatever the token count (batch invariance): for each k-pair
+ * ascending, the even product then the odd one, each a rounded FMA into one f32 accumulator; the
+ * 1-token GEMV runs the same chain. Measured on a development CPU (AVX512_BF16, no AMX):
+ * vdpbf16ps ~80 GFLOP/s per core, f32 FMA ~165; widening costs 4 uops per 48 FMAs of a 12 x 2
+ * micro-tile, so this form reached ~1.6x the vdpbf16ps GEMM there (moe_bf16_dot_fma decides). */
+
+#define FMR 12 /* tokens per micro-tile: 12 x 2 = 24 accumulators, 4 widened weights */
+
+/* C[m][c0 .. c0 + 32) (+)= x[m] . W[c0 ..] over k-pairs [kp0, kp0 + nkp), x f32 rows of bf16 values */
+AI void mk_bf16_fma(const int MR, const uint16_t *w, int nkp, const float *const *x, int kp0, float *C, int load,
+                    const char *pf, int npf) {
+    __m512 acc[FMR][2];
+    for (int m = 0; m < MR; m++)
+        for (int v = 0; v < 2; v++) acc[m][v] = load ? _mm512_loadu_ps(C + m * 64 + 16 * v) : _mm512_setzero_ps();
+    const float *xr[FMR];
+    for (int m = 0; m < MR; m++) xr[m] = x[m] + 2 * kp0;
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    for (int kp = 0; kp < nkp; kp++) {
+        const uint16_t *wr = w + (size_t)kp * 128;
+        if (kp < npf) _mm_prefetch(pf + (size_t)kp * 64, _MM_HINT_T1);
+        if (kp + nkp < npf) _mm_prefetch(pf + (size_t)(kp + nkp) * 64, _MM_HINT_T1);
+        __m512 we[2], wo[2];
+        for (int v = 0; v < 2; v++) {
+            __m512i t = _mm512_loadu_si512(wr + 32 * v);
+            we[v] = _mm512_castsi512_ps(_mm512_slli_epi32(t, 16));
+            wo[v] = _mm512_castsi512_ps(_mm512_and_si512(t, hi));
+        }
+        for (int m = 0; m < MR; m++) {
+            __m512 xe = _mm512_set1_ps(xr[m][2 * kp]), xo = _mm512_set1_ps(xr[m][2 * kp + 1]);
+            for (int v = 0; v < 2; v++) acc[m][v] = _mm512_fmadd_ps(we[v], xe, acc[m][v]);
+            for (int v = 0; v < 2; v++) acc[m][v] = _mm512_fmadd_ps(wo[v], xo, acc[m][v]);
+        }
+    }
+    for (int m = 0; m < MR; m++)
+        for (int v = 0; v < 2; v++) _mm512_storeu_ps(C + m * 64 + 16 * v, acc[m][v]);
+}
+
+/* 1 token: the micro-kernel's chains over all 64 channels (4 accumulators), one k-pair
+ * (256 B = 4 cache lines) per iteration, prefetching the stream ahead */
+static void gemv_bf16_fma(const uint16_t *w, int nkp, const float *x, float *C) {
+    __m512 a[4];
+    for (int v = 0; v < 4; v++) a[v] = _mm512_setzero_ps();
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    for (int kp = 0; kp < nkp; kp++) {
+        const uint16_t *wr = w + (size_t)kp * 128;
+        stream_prefetch(wr, 4);
+        __m512 xe = _mm512_set1_ps(x[2 * kp]), xo = _mm512_set1_ps(x[2 * kp + 1]);
+        for (int v = 0; v < 4; v++) {
+            __m512i t = _mm512_loadu_si512(wr + 32 * v);
+            a[v] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(t, 16)), xe, a[v]);
+            a[v] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(t, hi)), xo, a[v]);
+        }
+    }
+    for (int v = 0; v < 4; v++) _mm512_storeu_ps(C + 16 * v, a[v]);
+}
+
+#define MKF(R) \
+    case R: mk_bf16_fma(R, w, nkp, x, kp0, C, load, pf, npf); break;
+static void mk_bf16_fma_n(int mr, const uint16_t *w, int nkp, const float *const *x, int kp0, float *C, int load,
+                          const char *pf, int npf) {
+    switch (mr) {
+    MKF(1) MKF(2) MKF(3) MKF(4) MKF(5) MKF(6) MKF(7) MKF(8) MKF(9) MKF(10) MKF(11)
+    default: mk_bf16_fma(FMR, w, nkp, x, kp0, C, load, pf, npf); break;
+    }
+}
+#undef MKF
+
+void moe_panel_bf16_fma_avx512(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {
+    (void)scratch;
+    const uint16_t *wp = (const uint16_t *)(W->data + W->panel_bytes * (size_t)p);
+    int nkp = W->Kp / 2, n = rows->n;
+    if (n == 1) {
+        gemv_bf16_fma(wp, nkp, rows->f[0], C);
+        return;
+    }
+    int nb = (n + FMR - 1) / FMR; /* balanced m-blocks: 16 tokens = 8 + 8, not 12 + 4 */
+    for (int k0 = 0; k0 < nkp; k0 += BF_KC) {
+        int kc = nkp - k0 < BF_KC ? nkp - k0 : BF_KC;
+        int ntile = nb * 2, tile = 0; /* 2 slices of 32 channels */
+        int next = k0 + kc < nkp ? (nkp - k0 - kc < BF_KC ? nkp - k0 - kc : BF_KC) : 0;
+        int lines = next * 4, share = (lines + ntile - 1) / ntile;
+        const char *nb_base = (const char *)(wp + (size_t)(k0 + kc) * 128);
+        for (int c0 = 0; c0 < 64; c0 += 32)
             for (int b = 0, m0 = 0; b < nb; b++, tile++) {
                 int mr = n / nb + (b < n % nb);
                 int l0 = tile * share, npf = lines - l0 < share ? lines - l0 : share;
-                mk_bf16_n(mr, wp + (size_t)k0 * 128 + 2 * c0, kc, rows->f + m0, k0, C + (size_t)m0 * 64 + c0, k0 > 0,
-                          nb_base + (size_t)l0 * 64, npf > 0 ? (npf < 2 * kc ? npf : 2 * kc) : 0);
+                mk_bf16_fma_n(mr, wp + (size_t)k0 * 128 + 2 * c0, kc, rows->f + m0, k0, C + (size_t)m0 * 64 + c0,
+                              k0 > 0, nb_base + (size_t)l0 * 64, npf > 0 ? (npf < 2 * kc ? npf : 2 * kc) : 0);
                 m0 += mr;
             }
     }
@@ -357,17 +448,32 @@ static void act_avx512(const float *g, const float *u, int n, float *out, uint16
 void moe_kernels_avx512(MoeKernels *k) {
     k->isa = MOE_ISA_AVX512;
     k->act = act_avx512;
-    k->panel[MOE_FMT_BF16] = moe_panel_bf16_avx512;
+    k->panel[MOE_FMT_BF16] = moe_bf16_dot_fma() ? moe_panel_bf16_fma_avx512 : moe_panel_bf16_avx512;
     k->panel[MOE_FMT_INT8] = moe_panel_int8_avx512;
     k->panel[MOE_FMT_INT4] = moe_panel_int4_avx512;
 }
 
 /* ---------------- compute-ceiling probes (for bench/bench_kernels.py) ----------------
- * `iters` rounds of 12 independent 512-bit chains (enough to cover the FMA latency on two ports):
- * f32 FMA (what the bf16 GEMM runs on: widened weights x f32 activations) or vdpbf16ps. Returns
- * the floating-point operations done; the caller times it on every thread at once. */
+ * `iters` rounds of 12 independent 512-bit chains per thread (more than the latency x ports of any
+ * current core needs: 4-6 cycles x 2 ports): kind 0 f32 FMA, 1 vdpbf16ps (the bf16 kernels'
+ * instruction), 2 vpdpbusd (the int8/int4 kernels'). Returns the operations done (2 per
+ * multiply-add); the caller times it on every thread at once. */
 #define PROBE_CHAINS 12
 double moe_probe_avx512(int kind, long iters) {
+    if (kind == 2) {
+        __m512i acc[PROBE_CHAINS];
+        for (int c = 0; c < PROBE_CHAINS; c++) acc[c] = _mm512_set1_epi32(c);
+        const __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-2);
+        for (long i = 0; i < iters; i++)
+            for (int c = 0; c < PROBE_CHAINS; c++) acc[c] = _mm512_dpbusd_epi32(acc[c], a, b);
+        __m512i s = acc[0];
+        for (int c = 1; c < PROBE_CHAINS; c++) s = _mm512_xor_si512(s, acc[c]);
+        int32_t r[16];
+        _mm512_storeu_si512(r, s);
+        volatile int32_t sink = r[0];
+        (void)sink;
+        return (double)iters * PROBE_CHAINS * 128.0; /* 64 u8 x s8 products x 2 */
+    }
     __m512 acc[PROBE_CHAINS];
     for (int c = 0; c < PROBE_CHAINS; c++) acc[c] = _mm512_set1_ps(1e-3f * (float)c);
     const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-6f);

@@ -21,6 +21,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 /* ------------------------------------------------------------------ CPU features */
@@ -58,6 +59,9 @@ int moe_cpu_has(int isa) {
     int avx512 = ((b7 >> 16) & 1) /*F*/ && ((b7 >> 17) & 1) /*DQ*/ && ((b7 >> 30) & 1) /*BW*/ &&
                  ((b7 >> 31) & 1) /*VL*/ && ((c7 >> 11) & 1) /*VNNI*/ && ((a71 >> 5) & 1) /*BF16*/;
     int os512 = (xcr0 & 0xe0) == 0xe0; /* opmask, ZMM_Hi256, Hi16_ZMM */
+#ifdef MOE_SIMDE /* test build: the AVX-512 files run on portable intrinsics (simde_x86.h) */
+    avx512 = os512 = 1;
+#endif
     if (isa == MOE_ISA_AVX512) return avx2 && fma && avx512 && os512;
     if (isa == MOE_ISA_AMX) {
 #ifdef MOE_AMX_EMULATE /* test build: tiles emulated in software (amx_emu.h) */
@@ -71,6 +75,18 @@ int moe_cpu_has(int isa) {
         return moe_amx_request_permission() == 0;
     }
     return 0;
+}
+
+int moe_bf16_dot_fma(void) {
+    const char *env = getenv("MOESPLIT_BF16_DOT");
+    if (env && strcmp(env, "fma") == 0) return 1;
+    if (env && strcmp(env, "dpbf16") == 0) return 0;
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return 0;
+    int amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u; /* "AuthenticAMD" */
+    if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    int family = (int)((a >> 8) & 0xf) + (((a >> 8) & 0xf) == 0xf ? (int)((a >> 20) & 0xff) : 0);
+    return family == 0x19;
 }
 
 /* ------------------------------------------------------------------ thread pool */
@@ -204,6 +220,37 @@ void moe_pool_run(MoePool *pool, moe_job_fn fn, void *arg) {
 static inline void part(int P, int tid, int nt, int *p0, int *p1) {
     *p0 = (int)((long)P * tid / nt);
     *p1 = (int)((long)P * (tid + 1) / nt);
+}
+
+/* ------------------------------------------------------------------ read-bandwidth probe */
+
+typedef struct {
+    const uint8_t *buf;
+    size_t bytes;
+    int avx2;
+    uint64_t sink[64];
+} ReadJob;
+
+static void read_job(void *arg, int tid, int nt) {
+    ReadJob *j = arg;
+    size_t chunk = j->bytes / (size_t)nt / 256 * 256;
+    const uint8_t *p = j->buf + chunk * (size_t)tid;
+    uint64_t x = 0;
+    if (j->avx2) x = moe_read_avx2(p, chunk);
+    else
+        for (size_t i = 0; i < chunk; i += 8) x ^= *(const uint64_t *)(p + i);
+    j->sink[tid & 63] ^= x;
+}
+
+double moe_probe_read(MoePool *pool, const uint8_t *buf, size_t bytes) {
+    static volatile uint64_t keep;
+    ReadJob j = {buf, bytes, moe_cpu_has(MOE_ISA_AVX2), {0}};
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    moe_pool_run(pool, read_job, &j);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    for (int i = 0; i < 64; i++) keep ^= j.sink[i];
+    return (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
 }
 
 /* ------------------------------------------------------------------ packing */
@@ -524,7 +571,7 @@ typedef struct {
     float *wt;      /* [na] weight */
     /* activations: token rows (x) and assignment rows (a) */
     uint16_t *xb, *ab;
-    float *xf; /* bf16 format: token rows also in f32, padded (af holds the assignment rows) */
+    float *xf; /* bf16 format: the bf16 token rows in f32 (af: the bf16 assignment rows in f32) */
     int8_t *xq, *aq;
     float *xs, *xc, *as, *ac, *af;
     /* per thread */
@@ -544,11 +591,11 @@ static void fwd_job(void *arg, int tid, int nt) {
     for (int t = r0; t < r1; t++) {
         const float *xr = f->x + (size_t)t * f->H;
         if (!isint) {
-            uint16_t *d = f->xb + (size_t)t * Kx;
-            float *df = f->xf + (size_t)t * Kx;
+            uint16_t *d = f->xb + (size_t)t * Kx; /* the one activation format of bf16 weights */
+            float *df = f->xf + (size_t)t * Kx;    /* the same values in f32 (exact) */
             for (int kk = 0; kk < Kx; kk++) {
-                df[kk] = kk < f->H ? xr[kk] : 0.f;
-                d[kk] = moe_f32_to_bf16(df[kk]);
+                d[kk] = kk < f->H ? moe_f32_to_bf16(xr[kk]) : 0;
+                df[kk] = moe_bf16_to_f32(d[kk]);
             }
         } else
             quant_row(xr, f->H, Kx, off, f->xq + (size_t)t * 2 * Kx, f->xs + (size_t)t * gx, f->xc + (size_t)t * gx);
@@ -586,8 +633,11 @@ static void fwd_job(void *arg, int tid, int nt) {
             f->kern->panel[fmt](W, p, &rows, C, scr);
             for (int m = 0; m < n; m++) {
                 const float *cr = C + (size_t)m * W->NP;
-                f->kern->act(cr, cr + half, half, f->af + (size_t)(a0 + m) * Ka + p * half,
-                             isint ? NULL : f->ab + (size_t)(a0 + m) * Ka + p * half);
+                float *af = f->af + (size_t)(a0 + m) * Ka + p * half;
+                uint16_t *ab = isint ? NULL : f->ab + (size_t)(a0 + m) * Ka + p * half;
+                f->kern->act(cr, cr + half, half, af, ab);
+                if (ab) /* bf16: the f32 row holds the bf16-rounded values too */
+                    for (int i = 0; i < half; i++) af[i] = moe_bf16_to_f32(ab[i]);
             }
         }
     }
@@ -599,7 +649,9 @@ static void fwd_job(void *arg, int tid, int nt) {
                       f->ac + (size_t)a * ga);
         moe_pool_barrier(f->pool);
     }
-    /* phase 2: down, weighted accumulation; this thread owns output columns of its panels */
+    /* phase 2: down, weighted accumulation; this thread owns output columns of its panels, so a
+     * token's out[c] gets its experts' terms in one fixed order, ascending expert id (then k slot
+     * for an expert routed twice), whatever the other tokens, the thread count or timing are */
     for (int e = 0; e < f->ne; e++) {
         const MoeMat *W = &f->ex[e]->dn;
         int a0 = f->off[e], n = f->off[e + 1] - a0, NP = W->NP, p0, p1;
@@ -714,8 +766,8 @@ int moe_forward(MoePool *pool, const MoeKernels *kern, MoeExpert *const *experts
         if (fmt == MOE_FMT_BF16) {
             f.xb = take(&ar, sizeof(uint16_t) * T * f.Kx);
             f.ab = take(&ar, sizeof(uint16_t) * f.na * f.Ka);
-            f.xf = take(&ar, sizeof(float) * T * f.Kx);
             f.af = take(&ar, sizeof(float) * f.na * f.Ka);
+            f.xf = take(&ar, sizeof(float) * T * f.Kx);
         } else {
             int gx = f.Kx / MOE_GROUP, ga = f.Ka / MOE_GROUP;
             f.xq = take(&ar, (size_t)T * 2 * f.Kx);
@@ -728,7 +780,7 @@ int moe_forward(MoePool *pool, const MoeKernels *kern, MoeExpert *const *experts
         }
     }
     if (!ar.base || !f.ex || !f.off || !f.tok || !f.wt || !slot || !f.ptrs || !f.C || !f.scratch ||
-        (fmt == MOE_FMT_BF16 ? (!f.xb || !f.ab || !f.xf || !f.af) : (!f.xq || !f.xs || !f.xc || !f.af || !f.aq || !f.as || !f.ac))) {
+        (fmt == MOE_FMT_BF16 ? (!f.xb || !f.ab || !f.af || !f.xf) : (!f.xq || !f.xs || !f.xc || !f.af || !f.aq || !f.as || !f.ac))) {
         rc = -ENOMEM;
         goto done;
     }

@@ -3,18 +3,30 @@
 `Generate` streams one `GenerateResponse` per engine step that produced something for the
 request; the last carries `finish_reason` and `usage`. A client that cancels (or whose deadline
 passes) cancels the engine request, freeing its KV pages at the next step boundary. Bad requests
-fail with INVALID_ARGUMENT, a stopping server with UNAVAILABLE. The standard `grpc.health.v1`
+fail with INVALID_ARGUMENT, a stopping server with UNAVAILABLE. Penalties, logit_bias,
+min_tokens, stop_token_ids, logprobs and a structured-output `constraint` (json_schema, json_object,
+regex, grammar, choice; compiled on the grammar engine's threads, a grammar it cannot compile is
+INVALID_ARGUMENT with its reason) mean what they mean in the HTTP API. The standard `grpc.health.v1`
 service is registered (service names "" and "moesplit.v1.GenerateService").
+
+With an API key, every RPC but the health service needs `authorization: Bearer <key>` metadata
+(UNAUTHENTICATED otherwise; the same constant-time check as HTTP, gpu_service.api.guard). With
+`tls=` (`--grpc-tls-cert/--grpc-tls-key`, optionally `--grpc-tls-ca` to require client
+certificates) the port is TLS. Limits as for HTTP: prompt characters before tokenizing, the
+engine's stop / max_tokens / queue caps (a full queue is RESOURCE_EXHAUSTED).
 """
 from __future__ import annotations
 
+import json
 import logging
 from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from gpu_service.runtime.engine import Engine, EngineStopped, RequestError
+from gpu_service.api.guard import KeyCheck, UNAUTHORIZED
+from gpu_service.runtime.engine import Engine, EngineStopped, QueueFull, RequestError
+from gpu_service.runtime.grammar import GrammarError, GrammarSpec, InvalidSchema
 from gpu_service.runtime.sampling import SamplingParams
 from gpu_service.api.tokenizer import TokenizerError
 from protos.moesplit.v1 import generate_pb2, generate_pb2_grpc
@@ -23,10 +35,34 @@ log = logging.getLogger("moesplit.grpc")
 SERVICE_NAME = "moesplit.v1.GenerateService"
 
 
+class AuthInterceptor(grpc.ServerInterceptor):
+    """UNAUTHENTICATED for any RPC without `authorization: Bearer <key>` (health checks exempt, so
+    probes need no key, as HTTP's /health)."""
+
+    def __init__(self, api_key: str):
+        self.keys = KeyCheck(api_key)
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHORIZED)
+
+        self._deny = grpc.unary_stream_rpc_method_handler(deny)
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation, details):
+        if details.method.startswith("/grpc.health.v1.Health/"):
+            return continuation(details)
+        auth = next((v for k, v in details.invocation_metadata if k == "authorization"), None)
+        if self.keys.ok(auth):
+            return continuation(details)
+        handler = continuation(details)  # answer in the method's own shape
+        return self._deny if handler is None or handler.response_streaming else self._deny_unary
+
+
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
-    def __init__(self, engine: Engine, tokenizer=None):
+    def __init__(self, engine: Engine, tokenizer=None, max_prompt_chars: int | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
+        self.max_prompt_chars = max_prompt_chars
 
     def _prompt_ids(self, req: generate_pb2.GenerateRequest, context) -> list[int]:
         forms = [bool(req.prompt), bool(req.prompt_ids), bool(req.messages)]
@@ -38,6 +74,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         if self.tokenizer is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           "this model has no tokenizer.json: send prompt_ids instead of text")
+        chars = len(req.prompt) + sum(len(m.content) for m in req.messages)
+        if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the prompt has {chars} characters; this server takes "
+                                                            f"at most {self.max_prompt_chars} (--max-prompt-chars)")
         try:
             if req.prompt:
                 return self.tokenizer.encode(req.prompt)
@@ -45,14 +85,47 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         except TokenizerError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"chat template: {e}")
 
+    def _grammar(self, request):
+        """The request's compiled grammar or None (GrammarError when it has none that compiles)."""
+        kind = request.WhichOneof("constraint")
+        if kind is None:
+            return None
+        if self.engine.grammars is None:
+            raise GrammarError("structured outputs need the checkpoint's tokenizer.json")
+        if kind == "json_schema":
+            try:
+                spec = GrammarSpec.json_schema(json.loads(request.json_schema))
+            except json.JSONDecodeError as e:
+                raise GrammarError(f"json_schema is not valid JSON: {e}") from None
+        elif kind == "choice":
+            spec = GrammarSpec.choice(list(request.choice.options))
+        else:
+            spec = {"json_object": GrammarSpec.json_object, "regex": GrammarSpec.regex,
+                    "grammar": GrammarSpec.grammar}[kind](*(() if kind == "json_object" else (getattr(request, kind),)))
+        try:
+            return self.engine.grammars.compile(spec).result()
+        except InvalidSchema:
+            raise
+        except GrammarError as e:
+            raise GrammarError(f"{kind}: the grammar engine cannot compile this: {e}") from None
+
     def Generate(self, request, context):
         ids = self._prompt_ids(request, context)
         try:
-            params = SamplingParams(request.temperature, request.top_p if request.HasField("top_p") else 1.0,
-                                    request.top_k, request.seed if request.HasField("seed") else None)
+            params = SamplingParams(
+                request.temperature, request.top_p if request.HasField("top_p") else 1.0, request.top_k,
+                request.seed if request.HasField("seed") else None, presence_penalty=request.presence_penalty,
+                frequency_penalty=request.frequency_penalty,
+                repetition_penalty=request.repetition_penalty if request.HasField("repetition_penalty") else 1.0,
+                logit_bias=tuple(sorted(request.logit_bias.items())), min_tokens=request.min_tokens,
+                stop_token_ids=tuple(request.stop_token_ids),
+                logprobs=request.logprobs if request.HasField("logprobs") else None)
             h = self.engine.submit(ids, params, request.max_tokens if request.HasField("max_tokens") else None,
-                                   stop=list(request.stop), ignore_eos=request.ignore_eos)
-        except (RequestError, ValueError) as e:
+                                   stop=list(request.stop), ignore_eos=request.ignore_eos,
+                                   grammar=self._grammar(request), cache_salt=request.cache_salt or None)
+        except QueueFull as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except (RequestError, ValueError) as e:  # GrammarError is a ValueError
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineStopped as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
@@ -67,21 +140,31 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 context.abort(code, out.error or "generation failed")
             resp = generate_pb2.GenerateResponse(token_ids=out.token_ids, text=out.text,
                                                  finish_reason=out.finish_reason or "")
+            for x in out.logprobs or ():
+                resp.logprobs.add(token_id=x.token, logprob=x.logprob,
+                                  top=[generate_pb2.TopLogprob(token_id=t, logprob=v) for t, v in x.top])
             if out.finish_reason is not None:
                 resp.usage.CopyFrom(generate_pb2.Usage(
                     prompt_tokens=h.prompt_tokens, completion_tokens=h.completion_tokens,
-                    total_tokens=h.prompt_tokens + h.completion_tokens))
+                    total_tokens=h.prompt_tokens + h.completion_tokens, cached_tokens=h.cached_tokens))
             yield resp
 
 
 def create_server(engine: Engine, tokenizer=None, host: str = "127.0.0.1", port: int = 50050,
-                  max_workers: int = 64) -> tuple[grpc.Server, int]:
-    """Build and start the gRPC server; returns (server, bound port) so tests can pass port 0."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="moesplit-grpc"))
-    generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(engine, tokenizer), server)
+                  max_workers: int = 64, api_key: str | None = None, tls=None,
+                  max_prompt_chars: int | None = None) -> tuple[grpc.Server, int]:
+    """Build and start the gRPC server; returns (server, bound port) so tests can pass port 0.
+    `api_key`: required as `authorization: Bearer` metadata; `tls`: `ApiTLS` (server certificate,
+    optional client CA). More than `max_workers` RPCs at once: RESOURCE_EXHAUSTED, not a queue."""
+    interceptors = [AuthInterceptor(api_key)] if api_key is not None else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="moesplit-grpc"),
+                         interceptors=interceptors, maximum_concurrent_rpcs=max_workers)
+    generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(engine, tokenizer, max_prompt_chars),
+                                                            server)
     hs = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    addr = f"{host}:{port}"
+    bound = server.add_secure_port(addr, tls.credentials()) if tls is not None else server.add_insecure_port(addr)
     if bound == 0:
         raise OSError(f"cannot bind the gRPC API to {host}:{port}; pick another --grpc-port")
     for name in ("", SERVICE_NAME):
@@ -89,3 +172,31 @@ def create_server(engine: Engine, tokenizer=None, host: str = "127.0.0.1", port:
     server.health_servicer = hs  # so shutdown can flip to NOT_SERVING first
     server.start()
     return server, bound
+
+
+class ApiTLS:
+    """TLS of the Generate port (`--grpc-tls-cert/--grpc-tls-key`, `--grpc-tls-ca` to require client
+    certificates signed by it). Files are read when the server starts: a bad path fails there."""
+
+    def __init__(self, cert: str, key: str, ca: str | None = None):
+        self.cert, self.key, self.ca = cert, key, ca
+
+    @staticmethod
+    def from_args(cert: str | None, key: str | None, ca: str | None) -> "ApiTLS | None":
+        if not (cert or key or ca):
+            return None
+        if not (cert and key):
+            raise ValueError("TLS on the gRPC API needs both --grpc-tls-cert and --grpc-tls-key")
+        return ApiTLS(cert, key, ca)
+
+    def credentials(self) -> grpc.ServerCredentials:
+        def read(flag, path):
+            try:
+                with open(path, "rb") as f:
+                    return f.read()
+            except OSError as e:
+                raise ValueError(f"{flag} {path}: cannot read ({e.strerror})") from None
+
+        cert, key = read("--grpc-tls-cert", self.cert), read("--grpc-tls-key", self.key)
+        ca = read("--grpc-tls-ca", self.ca) if self.ca else None
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)

@@ -15,10 +15,19 @@ from protos.moesplit.v1 import generate_pb2, generate_pb2_grpc
 
 
 class GenerateClient:
-    def __init__(self, address: str, timeout_s: float | None = None):
+    """`api_key`: sent as `authorization: Bearer` metadata (the server's --api-key); `root_ca`:
+    PEM bytes of the CA of a TLS Generate port (with `cert`/`key` PEM bytes for a client certificate)."""
+
+    def __init__(self, address: str, timeout_s: float | None = None, api_key: str | None = None,
+                 root_ca: bytes | None = None, cert: bytes | None = None, key: bytes | None = None):
         self.address = address
         self.timeout_s = timeout_s
-        self.channel = grpc.insecure_channel(address)
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+        if root_ca is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=root_ca, private_key=key, certificate_chain=cert)
+            self.channel = grpc.secure_channel(address, creds)
+        else:
+            self.channel = grpc.insecure_channel(address)
         self.stub = generate_pb2_grpc.GenerateServiceStub(self.channel)
 
     def generate(self, prompt: str | None = None, prompt_ids: list[int] | None = None,
@@ -38,7 +47,7 @@ class GenerateClient:
             req.top_p = top_p
         if seed is not None:
             req.seed = seed
-        call = self.stub.Generate(req, timeout=self.timeout_s, wait_for_ready=True)
+        call = self.stub.Generate(req, timeout=self.timeout_s, wait_for_ready=True, metadata=self.metadata)
         return _stream(call) if stream else _merged(call)
 
     def close(self) -> None:

@@ -1,67 +1,81 @@
-"""Text <-> token ids with the checkpoint's tokenizer.json, and its chat template (jinja2).
+"""Text <-> token ids with the checkpoint's own tokenizer, and its chat format.
 
-Uses the `tokenizers` library directly: no transformers import at run time."""
+Two backends, chosen from the files present in the checkpoint directory:
+
+- `tokenizer.json` (DeepSeek V3 / R1 / V3.1 / V3.2): the `tokenizers` library (`HFTokenizer`);
+- `tiktoken.model` (Kimi-K2 / K2-Thinking): the `tiktoken` library (`TiktokenTokenizer`, in
+  `gpu_service.api.tiktoken_tokenizer`): the rank file, Kimi's pre-tokenization pattern and the
+  256 special-token slots after the ranks, named by `added_tokens_decoder`.
+
+Both parse special-token strings in text as special tokens, and `decode(skip_special_tokens=True)`
+drops special tokens except the ones the output parsers need (`keep_special`: `<think>`, tool-call
+markers), so reasoning and tool calls survive into the text the parsers read. Partial multi-byte
+characters decode to U+FFFD, which the engine's incremental detokenizer waits out.
+
+`load_tokenizer(model_dir)` (alias `Tokenizer`) also attaches the chat format
+(`gpu_service.api.chat_formats`): `apply_chat_template(messages, tools=..., **kwargs)` and
+`encode_chat` render through it. No transformers import at run time.
+"""
 from __future__ import annotations
 
-import json
 import os
 
-import jinja2
+from gpu_service.api import chat_formats
+from gpu_service.api.tiktoken_tokenizer import TiktokenTokenizer
+from gpu_service.api.tokenizer_base import BaseTokenizer, TokenizerError, _read_json
+
+__all__ = ["BaseTokenizer", "HFTokenizer", "TiktokenTokenizer", "Tokenizer", "TokenizerError", "load_tokenizer"]
+
+TOKENIZER_FILES = ("tokenizer.json", "tiktoken.model")
 
 
-class TokenizerError(ValueError):
-    pass
+class HFTokenizer(BaseTokenizer):
+    """tokenizer.json through the `tokenizers` library."""
 
+    kind = "tokenizer.json"
 
-class Tokenizer:
-    def __init__(self, model_dir: str):
+    def __init__(self, model_dir: str, config: dict):
         from tokenizers import Tokenizer as _Tok
 
-        path = os.path.join(model_dir, "tokenizer.json")
-        if not os.path.exists(path):
-            raise TokenizerError(
-                f"{model_dir}: no tokenizer.json; pass token ids with --prompt-ids instead of text")
-        self.tok = _Tok.from_file(path)
-        cfg_path = os.path.join(model_dir, "tokenizer_config.json")
-        self.config = json.load(open(cfg_path)) if os.path.exists(cfg_path) else {}
-        self.bos_token = self._tok_str(self.config.get("bos_token"))
-        self.eos_token = self._tok_str(self.config.get("eos_token"))
-        self.add_bos = bool(self.config.get("add_bos_token", self.bos_token is not None))
-        tpl = self.config.get("chat_template")
-        if isinstance(tpl, list):  # [{"name": "default", "template": ...}]
-            tpl = next((t["template"] for t in tpl if t.get("name") == "default"), tpl[0]["template"])
-        self.chat_template = tpl
-
-    @staticmethod
-    def _tok_str(t):
-        return t.get("content") if isinstance(t, dict) else t
+        super().__init__(model_dir, config)
+        self.tok = _Tok.from_file(os.path.join(model_dir, "tokenizer.json"))
+        self.special_ids = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
 
     def token_id(self, s: str | None) -> int | None:
         return None if s is None else self.tok.token_to_id(s)
 
-    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        ids = self.tok.encode(text, add_special_tokens=False).ids
-        bos = self.token_id(self.bos_token)
-        if (self.add_bos if add_bos is None else add_bos) and bos is not None and (not ids or ids[0] != bos):
-            ids = [bos] + ids
-        return ids
+    def _encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        if not self.chat_template:
-            raise TokenizerError("tokenizer_config.json has no chat_template; use the completions API")
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size()
 
-        def raise_exception(msg):
-            raise TokenizerError(msg)
 
-        env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+def load_tokenizer(model_dir: str, chat_template: str | None = None) -> BaseTokenizer:
+    """The checkpoint's tokenizer, from the files present (tokenizer.json first, then
+    tiktoken.model), with its chat format attached; `chat_template` (a file) overrides the
+    checkpoint's. TokenizerError naming the files looked for when there is neither."""
+    config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
+    if os.path.exists(os.path.join(model_dir, "tokenizer.json")):
+        tok: BaseTokenizer = HFTokenizer(model_dir, config)
+    elif os.path.exists(os.path.join(model_dir, "tiktoken.model")):
+        tok = TiktokenTokenizer(model_dir, config)
+    else:
+        raise TokenizerError(
+            f"{model_dir}: no tokenizer: looked for {' and '.join(TOKENIZER_FILES)} (with tokenizer_config.json); "
+            "copy the checkpoint's tokenizer files there, or pass token ids (--prompt-ids / prompt arrays)")
+    model_config = _read_json(os.path.join(model_dir, "config.json"))
+    try:
+        tok.chat_format = chat_formats.load_chat_format(model_dir, config, model_config, tok.special_tokens_map(),
+                                                        override=chat_template)
+    except chat_formats.ChatTemplateError as e:
+        raise TokenizerError(str(e)) from None
+    tok.keep_special(chat_formats.MARKERS)
+    return tok
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        # the template already starts with the BOS token
-        return self.encode(self.apply_chat_template(messages), add_bos=False)
+
+Tokenizer = load_tokenizer  # the name callers used before there were two backends

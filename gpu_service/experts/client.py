@@ -33,12 +33,12 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import grpc
 import ml_dtypes
 import numpy as np
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from checkpoint.config import ModelConfig
 from checkpoint.names import compact_ranges
 from gpu_service.experts.errors import CoverageError, ExpertsClientError, FingerprintError, ShardError
 from gpu_service.experts.fast import FastPaths
+from gpu_service.experts.health import check_parallel, HealthCache
 from gpu_service.experts.groups import _coverage_key, _Group, _Replica, check_coverage, ShardDesc
 from gpu_service.experts.stream import _retryable, _ShardStream
 from protos.moesplit.v1 import experts_pb2, experts_pb2_grpc
@@ -198,6 +198,9 @@ class ExpertsClient:
 
     def close(self) -> None:
         self._stop.set()
+        if self._health is not None:
+            self._health.close()
+            self._health = None
         if self._supervisor is not None and self._supervisor is not threading.current_thread():
             self._supervisor.join(2.0)
         self._supervisor = None
@@ -279,22 +282,25 @@ class ExpertsClient:
 
         f.add_done_callback(done)
 
+    _health: HealthCache | None = None
+
     def health(self, timeout_s: float = 1.0) -> tuple[bool, dict]:
         """grpc.health.v1 of every replica (over its own, possibly TLS, channel). Healthy when every
-        shard group has a SERVING replica that the client also considers usable."""
+        shard group has a SERVING replica that the client also considers usable.
+
+        The checks run in parallel every second on a background thread (started by the first call,
+        which waits for it); a call answers from that in milliseconds, with the client's own view
+        (a replica whose call just failed) applied at once."""
+        if self._health is None:
+            self._health = HealthCache(lambda: check_parallel({r.address: r.channel for r in self.replicas},
+                                                              timeout_s))
+        checked = self._health.get(timeout_s + 1.0)
         out: dict[str, str] = {}
         for r in self.replicas:
-            ch = r.channel
-            if ch is None:
+            if r.channel is None:
                 out[r.address] = f"UNAVAILABLE: {r.last_error}"
                 continue
-            try:
-                resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
-                status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
-            except grpc.RpcError as e:
-                status = f"{e.code().name}: {e.details()}"
-            except ValueError as e:  # channel closed meanwhile (reconnect swapped it)
-                status = f"UNAVAILABLE: {e}"
+            status = checked.get(r.address, "UNKNOWN: not checked yet")
             if status == "SERVING" and not r.healthy:
                 status = f"RECONNECTING: {r.last_error}"
             out[r.address] = status
@@ -328,7 +334,23 @@ class ExpertsClient:
                 f = Future()
                 f.set_exception(ShardError(r.address, grpc.StatusCode.UNAVAILABLE, repr(e)))
             return f, req.ByteSize()
+
+        def send_unary(r: _Replica) -> Future:
+            """ForwardOne: for a shard whose stream slots are all taken (RESOURCE_EXHAUSTED)."""
+            req = experts_pb2.LayerRequest(seq=next(self._seq), layer=layer, hidden=tensors[0],
+                                           topk_ids=tensors[1], topk_weights=tensors[2])
+            f: Future = Future()
+
+            def done(g):
+                try:
+                    f.set_result(g.result())
+                except grpc.RpcError as e:
+                    f.set_exception(ShardError(r.address, e.code(), e.details() or str(e)))
+            experts_pb2_grpc.ExpertServiceStub(r.channel).ForwardOne.future(req, timeout=self.timeout_s) \
+                .add_done_callback(done)
+            return f
         errors: list[str] = []
+        unary_tried: list[_Replica] = []
 
         def attempt():
             r = self._pick(g, tried)
@@ -356,6 +378,10 @@ class ExpertsClient:
             e = f.exception()
             if e is None:
                 out.set_result(f.result())
+            elif (isinstance(e, ShardError) and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and tensors
+                  and r not in unary_tried and r.channel is not None):
+                unary_tried.append(r)  # the shard's stream slots are taken: this call as a unary RPC
+                send_unary(r).add_done_callback(lambda f, r=r: finished(r, f))
             elif _retryable(e) and not self._stop.is_set():
                 self._mark_down(r, e)
                 errors.append(f"{r.address}: {e.code.name}: {e.details}")

@@ -1,8 +1,8 @@
 """GPU side of the co-located shared-memory fast path (wire format: wire.shm; shard side:
 cpu_expert_service.shm_transport).
 
-A replica on the same host that accepts `AttachShm` gets a shared file of slots and a doorbell
-socket (`negotiate`); `FastPath` sends layer calls through it.
+A replica on the same host that accepts `AttachShm` gets a sealed memfd of slots, passed over a
+doorbell socket (`negotiate`); `FastPath` sends layer calls through it.
 """
 from __future__ import annotations
 
@@ -120,46 +120,65 @@ def negotiate(channel: grpc.Channel, address: str, hidden_size: int, max_k: int,
     if not os.path.isdir(shm_dir) or not os.access(shm_dir, os.W_OK):
         return None, f"shared directory {shm_dir!r} missing or not writable here"
     lay = P.Layout(n_slots, hidden_size, max_tokens, max_k)
-    path = os.path.join(os.path.abspath(shm_dir), f"moesplit-{os.getpid()}-{secrets.token_hex(6)}")
-    sock_path = path + ".sock"
+    sock_path = os.path.join(os.path.abspath(shm_dir), f"moesplit-{os.getpid()}-{secrets.token_hex(6)}.sock")
     if len(sock_path.encode()) > 100:
         return None, f"socket path {sock_path!r} too long for a Unix socket"
     token = secrets.token_bytes(P.TOKEN_BYTES)
-    listener = mm = None
+    listener = mm = conn = None
+    fd = -1
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | getattr(os, "O_CLOEXEC", 0), 0o600)
-        try:
-            os.ftruncate(fd, lay.file_bytes)  # sparse: pages exist once written
-            mm = mmap.mmap(fd, lay.file_bytes)
-        finally:
-            os.close(fd)
+        fd = P.create_region(lay.file_bytes)  # sealed memfd: no name to find, a size nobody can change
+        mm = mmap.mmap(fd, lay.file_bytes)
         header = lay.pack_header(token)
         mm[:len(header)] = header
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         listener.bind(sock_path)
+        os.chmod(sock_path, 0o600 if not os.environ.get(P.PEER_UID_ENV) else 0o666)  # the peer's uid is checked
         listener.listen(1)
         listener.settimeout(timeout_s)
         stub = experts_pb2_grpc.ExpertServiceStub(channel)
+        call = stub.AttachShm.future(experts_pb2.AttachShmRequest(path="", token=token, socket_path=sock_path),
+                                     timeout=timeout_s)
+        # the shard connects while the RPC runs, checks our uid and waits for the descriptor
+        deadline = time.monotonic() + timeout_s
+        while conn is None and not call.done():
+            listener.settimeout(max(0.01, min(0.1, deadline - time.monotonic())))
+            try:
+                conn, _ = listener.accept()
+            except socket.timeout:
+                if time.monotonic() > deadline:
+                    break
+        if conn is not None:
+            uid, allowed = P.peer_uid(conn), P.allowed_peer_uids()
+            if uid not in allowed:
+                call.cancel()
+                return None, f"the doorbell's peer runs as uid {uid}, not one of {sorted(allowed)} ({P.PEER_UID_ENV})"
+            conn.settimeout(timeout_s)
+            socket.send_fds(conn, [token], [fd])
         try:
-            resp = stub.AttachShm(experts_pb2.AttachShmRequest(path=path, token=token, socket_path=sock_path),
-                                  timeout=timeout_s)
+            resp = call.result()
         except grpc.RpcError as e:
             return None, f"AttachShm failed: {e.code().name}: {e.details()}"
         if not resp.accepted:
             return None, f"shard refused: {resp.reason}"
-        conn, _ = listener.accept()
+        if conn is None:
+            return None, "the shard accepted but never connected its doorbell"
+        conn.settimeout(None)
         fp = FastPath(address, mm, lay, conn, wire_dtype)
-        mm = None  # owned by the fast path now
+        mm = conn = None  # owned by the fast path now
         return fp, ""
     except OSError as e:
         return None, f"cannot set up shared memory in {shm_dir}: {e}"
     finally:
+        if fd >= 0:
+            os.close(fd)  # the mappings keep the memory
         if listener is not None:
             listener.close()
-        for p in (path, sock_path):  # both sides hold what they need; leave nothing behind
-            try:
-                os.unlink(p)
-            except OSError:
-                pass
+        try:
+            os.unlink(sock_path)  # both sides hold what they need; leave nothing behind
+        except OSError:
+            pass
+        if conn is not None:
+            conn.close()
         if mm is not None:
             mm.close()

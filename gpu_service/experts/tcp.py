@@ -77,6 +77,12 @@ class TcpPath(_Path):
             ok = T.recv_exact(self.sock, memoryview(self.head))
             if ok:
                 seq, status, compute_us, server_us, mlen, n = T.RESPONSE.unpack(self.head)
+                with self.lock:
+                    entry = self.pending.get(seq)
+                bad = _bad_response(entry, status, mlen, n, self.max_tokens)
+                if bad:  # the header is not an answer to our request: the body length cannot be trusted
+                    self._break(f"the shard sent a bad response header ({bad})")
+                    return None
                 size = n * self.H * self.wire.itemsize if status == P.OK else mlen
                 if len(self.body) < size:
                     self.body = bytearray(max(size, 2 * len(self.body)))
@@ -106,6 +112,19 @@ class TcpPath(_Path):
             if time.perf_counter() >= end:
                 return T.readable(sock, WATCH_S)
             os.sched_yield()
+
+
+def _bad_response(entry, status: int, mlen: int, n: int, max_tokens: int) -> str | None:
+    """Why a response header cannot answer the pending call `entry` (None when it can). A seq no
+    longer pending (expired, re-sent over gRPC) is read and dropped if its size is plausible."""
+    if status not in (P.OK, P.INVALID_ARGUMENT, P.INTERNAL):
+        return f"status {status}"
+    want = entry[3] if entry is not None else None
+    if status == P.OK and (n != want if want is not None else n > max_tokens):
+        return f"{n} rows for a call of {want if want is not None else f'at most {max_tokens}'}"
+    if status != P.OK and mlen > T.MAX_MESSAGE:
+        return f"a {mlen}-byte message"
+    return None
 
 
 def negotiate_tcp(channel: grpc.Channel, address: str, hidden_size: int, wire_dtype: str, max_tokens: int,

@@ -333,8 +333,19 @@ def write_tokenizer(out_dir: str, vocab_size: int) -> None:
 
 
 def make_tiny(out_dir: str, fmt: str = "bf16", seed: int = 0, overrides: dict | None = None,
-              arch: str = "deepseek_v3") -> str:
-    """Write a tiny random checkpoint to out_dir (created if needed); returns out_dir."""
+              arch: str = "deepseek_v3", tokenizer: str | None = None) -> str:
+    """Write a tiny random checkpoint to out_dir (created if needed); returns out_dir.
+
+    `tokenizer`: None for the simple built-in one, else a real model's file format
+    (gpu_service.local.tiny_tokenizers.KINDS: kimi-k2, kimi-k2-thinking, deepseek-v3, deepseek-r1,
+    deepseek-v32), which sets the vocab and the bos/eos ids of config.json."""
+    from gpu_service.local import tiny_tokenizers
+
+    if tokenizer is not None:
+        overrides = {"vocab_size": tiny_tokenizers.vocab_size(tokenizer), **(overrides or {})}
+        if tokenizer.startswith("kimi"):
+            n = overrides["vocab_size"] - 256
+            overrides = {"bos_token_id": n, "eos_token_id": n + 1, **overrides}
     cfg = tiny_config(arch, fmt, overrides)
     os.makedirs(out_dir, exist_ok=True)
     model = build_hf_model(cfg, seed)
@@ -354,6 +365,9 @@ def make_tiny(out_dir: str, fmt: str = "bf16", seed: int = 0, overrides: dict | 
         if tuple(tensors[n].shape) != shape:
             raise RuntimeError(f"make-tiny: {n} has shape {tuple(tensors[n].shape)}, names.py expects {shape}")
     _write_shards(out_dir, stored, mc.num_hidden_layers)
+    if tokenizer is not None:
+        tiny_tokenizers.write(tokenizer, out_dir, TOKENIZER_TEXT, SPECIAL_TOKENS)
+        return out_dir
     write_tokenizer(out_dir, mc.vocab_size)
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({"_from_model_config": True, "bos_token_id": cfg.get("bos_token_id", 0),
@@ -369,6 +383,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", dest="config", default=None,
                    help="JSON file of config.json overrides, e.g. {\"num_hidden_layers\": 4}")
     p.add_argument("--arch", choices=tuple(ARCHS), default="deepseek_v3", help="model architecture")
+    p.add_argument("--tokenizer", default=None, choices=("kimi-k2", "kimi-k2-thinking", "deepseek-v3", "deepseek-r1",
+                                                         "deepseek-v32"),
+                   help="write a tokenizer in this model's real file format and chat format (default: a simple "
+                        "tokenizer.json); deepseek-v32 goes with --arch deepseek_v32")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -378,7 +396,8 @@ def run(args: argparse.Namespace) -> int:
             overrides = json.load(f)
         if not isinstance(overrides, dict):
             raise SystemExit(f"--config {args.config}: expected a JSON object of config.json fields")
-    out = make_tiny(args.out_dir, fmt=args.fmt, seed=args.seed, overrides=overrides, arch=args.arch)
+    out = make_tiny(args.out_dir, fmt=args.fmt, seed=args.seed, overrides=overrides, arch=args.arch,
+                    tokenizer=args.tokenizer)
     total = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.endswith(".safetensors"))
     print(f"wrote {args.arch} {args.fmt} checkpoint to {out} ({total / 1e6:.2f} MB of weights, seed {args.seed})")
     return 0

@@ -126,7 +126,9 @@ class MLA(nn.Module):
         self.o_proj = nn.Linear(nh * self.vdim, H, bias=cfg.attention_bias)
         self.scaling = cfg.qk_head_dim ** -0.5 * rope.softmax_mscale
         self.indexer = Indexer(cfg) if cfg.is_v32 else None  # DSA: attend to the top-k indexed tokens
-        self.key_block = 2048  # keys per block of the expanded prefill path (the plan's chunk size)
+        # keys per block of the expanded prefill path: the plan's Kb = min(kv_tokens, chunk_tokens)
+        # (ModelRunner sets it from its placement); the workspace item assumes exactly this
+        self.key_block = 2048
 
     def _q(self, x: torch.Tensor) -> torch.Tensor:
         if self.cfg.q_lora_rank is None:
@@ -150,9 +152,11 @@ class MLA(nn.Module):
         ckv = self.kv_a_proj_with_mqa(x)  # [T, r + rope]
         c = self.kv_a_layernorm(ckv[:, : self.r])
         k_pe = self.rope.apply(ckv[:, None, self.r:], cos, sin)[:, 0]  # [T, rope]
-        new = torch.cat([c, k_pe], dim=-1).to(kv.dtype)
+        new = torch.cat([c, k_pe], dim=-1).to(kv.dtype)  # [T, r + rope]
+        del ckv, c, k_pe
 
         out = x.new_empty(T, self.nh * self.vdim)
+        wkv = weight_of(self.kv_b_proj, x.dtype)  # dequantised once per call, shared by chunks and key blocks
         t0 = 0
         for ch in chunks:
             sl = slice(t0, t0 + ch.n)
@@ -164,52 +168,69 @@ class MLA(nn.Module):
                 ik[ch.seq.slots(ch.start, ch.start + ch.n, ik.device)] = idx_new[sl]
                 keys = ik[ch.seq.slots(0, ch.start + ch.n, ik.device)].to(x.dtype)  # [S, index_head_dim]
                 keep = self.indexer.select(x[sl], q_resid[sl], cos[sl], sin[sl], keys, ch.start)
-            out[sl] = self._attend(q_nope[sl], q_pe[sl], cache, ch.start, keep)
+            out[sl] = self._attend(q_nope[sl], q_pe[sl], cache, ch.start, keep, wkv)
+            del cache, keep
+        del wkv, q, q_nope, q_pe, new
         return self.o_proj(out)
 
     def _attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, start: int,
-                keep: torch.Tensor | None = None) -> torch.Tensor:
-        """keep: [n, S] bool, the positions each query may see (DSA selection, causal included)."""
+                keep: torch.Tensor | None, wkv: torch.Tensor) -> torch.Tensor:
+        """keep: [n, S] bool, the positions each query may see (DSA selection, causal included);
+        wkv: kv_b_proj's weight [nh*(nope+v), r] in the compute dtype (dequantised once per step)."""
         n, S = q_nope.shape[0], cache.shape[0]
         c_kv, k_pe = cache[:, : self.r], cache[:, self.r:]  # [S, r], [S, rope]
-        mask = None
-        if n > 1:  # causal: query i (position start+i) sees keys 0..start+i
-            qpos = torch.arange(start, start + n, device=cache.device)[:, None]
-            mask = torch.arange(S, device=cache.device)[None, :] > qpos  # [n, S]
-        if keep is not None:
-            mask = ~keep  # [n, S]
-        wkv = weight_of(self.kv_b_proj, q_nope.dtype).view(self.nh, self.nope + self.vdim, self.r)
         if n == 1:
             # weight-absorbed decode: score = (q_nope W_UK) . c_kv + q_pe . k_pe ; out = (attn c_kv) W_UV
-            q_abs = torch.einsum("thd,hdr->thr", q_nope, wkv[:, : self.nope].to(q_nope.dtype))  # [1,nh,r]
+            w3 = wkv.view(self.nh, self.nope + self.vdim, self.r)
+            q_abs = torch.einsum("thd,hdr->thr", q_nope, w3[:, : self.nope])  # [1,nh,r]
             scores = torch.einsum("thr,sr->ths", q_abs, c_kv) + torch.einsum("thd,sd->ths", q_pe, k_pe)
-            if mask is not None:
-                scores = scores.masked_fill(mask[:, None, :], float("-inf"))
+            if keep is not None:
+                scores.masked_fill_(~keep[:, None, :], float("-inf"))
             p = torch.softmax(scores.float() * self.scaling, dim=-1).to(q_nope.dtype)  # [1,nh,S]
             o_lat = torch.einsum("ths,sr->thr", p, c_kv)
-            o = torch.einsum("thr,hvr->thv", o_lat, wkv[:, self.nope:].to(q_nope.dtype))  # [1,nh,v]
+            o = torch.einsum("thr,hvr->thv", o_lat, w3[:, self.nope:])  # [1,nh,v]
             return o.reshape(n, -1)
-        # expanded prefill: K/V from the cache through kv_b_proj, one key block at a time with an
-        # online softmax, so the workspace is [nh, n, block] scores + one block of K/V, whatever S
-        qq = torch.cat([q_nope, q_pe], dim=-1)  # [n, nh, qk]
-        m = torch.full((self.nh, n), float("-inf"), device=qq.device)  # running max
-        l = torch.zeros(self.nh, n, device=qq.device)  # running sum of exp
-        acc = torch.zeros(self.nh, n, self.vdim, device=qq.device)  # running sum of p @ v, fp32
+        return self._prefill(q_nope, q_pe, c_kv, k_pe, start, keep, wkv)
+
+    def _prefill(self, q_nope, q_pe, c_kv, k_pe, start, keep, wkv) -> torch.Tensor:
+        """Expanded prefill: K/V of one key block at a time through kv_b_proj, online softmax.
+
+        What it keeps at its peak (the plan's `attn` workspace term, gpu_service/plan/bytes.py):
+        one [nh, n, b] score block in fp32 plus, for a 16-bit compute dtype, its compute-dtype
+        twin for one op (the matmul result before the fp32 copy, or the probabilities cast back
+        for p @ v); one expanded K/V block [b, nh, nope + v]; the fp32 accumulator [nh, n, v].
+        Softmax steps are in place and every block is dropped before the next is built."""
+        n, S, dt = q_nope.shape[0], c_kv.shape[0], q_nope.dtype
+        qn, qp = q_nope.transpose(0, 1), q_pe.transpose(0, 1)  # [nh, n, nope], [nh, n, rope] (views)
+        qpos = torch.arange(start, start + n, device=c_kv.device)[:, None]
+        m = torch.full((self.nh, n), float("-inf"), device=c_kv.device)  # running max
+        l = torch.zeros(self.nh, n, device=c_kv.device)  # running sum of exp
+        acc = torch.zeros(self.nh, n, self.vdim, device=c_kv.device)  # running sum of p @ v, fp32
         for s0 in range(0, S, self.key_block):
             s1 = min(S, s0 + self.key_block)
-            kvx = self.kv_b_proj(c_kv[s0:s1]).view(s1 - s0, self.nh, self.nope + self.vdim)
-            k = torch.cat([kvx[..., : self.nope], k_pe[s0:s1, None, :].expand(s1 - s0, self.nh, self.rdim)], dim=-1)
-            sc = torch.einsum("thd,shd->hts", qq, k).float() * self.scaling  # [nh, n, b]
-            if mask is not None:
-                sc = sc.masked_fill(mask[None, :, s0:s1], float("-inf"))
+            kvx = F.linear(c_kv[s0:s1], wkv).view(s1 - s0, self.nh, self.nope + self.vdim)  # [b, nh, nope+v]
+            sc = torch.matmul(qp, k_pe[s0:s1].t())  # [nh, n, b]
+            sc.baddbmm_(qn, kvx[..., : self.nope].permute(1, 2, 0))
+            if sc.dtype != torch.float32:
+                sc = sc.float()
+            sc.mul_(self.scaling)
+            if keep is None:
+                sc.masked_fill_(torch.arange(s0, s1, device=c_kv.device)[None, :] > qpos, float("-inf"))
+            else:
+                sc.masked_fill_(~keep[:, s0:s1], float("-inf"))
             m_new = torch.maximum(m, sc.amax(-1))
-            m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows with nothing yet
-            p = torch.exp(sc - m_safe[..., None])
+            m_safe = m_new.masked_fill(torch.isinf(m_new), 0.0)  # rows with nothing yet: subtract 0
+            sc.sub_(m_safe[..., None]).exp_()  # p, in place
             corr = torch.exp(m - m_safe)
-            l = l * corr + p.sum(-1)
-            acc = acc * corr[..., None] + torch.einsum("hts,shv->htv", p.to(qq.dtype), kvx[..., self.nope:]).float()
+            l.mul_(corr).add_(sc.sum(-1))
+            acc.mul_(corr[..., None])
+            p = sc.to(dt) if dt != torch.float32 else sc
+            del sc
+            acc.add_(torch.matmul(p, kvx[..., self.nope:].transpose(0, 1)))  # [nh, n, v]
+            del p, kvx
             m = m_new
-        return (acc / l[..., None]).to(qq.dtype).transpose(0, 1).reshape(n, -1)
+        acc.div_(l[..., None])
+        return acc.to(dt).transpose(0, 1).reshape(n, -1)
 
 
 # ------------------------------------------------------------------------------------------ MLP

@@ -34,7 +34,7 @@ def rope_half_split(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
-SCORE_ELEMS = 1 << 26  # float32 elements of per-head index scores held at once in prefill (256 MiB)
+from gpu_service.plan.bytes import INDEX_SCORE_ELEMS as SCORE_ELEMS  # fp32 index scores held at once (the plan's)
 
 
 class Indexer(nn.Module):
@@ -77,12 +77,15 @@ class Indexer(nn.Module):
         k32 = index_keys.float().t()  # [hd, S]
         index = torch.empty(n, S, dtype=torch.float32, device=x.device)
         step = max(1, SCORE_ELEMS // (self.nh * S))  # queries per block: bounds the [b, nh, S] scores
-        for i in range(0, n, step):
-            scores = F.relu(torch.matmul(q[i:i + step].float(), k32) * self.softmax_scale)  # [b, nh, S]
+        for i in range(0, n, step):  # one [b, nh, S] fp32 score block at a time, in place
+            scores = torch.matmul(q[i:i + step].float(), k32).mul_(self.softmax_scale).relu_()  # [b, nh, S]
             index[i:i + step] = torch.matmul(w[i:i + step, None, :], scores)[:, 0]  # [b, S]
+            del scores
+        del q, w, k32
         qpos = torch.arange(start, start + n, device=x.device)[:, None]
         causal = torch.arange(S, device=x.device)[None, :] <= qpos  # [n, S]
-        index = index.masked_fill(~causal, float("-inf"))
+        index.masked_fill_(~causal, float("-inf"))
         top = index.topk(self.topk, dim=-1).indices  # [n, topk]; masked picks are dropped by `& causal`
+        del index
         keep = torch.zeros_like(causal).scatter_(1, top, True)
-        return keep & causal
+        return keep.logical_and_(causal)

@@ -2,7 +2,9 @@
 
 Per layer one tensor of [pages * page_size, kv_lora_rank + rope] (c_kv ++ k_pe) and, for
 DeepSeek-V3.2, the lightning indexer's keys in the same slots. A sequence owns a list of pages;
-a `Chunk` is a run of its tokens inside a batch.
+a `Chunk` is a run of its tokens inside a batch. With a prefix cache (`pool.cache`,
+gpu_service.model.prefix_cache) leading full pages may be shared between sequences and cached
+pages stay in use after their sequences end; the pool evicts them only when it needs pages.
 """
 from __future__ import annotations
 
@@ -28,10 +30,30 @@ class KVPool:
         self.index_k = ([torch.zeros(num_pages * page_size, cfg.index_head_dim, dtype=dtype, device=d)
                          for d in layer_devices] if cfg.is_v32 else None)
         self.free_pages: list[int] = list(range(num_pages - 1, -1, -1))
+        self.cache = None  # a PrefixCache attaches itself here
 
     @property
     def pages_in_use(self) -> int:
+        """Pages not free: held by sequences or cached (see `cached_pages`)."""
         return self.num_pages - len(self.free_pages)
+
+    @property
+    def cached_pages(self) -> int:
+        """Pages held only by the prefix cache (evictable); 0 without one."""
+        return self.cache.evictable if self.cache is not None else 0
+
+    def available(self) -> int:
+        """Pages a reservation can get: free ones plus unreferenced cached ones."""
+        return len(self.free_pages) + self.cached_pages
+
+    def take(self, n: int) -> list[int]:
+        """`n` pages, evicting unreferenced cached pages (LRU) when too few are free."""
+        if n > len(self.free_pages) and self.cache is not None:
+            self.cache.evict(n - len(self.free_pages))
+        if n > len(self.free_pages):
+            raise PoolExhausted(f"KV pool exhausted: need {n} pages of {self.page_size} tokens, "
+                                f"{len(self.free_pages)} free of {self.num_pages}")
+        return [self.free_pages.pop() for _ in range(n)]
 
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.kv + (self.index_k or []))
@@ -48,19 +70,23 @@ class SeqKV:
     pool: KVPool
     pages: list[int] = field(default_factory=list)
     length: int = 0  # tokens whose KV has been written
+    nodes: list = field(default_factory=list)  # prefix-cache nodes referenced for pages[:len(nodes)]
+    cache_root: bytes | None = None  # the prefix cache's chain root (salt) once looked up
 
     def reserve(self, n_tokens: int) -> None:
         need = -(-n_tokens // self.pool.page_size) - len(self.pages)
-        if need > len(self.pool.free_pages):
+        if need > self.pool.available():
             raise PoolExhausted(
                 f"KV pool exhausted: need {need} more pages of {self.pool.page_size} tokens, "
-                f"{len(self.pool.free_pages)} free of {self.pool.num_pages}"
+                f"{self.pool.available()} free of {self.pool.num_pages}"
             )
-        for _ in range(max(need, 0)):
-            self.pages.append(self.pool.free_pages.pop())
+        if need > 0:
+            self.pages += self.pool.take(need)
 
     def free(self) -> None:
-        self.pool.free_pages.extend(reversed(self.pages))
+        if self.nodes or self.cache_root is not None:
+            self.pool.cache.release(self)  # shared pages stay cached (marked -1 here)
+        self.pool.free_pages.extend(p for p in reversed(self.pages) if p >= 0)
         self.pages.clear()
         self.length = 0
 

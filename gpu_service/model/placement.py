@@ -39,6 +39,12 @@ class Placement:
     kv_tokens: int = 4096
     hot_experts: dict[int, list[int]] = field(default_factory=dict)  # layer -> expert ids on the GPU
     plan: object = None  # the plan.Plan this placement executes (for planned-vs-actual metrics)
+    chunk_tokens: int = 2048  # tokens per forward step the workspace was planned for
+
+    @property
+    def key_block(self) -> int:
+        """Keys per block of the expanded prefill attention: the plan's Kb = min(kv_tokens, chunk_tokens)."""
+        return max(1, min(self.kv_tokens, self.chunk_tokens))
 
     @staticmethod
     def single(cfg: ModelConfig, device: torch.device, kv_tokens: int = 4096) -> "Placement":
@@ -66,7 +72,7 @@ class Placement:
 
             hot_experts = resolve(hot_experts, cfg, o.gpu_experts)  # checked against the plan, every MoE layer
         return Placement(cfg, list(devices), layer_gpu, o.embeddings == "cpu", o.attention_weights,
-                         o.expert_format, o.kv_tokens, hot_experts, plan)
+                         o.expert_format, o.kv_tokens, hot_experts, plan, o.chunk_tokens)
 
     # ---- per-parameter decisions ---------------------------------------------------------------
     def gpu_index_of(self, param_name: str) -> int:
@@ -113,22 +119,39 @@ def allocated_bytes_by_gpu(model: torch.nn.Module, placement: Placement, pool=No
     return out
 
 
-def preflight(plan, plan_kwargs: dict | None = None) -> None:
-    """Before allocating: each planned GPU's used bytes must be free right now (mem_get_info).
-    Raises PlanDoesNotFit with the table, the missing GiB and re-planned options that would fit."""
+def plan_devices(plan, device: torch.device | None = None) -> list[torch.device]:
+    """The CUDA devices that run the plan's GPUs: cuda:N, cuda:N+1, ... from an explicit
+    `--device cuda:N` (N = 0 otherwise). The device count is checked first, so a plan for more
+    GPUs than are visible is refused with the plan's message, never a raw "invalid device ordinal"."""
+    first = device.index if device is not None and device.type == "cuda" and device.index is not None else 0
+    n = torch.cuda.device_count()
+    want = len(plan.gpus)
+    if first + want > n:
+        start = f" from cuda:{first}" if first else ""
+        raise PlanDoesNotFit(f"the plan uses {want} GPU{'s' if want > 1 else ''}{start} but {n} "
+                             f"{'is' if n == 1 else 'are'} visible: give one --gpu per GPU you have "
+                             f"(or --device cuda:0), or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+    return [torch.device("cuda", first + i) for i in range(want)]
+
+
+def preflight(plan, plan_kwargs: dict | None = None, devices: list[torch.device] | None = None) -> None:
+    """Before allocating: each planned GPU's used bytes, less the CUDA context (mem_get_info's free
+    figure already excludes this process's context; the fragmentation allowance stays), must be
+    free right now on the device that will run it. The device count is checked before any device
+    is queried. Raises PlanDoesNotFit with the table, the missing GiB and re-planned options."""
     if not torch.cuda.is_available():
         return
     from gpu_service import plan as P
 
+    devices = devices if devices is not None else plan_devices(plan)
     short = []
     free = []
-    for i, g in enumerate(plan.gpus):
-        f, total = torch.cuda.mem_get_info(i)
-        # the plan's reserve covers the CUDA context this process is about to create
-        need = g.used_bytes - g.items.get("reserve", 0)
+    for dev, g in zip(devices, plan.gpus):
+        f, total = torch.cuda.mem_get_info(dev)
+        need = g.used_bytes - P.CUDA_CONTEXT_BYTES  # the context exists once mem_get_info has run
         free.append(f)
         if need > f:
-            short.append((i, need - f, f, total))
+            short.append((dev.index, need - f, f, total))
     if not short and plan.fits:
         return
     lines = [plan.table(), ""]
@@ -168,9 +191,12 @@ def placement_from_args(args, cfg: ModelConfig, kv_tokens: int, chunk_tokens: in
     options that would fit), and return its placement; None when no plan applies (CPU, no --gpu)."""
     from gpu_service import plan as P
 
-    cuda = torch.cuda.is_available() and (device is None or device.type == "cuda")
+    cuda_wanted = device is not None and device.type == "cuda"
+    cuda = cuda_wanted or (device is None and torch.cuda.is_available())
+    # the compute dtype the runner will use (ModelRunner's default: bf16 on CUDA, fp32 on the CPU)
+    dtype = getattr(args, "dtype", None) or ("bfloat16" if cuda else "float32")
     hot_file = getattr(args, "hot_experts", None)
-    if not args.gpu and not cuda:
+    if not args.gpu and not cuda:  # nothing to plan for
         if hot_file:
             raise SystemExit(f"moesplit: --hot-experts {hot_file} needs a memory plan with hot GPU experts: "
                              "pass --gpu SIZE and --gpu-experts N (without a GPU nothing is kept hot)")
@@ -183,22 +209,34 @@ def placement_from_args(args, cfg: ModelConfig, kv_tokens: int, chunk_tokens: in
             spec = load_file(hot_file)
         except HotExpertsError as e:
             raise SystemExit(f"moesplit: {e}") from None
-    caps = [P.parse_size(g) for g in args.gpu] if args.gpu else [
-        torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
+    if cuda and not args.gpu and not torch.cuda.is_available():
+        raise SystemExit(f"moesplit: --device {device} but this machine has no CUDA device (torch "
+                         f"{torch.__version__}); use --device cpu, or pass --gpu SIZE to only check a plan")
+    if args.gpu:
+        caps = [P.parse_size(g) for g in args.gpu]
+    else:  # the visible devices from the chosen one on
+        first = device.index if cuda_wanted and device.index is not None else 0
+        caps = [torch.cuda.get_device_properties(i).total_memory for i in range(first, torch.cuda.device_count())]
     gx = args.gpu_experts if args.gpu_experts == "auto" else int(args.gpu_experts)
     kw = dict(kv_tokens=kv_tokens, min_kv_tokens=args.min_kv_tokens or kv_tokens,
               chunk_tokens=max(chunk_tokens, max_batch), attention_weights=args.attention_weights,
-              embeddings=args.embeddings, gpu_experts=gx, max_batch=max_batch)
+              embeddings=args.embeddings, gpu_experts=gx, max_batch=max_batch, dtype=dtype)
+    # the plan (in the compute dtype's bytes) comes before CUDA is touched: a plan that does not
+    # fit is refused here whatever the machine
     plan = P.make_plan(cfg, caps, **kw)
     if not plan.fits:
-        raise SystemExit(plan.table() + f"\n\nmoesplit: the plan does not fit: {P.fmt_gib(plan.missing_bytes)} missing; "
-                         "nothing was loaded. Options that would fit are listed above.")
+        raise SystemExit(plan.table() + f"\n\nmoesplit: the plan does not fit in {dtype}: "
+                         f"{P.fmt_gib(plan.missing_bytes)} missing; nothing was loaded. Options that would fit are "
+                         "listed above" + (" (or --dtype bfloat16)" if dtype == "float32" else "") + ".")
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit(f"moesplit: --device {device} but this machine has no CUDA device (torch "
+                         f"{torch.__version__}); use --device cpu")
     if cuda:
         try:
-            preflight(plan, kw)
+            devices = plan_devices(plan, device)
+            preflight(plan, kw, devices)
         except PlanDoesNotFit as e:
-            raise SystemExit(f"{e}\n\nmoesplit: not enough free GPU memory right now; nothing was loaded.") from None
-        devices = None
+            raise SystemExit(f"{e}\n\nmoesplit: not enough GPUs or free GPU memory right now; nothing was loaded.") from None
     else:  # a CPU-only machine given --gpu: execute the plan's layout on the CPU (for testing plans)
         devices = [torch.device("cpu")] * len(plan.gpus)
     hot = None

@@ -1,22 +1,112 @@
 """Weight-only quantised linears for the GPU service: FP8 (e4m3, 128x128 block scales, as in
-DeepSeek's checkpoints) and INT8 (per-output-channel scales). Weights stay quantised in memory
-and are dequantised on the fly inside `forward`, halving attention/shared-expert bytes vs BF16.
+DeepSeek's checkpoints), INT8 (per-output-channel scales) and INT4 (compressed-tensors groups).
+Weights stay quantised in memory, halving attention/shared-expert bytes vs BF16. `forward`
+dequantises one block of QLINEAR_ROWS weight rows at a time, straight to the compute dtype with
+broadcast scale views, into one reused scratch buffer per device and dtype, and multiplies it
+into its slice of the output: a call keeps its output and that buffer, never a full-size fp32
+weight (the plan's `workspace` counts the buffer: `gpu_service.plan.bytes.qlinear_scratch_bytes`).
+
+No fused weight-only GEMM is used: torchao / Marlin-class kernels are not installable on the
+machines this runs on (no package index), so the blockwise path is the one on CUDA and CPU.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
-def _expand_blocks(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
-    # scale: [ceil(out/bo), ceil(in/bi)] -> [out, in] (edge blocks cropped)
+from gpu_service.plan.bytes import QLINEAR_ROWS  # weight rows dequantised at once (the plan counts them)
+
+
+class _Scratch:
+    """One reused buffer per (device, compute dtype) into which quantised linears dequantise one
+    row block at a time; it grows to the largest block asked for (the plan counts exactly that:
+    `gpu_service.plan.bytes.qlinear_scratch_bytes`) and is never freed while the process runs."""
+
+    def __init__(self):
+        self._bufs: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    def get(self, device: torch.device, dtype: torch.dtype, rows: int, cols: int) -> torch.Tensor:
+        key = (torch.device(device), dtype)
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < rows * cols:
+            self._bufs.pop(key, None)
+            del buf
+            buf = torch.empty(rows * cols, dtype=dtype, device=device)
+            self._bufs[key] = buf
+        return buf[: rows * cols].view(rows, cols)
+
+    def clear(self) -> None:
+        self._bufs.clear()
+
+
+SCRATCH = _Scratch()
+
+
+def _scale_blocks_(w: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """In place: w[rows, cols] *= s[ceil(rows/bo), ceil(cols/bi)] per (bo, bi) block, through
+    broadcast views (no expanded scale tensor); partial edge blocks as in checkpoint.formats."""
     bo, bi = block
-    return scale.repeat_interleave(bo, 0).repeat_interleave(bi, 1)[: shape[0], : shape[1]]
+    rows, cols = w.shape
+    rf, cf = rows // bo * bo, cols // bi * bi
+    nrf, ncf = rf // bo, cf // bi
+    if rf and cf:
+        w[:rf, :cf].view(nrf, bo, ncf, bi).mul_(s[:nrf, None, :ncf, None])
+    if rf and cf < cols:
+        w[:rf, cf:].view(nrf, bo, cols - cf).mul_(s[:nrf, None, ncf:ncf + 1])
+    if rf < rows and cf:
+        w[rf:, :cf].view(rows - rf, ncf, bi).mul_(s[nrf:nrf + 1, :ncf, None])
+    if rf < rows and cf < cols:
+        w[rf:, cf:].mul_(s[nrf:nrf + 1, ncf:ncf + 1])
+    return w
 
 
-class Fp8Linear(nn.Module):
+class _Blockwise(nn.Module):
+    """Shared forward of the weight-only linears: y[:, r0:r1] = x @ W[r0:r1].T with W[r0:r1]
+    dequantised straight to the compute dtype into the reused scratch buffer, so a call keeps at
+    most QLINEAR_ROWS x in_features of weight beside its output (no full fp32 rebuild)."""
+
+    out_features: int
+    in_features: int
+
+    def _dequant_rows(self, w: torch.Tensor, r0: int, r1: int) -> None:  # into w [r1 - r0, in]
+        raise NotImplementedError
+
+    def _scratch_cols(self) -> int:
+        return self.in_features
+
+    def dequant_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole weight [out, in] in `dtype` (one tensor of that size, nothing else kept):
+        for kv_b_proj's absorbed / expanded attention, dequantised once per step."""
+        dev = self._device()
+        if self._scratch_cols() == self.in_features:
+            w = torch.empty(self.out_features, self.in_features, dtype=dtype, device=dev)
+            self._dequant_rows(w, 0, self.out_features)
+            return w
+        w = torch.empty(self.out_features, self._scratch_cols(), dtype=dtype, device=dev)
+        self._dequant_rows(w, 0, self.out_features)
+        return w[:, : self.in_features]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead, n_out = x.shape[:-1], self.out_features
+        x2 = x.reshape(-1, x.shape[-1])
+        y = torch.empty(x2.shape[0], n_out, dtype=x.dtype, device=x.device)
+        rows = min(QLINEAR_ROWS, n_out)
+        for r0 in range(0, n_out, rows):
+            r1 = min(n_out, r0 + rows)
+            w = SCRATCH.get(x.device, x.dtype, r1 - r0, self._scratch_cols())
+            self._dequant_rows(w, r0, r1)
+            torch.mm(x2, w[:, : self.in_features].t(), out=y[:, r0:r1])
+        if self.bias is not None:
+            y += self.bias
+        return y.view(*lead, n_out)
+
+    def _device(self) -> torch.device:
+        return next(iter(self.parameters())).device
+
+
+class Fp8Linear(_Blockwise):
     """y = x @ (w_e4m3 * scale_inv[block]).T"""
 
     def __init__(self, weight: torch.Tensor, scale_inv: torch.Tensor, block=(128, 128), bias=None):
@@ -25,6 +115,7 @@ class Fp8Linear(nn.Module):
         self.weight_scale_inv = nn.Parameter(scale_inv.float(), requires_grad=False)  # [out/bo, in/bi]
         self.block = tuple(block)
         self.bias = bias
+        self.out_features, self.in_features = weight.shape
 
     @staticmethod
     def quantize(w: torch.Tensor, block=(128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,15 +125,14 @@ class Fp8Linear(nn.Module):
         q, s = quant_fp8_block(w.detach().float().cpu().numpy(), tuple(block))
         return torch.from_numpy(q.view(np.uint8).copy()).view(torch.float8_e4m3fn), torch.from_numpy(s)
 
-    def dequant_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        s = _expand_blocks(self.weight_scale_inv, tuple(self.weight.shape), self.block)
-        return (self.weight.to(torch.float32) * s).to(dtype)
+    def _dequant_rows(self, w: torch.Tensor, r0: int, r1: int) -> None:
+        bo = self.block[0]
+        assert r0 % bo == 0, "row blocks start on a scale block"
+        w.copy_(self.weight[r0:r1])  # e4m3 -> compute dtype: exact for bf16, fp16 and fp32
+        _scale_blocks_(w, self.weight_scale_inv[r0 // bo: -(-r1 // bo)], self.block)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequant_weight(x.dtype), self.bias)
 
-
-class Int8Linear(nn.Module):
+class Int8Linear(_Blockwise):
     """y = x @ (w_int8 * scale[out]).T, symmetric per-output-channel scale = amax/127."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias=None):
@@ -50,6 +140,7 @@ class Int8Linear(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)  # [out, in] int8
         self.weight_scale = nn.Parameter(scale.float(), requires_grad=False)  # [out]
         self.bias = bias
+        self.out_features, self.in_features = weight.shape
 
     @staticmethod
     def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,14 +148,12 @@ class Int8Linear(nn.Module):
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
         return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
 
-    def dequant_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        return (self.weight.to(torch.float32) * self.weight_scale[:, None]).to(dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequant_weight(x.dtype), self.bias)
+    def _dequant_rows(self, w: torch.Tensor, r0: int, r1: int) -> None:
+        w.copy_(self.weight[r0:r1])  # int8 -> compute dtype: exact
+        w.mul_(self.weight_scale[r0:r1, None])
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(_Blockwise):
     """Symmetric group-wise INT4 (compressed-tensors pack-quantized: eight 4-bit values per int32
     along the input dim, least-significant first, stored as q+8; one bf16 scale per group)."""
 
@@ -73,6 +162,7 @@ class Int4Linear(nn.Module):
         self.weight_packed = nn.Parameter(packed, requires_grad=False)  # [out, ceil(in/8)] int32
         self.weight_scale = nn.Parameter(scale, requires_grad=False)  # [out, ceil(in/group)] bf16
         self.shape, self.group, self.bias = tuple(shape), group, bias
+        self.out_features, self.in_features = self.shape
 
     @staticmethod
     def quantize(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,15 +172,22 @@ class Int4Linear(nn.Module):
         packed, scale, _ = pack_int4(w.detach().float().cpu().numpy(), group)
         return torch.from_numpy(packed), torch.from_numpy(scale.view(np.int16)).view(torch.bfloat16)
 
-    def dequant_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        out, inn = self.shape
-        shifts = 4 * torch.arange(8, device=self.weight_packed.device, dtype=torch.int32)
-        q = ((self.weight_packed[..., None] >> shifts) & 0xF).view(out, -1)[:, :inn] - 8  # [out, in]
-        s = self.weight_scale.float().repeat_interleave(self.group, dim=1)[:, :inn]
-        return (q.float() * s).to(dtype)
+    def _scratch_cols(self) -> int:
+        return self.weight_packed.shape[1] * 8  # whole packed words; the tail past in_features is unused
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequant_weight(x.dtype), self.bias)
+    def _dequant_rows(self, w: torch.Tensor, r0: int, r1: int) -> None:
+        rows, words = r1 - r0, self.weight_packed.shape[1]
+        packed = self.weight_packed[r0:r1]
+        w8 = w.view(rows, words, 8)
+        for j in range(8):  # one nibble position at a time: int32 temporaries of rows x words
+            w8[..., j].copy_((packed >> (4 * j)) & 0xF)
+        w.sub_(8)
+        g, inn = self.group, self.in_features
+        gf = inn // g
+        if gf:
+            w[:, : gf * g].view(rows, gf, g).mul_(self.weight_scale[r0:r1, :gf, None])
+        if gf * g < inn:
+            w[:, gf * g: inn].mul_(self.weight_scale[r0:r1, gf:gf + 1])
 
 
 def weight_of(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:

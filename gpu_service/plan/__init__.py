@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from gpu_service.plan.bytes import (  # noqa: F401 (re-exported)
     ATTENTION_WEIGHTS, CATEGORIES, checkpoint_format, CUDA_CONTEXT_BYTES, DEFAULT_CHUNK_TOKENS,
-    DEFAULT_KV_TARGET, DEFAULT_MAX_BATCH, DEFAULT_MIN_KV_TOKENS, EMBEDDINGS, expert_bytes, EXPERT_FORMATS,
+    DEFAULT_KV_TARGET, DTYPE_BYTES, DTYPES, dtype_bytes, DEFAULT_MAX_BATCH, DEFAULT_MIN_KV_TOKENS, EMBEDDINGS, expert_bytes, EXPERT_FORMATS,
     fmt_gib, FP8_BLOCK, fp8_block, FRAGMENTATION_FRACTION, FRAGMENTATION_MIN_BYTES, GiB, gpu_modules,
     gpu_reserve, GPU_SERVICE_HOST_BYTES, HOST_OS_RESERVE_BYTES, INT4_GROUP, KiB, kv_bytes_per_token_layer,
     KV_ROUND, linear_bytes, MiB, Module, module_bytes, Options, param_bytes_by_module, param_counts,
-    parse_size, PRESETS_DIR, SHARD_BASELINE_BYTES, TiB, workspace_bytes,
+    parse_size, PRESETS_DIR, QLINEAR_ROWS, qlinear_scratch_bytes, SHARD_BASELINE_BYTES, TiB, workspace_bytes,
 )
 from gpu_service.plan.search import GpuPlan, host_summary, make_plan, Plan, shard_plans, ShardPlan  # noqa: F401
 from gpu_service.plan.report import load_model_config, presets, render_table  # noqa: F401

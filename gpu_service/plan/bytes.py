@@ -22,19 +22,35 @@ Weights, per linear [out, in] of n = out*in parameters:
 KV cache, bf16, per token per layer: MLA c_kv + k_pe = kv_lora_rank + qk_rope_head_dim values
   (576 for every target model); V3.2 adds its indexer key, index_head_dim values ("index_keys").
   `kv_tokens` is the pool size shared by all running sequences; every layer holds all of it.
-Workspace of one GPU (the largest layer it runs; T = chunk_tokens, Kb = min(kv_tokens, T)):
-    act    = 2 * T * (3*H + max(A, 3*M))   bf16 residual/normed/output rows, plus the widest of
-             A = q_lora + kv_lora + rope + heads*qk_head_dim + heads*v_head_dim (attention) and
-             M = widest MLP on this GPU (dense intermediate, shared-expert or hot-expert width)
-    attn   = 4*T*heads*Kb  + 2*Kb*heads*(qk_head_dim + v_head_dim) + 4*T*heads*v_head_dim
-             fp32 scores of one key block, expanded K/V of the block, fp32 output accumulator:
-             the expanded prefill path attends over the cache in key blocks of <= T tokens
-             (online softmax); decode uses the absorbed path, which needs less.
-    index  = 4*T*index_heads*Kb + 4*T*kv_tokens + 8*T*index_topk      (V3.2 only; runs before
-             attention, so the workspace takes max(attn, index))
+Workspace of one GPU: what the forward pass keeps alive at once beyond weights and KV, for the
+  widest layer it runs (T = chunk_tokens, Kb = min(kv_tokens, T) the prefill key block the model
+  uses, e = bytes of the compute dtype, kv = kv_tokens; tests/test_peak_memory.py measures it):
+    act    = e * T * (3*H + max(A, 3*M))   residual/normed/output rows, plus the widest of
+             A = q_lora + kv_lora + rope + heads*(qk_head_dim + rope + v_head_dim) (attention: q,
+             its rotated rope part, the new cache rows, the output) and M = widest MLP on this
+             GPU (dense intermediate, shared-expert or hot-expert width)
+    common = (e*(kv_lora + rope) + 8) * kv  the sequence's cache gathered from the pool + slots
+             + e*heads*(qk_nope + v_head_dim)*kv_lora  when kv_b_proj is quantised (dequantised
+             once per step, shared by every chunk and key block)
+             + e*index_head_dim*kv  (V3.2: the gathered index keys)
+    attn   = (4 + e')*T*heads*Kb + T*Kb + e*Kb*heads*(qk_nope + v_head_dim) + (4 + e)*T*heads*v_head_dim
+             one fp32 score block (e' = e for a 16-bit compute dtype: its compute-dtype twin lives
+             for one op; 0 for fp32), the causal mask block, the expanded K/V of the block, the fp32
+             accumulator and one p@v result; softmax in place, blocks dropped each iteration.
+             V3.2 adds T*kv for the selection mask. Decode uses the absorbed path (less).
+    index  = 4*min(T*ih*kv, max(2^26, ih*kv)) + 7*T*kv + 12*T*index_topk + 2*e*T*ih*index_head_dim
+             + 4*T*ih   (V3.2 only, ih = index heads): one fp32 score block (at most 2^26 elements),
+             the fp32 index and its masks, top-k, the indexer queries; it runs before attention,
+             so the workspace takes max(attn, index)
     moe    = 4*T*H + 12*T*top_k                 fp32 sum of shard partials, routing ids/weights
     logits = 2 * 4 * max_batch * vocab          fp32 logits + sampling probs (GPU with lm_head;
              only each sequence's last position is projected)
+    scratch = max over this GPU's quantised linears of qlinear_scratch_bytes: the one reused buffer
+             a weight-only linear dequantises min(1024, out) rows into (QLINEAR_ROWS)
+  workspace = act + common + max(attn, index) + moe + logits + scratch
+Compute dtype (`dtype`, default bfloat16): unquantised weights ("bf16" above), norms, embeddings,
+  lm_head, GPU hot experts in "bf16" and the KV cache are held in it: e bytes per element where
+  the formulas say 2; `moesplit plan --dtype float32` plans fp32 (4 B).
 Reserve of one GPU: CUDA context 512 MiB (context, cuBLAS handles, kernel images; the user report
   shows ~350 MiB outside PyTorch) + allocator fragmentation max(256 MiB, 3% of capacity).
   `--gpu 24GiB` is taken as the card's total; a card that reports less (an RTX 3090 shows
@@ -69,10 +85,22 @@ GPU_SERVICE_HOST_BYTES = 4 * GiB
 HOST_OS_RESERVE_BYTES = 8 * GiB
 FP8_BLOCK = (128, 128)
 INT4_GROUP = 32
+QLINEAR_ROWS = 1024  # weight rows a quantised linear dequantises at once (a multiple of 128, the FP8 block)
+INDEX_SCORE_ELEMS = 1 << 26  # fp32 V3.2 index scores [queries, heads, S] the indexer holds at once
 
 ATTENTION_WEIGHTS = ("auto", "checkpoint", "bf16", "fp8", "int8")
 EMBEDDINGS = ("auto", "gpu", "cpu")
 EXPERT_FORMATS = ("auto", "bf16", "int8", "int4")
+# bytes per element of the compute dtype: unquantised weights ("bf16" items), KV cache, activations
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+DTYPES = tuple(DTYPE_BYTES)
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a compute dtype name ("bfloat16", "float16", "float32")."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r}: expected one of {DTYPES}")
+    return DTYPE_BYTES[dtype]
 PRESETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
 
 # GPU item categories, in table order
@@ -103,12 +131,13 @@ def fmt_gib(n: int | float) -> str:
 
 
 # ----------------------------------------------------------------------------- weight bytes
-def linear_bytes(out: int, inp: int, fmt: str, fp8_block: tuple[int, int] = FP8_BLOCK) -> int:
+def linear_bytes(out: int, inp: int, fmt: str, fp8_block: tuple[int, int] = FP8_BLOCK, eb: int = 2) -> int:
     """Bytes of one linear weight [out, inp] stored in `fmt` (see the module docstring); an FP8
-    checkpoint kept as stored has its own scale blocks (quantization_config.weight_block_size)."""
+    checkpoint kept as stored has its own scale blocks (quantization_config.weight_block_size).
+    "bf16" is the unquantised weight, held in the compute dtype of `eb` bytes per element."""
     n = out * inp
     if fmt == "bf16":
-        return 2 * n
+        return eb * n
     if fmt == "fp8":
         return n + 4 * math.ceil(out / fp8_block[0]) * math.ceil(inp / fp8_block[1])
     if fmt == "int8":
@@ -214,13 +243,19 @@ class Options:
     kv_tokens: int
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     max_batch: int = DEFAULT_MAX_BATCH
+    dtype: str = "bfloat16"  # compute dtype: bytes of unquantised weights, KV cache and activations
+
+    @property
+    def eb(self) -> int:
+        return dtype_bytes(self.dtype)
 
 
-def module_bytes(cfg: ModelConfig, mod: Module, attention_weights: str) -> int:
-    b = 2 * mod.bf16 + 4 * mod.f32
+def module_bytes(cfg: ModelConfig, mod: Module, attention_weights: str, eb: int = 2) -> int:
+    """Bytes of one parameter group; `eb` bytes per element of the compute dtype."""
+    b = eb * mod.bf16 + 4 * mod.f32
     for name, o, i in mod.linears:
         fmt = checkpoint_format(cfg, name) if attention_weights == "checkpoint" else attention_weights
-        b += linear_bytes(o, i, fmt, fp8_block(cfg) if attention_weights == "checkpoint" else FP8_BLOCK)
+        b += linear_bytes(o, i, fmt, fp8_block(cfg) if attention_weights == "checkpoint" else FP8_BLOCK, eb)
     return b
 
 
@@ -236,39 +271,73 @@ def param_bytes_by_module(cfg: ModelConfig, options: Options | dict | str = "che
     model's module paths (model.layers.{i}.self_attn, ...mlp.shared_experts, ...mlp.gate, lm_head)."""
     aw = options if isinstance(options, str) else (
         options["attention_weights"] if isinstance(options, dict) else options.attention_weights)
+    dt = "bfloat16" if isinstance(options, str) else (
+        options.get("dtype", "bfloat16") if isinstance(options, dict) else options.dtype)
     if aw not in ATTENTION_WEIGHTS[1:]:
         raise ValueError(f"attention_weights {aw!r} must be resolved: one of {ATTENTION_WEIGHTS[1:]}")
-    return {m.name: module_bytes(cfg, m, aw) for m in gpu_modules(cfg)}
+    return {m.name: module_bytes(cfg, m, aw, dtype_bytes(dt)) for m in gpu_modules(cfg)}
 
 
-def expert_bytes(cfg: ModelConfig, fmt: str, inter: int | None = None) -> int:
-    """Bytes of one routed expert (or of an intermediate slice of `inter` rows of it)."""
+def expert_bytes(cfg: ModelConfig, fmt: str, inter: int | None = None, eb: int = 2) -> int:
+    """Bytes of one routed expert (or of an intermediate slice of `inter` rows of it); a "bf16"
+    expert on the GPU is held in the compute dtype (`eb` bytes), on the shards in bf16."""
     I, H = inter if inter is not None else cfg.moe_intermediate_size, cfg.hidden_size
-    return 2 * linear_bytes(I, H, fmt) + linear_bytes(H, I, fmt)
+    return 2 * linear_bytes(I, H, fmt, eb=eb) + linear_bytes(H, I, fmt, eb=eb)
 
 
-def kv_bytes_per_token_layer(cfg: ModelConfig) -> tuple[int, int]:
-    """(MLA c_kv + k_pe bytes, V3.2 indexer key bytes) per token per layer, bf16."""
-    return 2 * cfg.kv_cache_dim, (2 * cfg.index_head_dim if cfg.is_v32 else 0)
+def kv_bytes_per_token_layer(cfg: ModelConfig, eb: int = 2) -> tuple[int, int]:
+    """(MLA c_kv + k_pe bytes, V3.2 indexer key bytes) per token per layer, in the compute dtype."""
+    return eb * cfg.kv_cache_dim, (eb * cfg.index_head_dim if cfg.is_v32 else 0)
 
 
 def gpu_reserve(capacity: int) -> int:
     return CUDA_CONTEXT_BYTES + max(FRAGMENTATION_MIN_BYTES, int(FRAGMENTATION_FRACTION * capacity))
 
 
-def workspace_bytes(cfg: ModelConfig, o: Options, *, mlp_width: int, lm_head: bool) -> int:
-    """Activation workspace of one GPU (formula in the module docstring)."""
-    T, H, nh = o.chunk_tokens, cfg.hidden_size, cfg.num_attention_heads
-    Kb = min(o.kv_tokens, T)
-    A = (cfg.q_lora_rank or 0) + cfg.kv_cache_dim + nh * cfg.qk_head_dim + nh * cfg.v_head_dim
-    act = 2 * T * (3 * H + max(A, 3 * mlp_width))
-    attn = 4 * T * nh * Kb + 2 * Kb * nh * (cfg.qk_head_dim + cfg.v_head_dim) + 4 * T * nh * cfg.v_head_dim
+def qlinear_scratch_bytes(out: int, inp: int, fmt: str, eb: int) -> int:
+    """The reused scratch of a weight-only linear [out, inp] in `fmt` (gpu_service/model/qlinear.py):
+    min(QLINEAR_ROWS, out) rows of the weight in the compute dtype (INT4: whole packed words, plus
+    its two int32 nibble temporaries of the same rows). 0 for an unquantised linear."""
+    if fmt == "bf16":
+        return 0
+    rows = min(QLINEAR_ROWS, out)
+    if fmt == "int4":
+        cols = 8 * math.ceil(inp / 8)
+        return eb * rows * cols + rows * cols
+    return eb * rows * inp
+
+
+def kv_b_dequantised(cfg: ModelConfig, o: Options) -> bool:
+    """Whether kv_b_proj is held quantised, so each step dequantises it once into the workspace."""
+    if o.attention_weights == "checkpoint":
+        q = cfg.quantization
+        return q is not None and q.method == "fp8"
+    return o.attention_weights in ("fp8", "int8")
+
+
+def workspace_bytes(cfg: ModelConfig, o: Options, *, mlp_width: int, lm_head: bool, scratch: int = 0) -> int:
+    """Activation workspace of one GPU (formula in the module docstring): the most the forward
+    pass keeps alive at once beyond weights and KV cache, at `o.chunk_tokens` tokens per step."""
+    T, H, nh, eb, kv = o.chunk_tokens, cfg.hidden_size, cfg.num_attention_heads, o.eb, o.kv_tokens
+    Kb = min(kv, T)
+    nope, rope, v, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    A = (cfg.q_lora_rank or 0) + cfg.kv_cache_dim + nh * (cfg.qk_head_dim + rope + v)
+    act = eb * T * (3 * H + max(A, 3 * mlp_width))
+    twin = 0 if eb == 4 else eb  # a 16-bit score block beside its fp32 copy, for one op
+    common = (eb * cfg.kv_cache_dim + 8) * kv  # the sequence's cache gathered from the pool, its slots
+    if kv_b_dequantised(cfg, o):
+        common += eb * nh * (nope + v) * r  # kv_b_proj dequantised once per step
+    attn = ((4 + twin) * T * nh * Kb + T * Kb + eb * Kb * nh * (nope + v) + (4 + eb) * T * nh * v)
     index = 0
     if cfg.is_v32:
-        index = 4 * T * cfg.index_n_heads * Kb + 4 * T * o.kv_tokens + 8 * T * cfg.index_topk
+        ih, hd = cfg.index_n_heads, cfg.index_head_dim
+        common += eb * hd * kv  # the sequence's index keys gathered
+        attn += T * kv  # the selection mask, alive through attention
+        index = (4 * min(T * ih * kv, max(INDEX_SCORE_ELEMS, ih * kv)) + 7 * T * kv
+                 + 12 * T * cfg.index_topk + 2 * eb * T * ih * hd + 4 * T * ih)
     moe = 4 * T * H + 12 * T * cfg.num_experts_per_tok
     logits = 2 * 4 * o.max_batch * cfg.vocab_size if lm_head else 0
-    return act + max(attn, index) + moe + logits
+    return act + common + max(attn, index) + moe + logits + scratch
 
 
 # ------------------------------------------------------------------------------- the plan

@@ -85,7 +85,8 @@ def helm_values_from_plan(plan: dict, model_path: str, image: str | None = None,
     """Chart values (a dict to dump as YAML) that make Kubernetes schedule `plan` where it fits.
 
     model_path: checkpoint directory inside the containers, e.g. /models/Kimi-K2-Thinking (its parent is the
-    volume mount). image: "repo:tag" or "repo". hugepages_size ("2Mi"|"1Gi"): put each shard's weights in
+    volume mount). image: "registry/namespace[:tag]" where moesplit-experts and moesplit-gpu were pushed
+    (e.g. registry.local:5000/moesplit:0.1.0 -> registry.local:5000/moesplit/moesplit-experts:0.1.0). hugepages_size ("2Mi"|"1Gi"): put each shard's weights in
     hugepages of that size (requested on top of the remaining memory).
     """
     if not plan.get("fits", False):
@@ -136,8 +137,10 @@ def helm_values_from_plan(plan: dict, model_path: str, image: str | None = None,
     if image:
         if "@" in image:
             raise ValueError(f"image {image!r}: give repository:tag; the chart does not take digests")
+        # "registry/ns[:tag]": the two images scripts/build_images.sh builds, pushed under that namespace.
         repo, _, tag = image.rpartition(":") if ":" in image.rsplit("/", 1)[-1] else (image, "", "")
-        values["image"] = {"repository": repo, **({"tag": tag} if tag else {})}
+        values["image"] = {c: {"repository": f"{repo.rstrip('/')}/moesplit-{c}", **({"tag": tag} if tag else {})}
+                           for c in ("experts", "gpu")}
     return values
 
 

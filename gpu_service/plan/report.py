@@ -24,7 +24,7 @@ def render_table(p: "Plan") -> str:  # a gpu_service.plan.search.Plan
              f"parameters: {c['total']:,} = {c['routed']:,} routed (CPU shards) + {c['non_routed']:,} other",
              f"options: attention-weights {o.attention_weights}, embeddings {o.embeddings}, expert-format "
              f"{o.expert_format}, gpu-experts {o.gpu_experts}/layer, kv-tokens {o.kv_tokens}, "
-             f"chunk-tokens {o.chunk_tokens}, max-batch {o.max_batch}", ""]
+             f"chunk-tokens {o.chunk_tokens}, max-batch {o.max_batch}, dtype {o.dtype}", ""]
     w0 = 22
     cats = [k for k in CATEGORIES if any(k in g.items for g in p.gpus)]
     hdr = "GPU".ljust(w0) + "".join(g.device.rjust(13) for g in p.gpus)
@@ -41,7 +41,7 @@ def render_table(p: "Plan") -> str:  # a gpu_service.plan.search.Plan
     lines.append(row("used", [fmt_gib(g.used_bytes) for g in p.gpus]))
     lines.append(row("capacity", [fmt_gib(g.capacity_bytes) for g in p.gpus]))
     lines.append(row("free", [fmt_gib(g.free_bytes) for g in p.gpus]))
-    kvb = sum(kv_bytes_per_token_layer(cfg)) * cfg.num_hidden_layers
+    kvb = sum(kv_bytes_per_token_layer(cfg, o.eb)) * cfg.num_hidden_layers
     lines += ["", f"KV cache: {o.kv_tokens} tokens x {kvb:,} B/token (all layers)", "",
               f"CPU shards ({len(p.shards)}, {o.expert_format} experts):"]
     for s in p.shards:
@@ -51,6 +51,11 @@ def render_table(p: "Plan") -> str:  # a gpu_service.plan.search.Plan
     h = p.host
     cap = fmt_gib(h["capacity_bytes"]) if h["capacity_bytes"] is not None else "unchecked (no --host-ram)"
     lines.append(f"host RAM: needs {fmt_gib(h['required_bytes'])} (shards + GPU service + OS) of {cap}")
+    if h.get("host_kv_cache_bytes") is not None:
+        lines.append(f"host KV cache (prefix cache tier): {fmt_gib(h['host_kv_cache_bytes'])} = "
+                     f"{h['host_kv_cache_tokens']:,} cached tokens")
+    else:
+        lines.append("host KV cache (prefix cache tier): sized at start from free RAM (give --host-ram to plan it)")
     lines += ["", "choices:"] + [f"  - {x}" for x in p.choices]
     if p.fits:
         lines += ["", "FITS"]

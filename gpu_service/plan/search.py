@@ -32,8 +32,10 @@ from gpu_service.plan.bytes import (
     ATTENTION_WEIGHTS, CATEGORIES, DEFAULT_CHUNK_TOKENS, DEFAULT_KV_TARGET, DEFAULT_MAX_BATCH,
     DEFAULT_MIN_KV_TOKENS, EMBEDDINGS, expert_bytes, EXPERT_FORMATS, fmt_gib, GiB, gpu_modules,
     gpu_reserve, GPU_SERVICE_HOST_BYTES, HOST_OS_RESERVE_BYTES, kv_bytes_per_token_layer, KV_ROUND,
-    module_bytes, Options, param_counts, parse_size, SHARD_BASELINE_BYTES, workspace_bytes,
+    module_bytes, Options, param_counts, parse_size, SHARD_BASELINE_BYTES, workspace_bytes, dtype_bytes,
+    checkpoint_format, qlinear_scratch_bytes,
 )
+from gpu_service.plan.host_tier import host_kv_fields
 from gpu_service.plan.report import render_table
 
 
@@ -119,7 +121,7 @@ class Plan:
             "choices": list(self.choices),
             "options": {k: getattr(self.options, k) for k in self.options.__dataclass_fields__},
             "param_counts": c,
-            "kv_bytes_per_token": sum(kv_bytes_per_token_layer(self.cfg)) * self.cfg.num_hidden_layers,
+            "kv_bytes_per_token": sum(kv_bytes_per_token_layer(self.cfg, self.options.eb)) * self.cfg.num_hidden_layers,
             "fingerprint": self.cfg.fingerprint(),
         }
         if not self.fits:
@@ -140,21 +142,29 @@ class _Layout:
         L = cfg.num_hidden_layers
         self.layer_items: list[dict[str, int]] = [dict() for _ in range(L)]
         self.fixed: dict[str, int] = {}
+        self.layer_scratch = [0] * L  # the largest quantised linear's dequantisation scratch per layer
         for m in gpu_modules(cfg):
-            b = module_bytes(cfg, m, o.attention_weights)
+            b = module_bytes(cfg, m, o.attention_weights, o.eb)
             if m.layer is None:
                 self.fixed[m.name] = b
             else:
                 it = self.layer_items[m.layer]
                 it[m.category] = it.get(m.category, 0) + b
-        kv, idx = kv_bytes_per_token_layer(cfg)
-        hot = o.gpu_experts * expert_bytes(cfg, o.expert_format)
+                for lname, out, inp in m.linears:
+                    fmt = checkpoint_format(cfg, lname) if o.attention_weights == "checkpoint" else o.attention_weights
+                    self.layer_scratch[m.layer] = max(self.layer_scratch[m.layer],
+                                                      qlinear_scratch_bytes(out, inp, fmt, o.eb))
+        kv, idx = kv_bytes_per_token_layer(cfg, o.eb)
+        hot = o.gpu_experts * expert_bytes(cfg, o.expert_format, eb=o.eb)
         for i in range(L):
             self.layer_items[i]["kv_cache"] = kv * o.kv_tokens
             if idx:
                 self.layer_items[i]["index_keys"] = idx * o.kv_tokens
             if cfg.is_moe_layer(i) and hot:
                 self.layer_items[i]["gpu_experts"] = hot
+                I, H = cfg.moe_intermediate_size, cfg.hidden_size
+                self.layer_scratch[i] = max(self.layer_scratch[i], qlinear_scratch_bytes(I, H, o.expert_format, o.eb),
+                                            qlinear_scratch_bytes(H, I, o.expert_format, o.eb))
         self.layer_total = [sum(it.values()) for it in self.layer_items]
         self.prefix = [0]
         for b in self.layer_total:
@@ -170,10 +180,10 @@ class _Layout:
         self.tail = self.fixed["model.norm"] + self.fixed["lm_head"]
         self.ws_cache: dict[tuple[int, bool], int] = {}
 
-    def _ws(self, mlp_width: int, lm_head: bool) -> int:
-        k = (mlp_width, lm_head)
+    def _ws(self, mlp_width: int, lm_head: bool, scratch: int = 0) -> int:
+        k = (mlp_width, lm_head, scratch)
         if k not in self.ws_cache:
-            self.ws_cache[k] = workspace_bytes(self.cfg, self.o, mlp_width=mlp_width, lm_head=lm_head)
+            self.ws_cache[k] = workspace_bytes(self.cfg, self.o, mlp_width=mlp_width, lm_head=lm_head, scratch=scratch)
         return self.ws_cache[k]
 
     def used(self, g: int, a: int, b: int) -> int:
@@ -183,7 +193,8 @@ class _Layout:
         width = self.cfg.intermediate_size if n_dense else 0
         if n_dense < b - a:
             width = max(width, self.moe_width)
-        u = self.prefix[b] - self.prefix[a] + self._ws(width, g == G - 1) + gpu_reserve(self.caps[g])
+        scratch = max(self.layer_scratch[a:b], default=0)
+        u = self.prefix[b] - self.prefix[a] + self._ws(width, g == G - 1, scratch) + gpu_reserve(self.caps[g])
         if g == 0:
             u += self.emb
         if g == G - 1:
@@ -245,7 +256,7 @@ class _Layout:
             width = self.cfg.intermediate_size if n_dense else 0
             if n_dense < b[g + 1] - b[g]:
                 width = max(width, self.moe_width)
-            items["workspace"] = self._ws(width, g == G - 1)
+            items["workspace"] = self._ws(width, g == G - 1, max(self.layer_scratch[b[g]:b[g + 1]], default=0))
             items["reserve"] = gpu_reserve(self.caps[g])
             if not self.cfg.is_v32:
                 items.pop("indexer"), items.pop("index_keys")
@@ -306,13 +317,15 @@ def make_plan(cfg: ModelConfig, gpus: list[int | str], host_ram: int | str | Non
               chunk_tokens: int = DEFAULT_CHUNK_TOKENS, attention_weights: str = "auto",
               embeddings: str = "auto", gpu_experts: int | str = "auto", expert_format: str = "auto",
               max_batch: int = DEFAULT_MAX_BATCH, shard_split: str = "slice", model: str | None = None,
-              suggest: bool = True) -> Plan:
+              suggest: bool = True, dtype: str = "bfloat16", host_kv_cache: int | str | None = "auto") -> Plan:
     """Plan GPU and CPU memory for `cfg` on GPUs of the given total capacities (bytes or "24GiB").
 
     Options left at "auto" (and kv_tokens, a target) are searched in the documented order of
     least harm; explicit options are kept as given. When nothing fits, the returned plan has
     fits=False, the most memory-saving configuration tried, and `suggestions` of changed options
-    that do fit (each verified by re-planning)."""
+    that do fit (each verified by re-planning). `dtype` is the compute dtype (bfloat16, float16,
+    float32): the bytes per element of unquantised weights, the KV cache and the activations.
+    `host_kv_cache`: the prefix cache's host tier (gpu_service.plan.host_tier), reported in `plan.host`."""
     caps = [parse_size(g) for g in gpus]
     host = parse_size(host_ram) if host_ram is not None else None
     if not caps:
@@ -333,6 +346,7 @@ def make_plan(cfg: ModelConfig, gpus: list[int | str], host_ram: int | str | Non
         raise ValueError(f"numa_nodes must be >= 1, got {numa_nodes}")
     if chunk_tokens < 1 or max_batch < 1 or chunk_tokens < max_batch:
         raise ValueError(f"need chunk_tokens >= max_batch >= 1, got chunk_tokens={chunk_tokens} max_batch={max_batch}")
+    dtype_bytes(dtype)  # ValueError naming the choices
     if kv_tokens is not None and kv_tokens < 1:
         raise ValueError(f"kv_tokens must be positive, got {kv_tokens}")
     name = model or cfg.model_type
@@ -368,7 +382,7 @@ def make_plan(cfg: ModelConfig, gpus: list[int | str], host_ram: int | str | Non
     n_exp = 0 if gpu_experts == "auto" else gpu_experts
 
     def opts(a: str, e: str, kv: int, x: int) -> Options:
-        return Options(a, e, efmt, x, kv, chunk_tokens, max_batch)
+        return Options(a, e, efmt, x, kv, chunk_tokens, max_batch, dtype)
 
     chosen = None
     for a, e in stages:
@@ -426,13 +440,15 @@ def make_plan(cfg: ModelConfig, gpus: list[int | str], host_ram: int | str | Non
     o = opts(a, e, kv, n_exp)
     layout = _Layout(cfg, o, caps)
     shards = shard_plans(cfg, efmt, numa_nodes, chunk_tokens, shard_split)
-    plan = Plan(name, cfg, o, layout.gpu_plans(), shards, host_summary(cfg, shards, e, host), choices)
+    host_d = host_summary(cfg, shards, e, host)
+    host_d.update(host_kv_fields(cfg, host_d, host_kv_cache))
+    plan = Plan(name, cfg, o, layout.gpu_plans(), shards, host_d, choices)
     if not plan.fits and suggest:
         plan.suggestions = _suggestions(cfg, dict(gpus=caps, host_ram=host, numa_nodes=numa_nodes, kv_tokens=kv_tokens,
                                                   min_kv_tokens=min_kv_tokens, chunk_tokens=chunk_tokens,
                                                   attention_weights=attention_weights, embeddings=embeddings,
                                                   gpu_experts=gpu_experts, expert_format=expert_format,
-                                                  max_batch=max_batch, shard_split=shard_split), plan)
+                                                  max_batch=max_batch, shard_split=shard_split, dtype=dtype), plan)
     return plan
 
 

@@ -11,7 +11,10 @@ tokens in all (chunked prefill mixed with decode). KV lives in the runner's page
   its pages are freed and it goes back to the head of the queue, to be re-prefilled from
   prompt + generated tokens later (recompute);
 - a request that can never fit (prompt + max_tokens larger than the pool or the context) is
-  refused at `submit` with a `RequestError`, so nothing ever runs out of memory mid-step.
+  refused at `submit` with a `RequestError`, so nothing ever runs out of memory mid-step;
+- with the runner's prefix cache (gpu_service.model.prefix_cache), admission first takes the
+  longest cached prefix of the prompt (per `cache_salt`) and prefills only the rest; pages are
+  inserted as they fill, and cached pages are evicted (LRU) only when a reservation needs them.
 
 Sampling uses gpu_service.sampling with one generator per request, so a seeded request gives the
 same tokens whatever it is batched with. The model computes attention per chunk, so batching
@@ -25,180 +28,37 @@ changes numerics only by float reassociation (greedy tokens identical alone or b
 """
 from __future__ import annotations
 
-import asyncio
 import collections
 import itertools
 import logging
 import threading
-import time
 import traceback
-from dataclasses import dataclass, field
 
-import torch
-
-from gpu_service.model.kv import Chunk, PoolExhausted, SeqKV
-from gpu_service.runtime.sampling import sample, SamplingParams
+from gpu_service.model.kv import Chunk, PoolExhausted
+from gpu_service.model.prefix_cache import check_pool
+from gpu_service.runtime.grammar import compiler_for
+from gpu_service.runtime.logits import choose_tokens, prompt_logprobs, TokenLogprob
+from gpu_service.runtime.requests import (
+    _Request, EngineStopped, Output, QueueFull, RequestError, RequestHandle,
+)
+from gpu_service.runtime.sampling import SamplingParams
 
 log = logging.getLogger("moesplit.engine")
 
-FINISH_REASONS = ("stop", "length", "cancelled", "error")
-
-
-class RequestError(ValueError):
-    """A request the engine will never serve as given; `param`/`code` name what to fix."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.param = param
-        self.code = code
-
-
-class EngineStopped(RuntimeError):
-    """The engine is shutting down and takes no new requests."""
-
-
-@dataclass
-class Output:
-    """What a request produced since the previous Output. `finish_reason` is set on the last one:
-    "stop" (EOS or a stop string), "length" (max_tokens), "cancelled", or "error" (see `error`)."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None
-    error: str | None = None
-    unavailable: bool = False  # an "error" because a backend (expert shard) is unavailable: retry later
-
-
-class RequestHandle:
-    """The caller's side of one request: iterate (sync or async) over `Output`s, or `cancel()`.
-
-    Thread-safe: the scheduler pushes, any thread or event loop consumes."""
-
-    def __init__(self, rid: str, prompt_tokens: int, max_tokens: int, wake):
-        self.id = rid
-        self.prompt_tokens = prompt_tokens
-        self.max_tokens = max_tokens
-        self.completion_tokens = 0
-        self.finish_reason: str | None = None
-        self.error: str | None = None
-        self.unavailable = False  # the error was an unavailable expert shard (HTTP 503 / gRPC UNAVAILABLE)
-        self._wake = wake
-        self._cond = threading.Condition()
-        self._events: collections.deque[Output] = collections.deque()
-        self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
-        self._cancel = threading.Event()
-
-    # ---- consumer side ------------------------------------------------------------------------
-    def cancel(self) -> None:
-        """Ask the engine to drop this request; its KV pages are freed at the next step boundary."""
-        if self.finish_reason is None and not self._cancel.is_set():
-            self._cancel.set()
-            self._wake()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancel.is_set()
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-    def get(self, timeout: float | None = None) -> Output:
-        """The next Output (blocking); raises TimeoutError after `timeout` seconds."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._events, timeout):
-                raise TimeoutError(f"request {self.id}: no output within {timeout}s")
-            return self._events.popleft()
-
-    def __iter__(self):
-        while True:
-            out = self.get()
-            yield out
-            if out.finish_reason is not None:
-                return
-
-    async def __aiter__(self):
-        loop = asyncio.get_running_loop()
-        while True:
-            with self._cond:
-                if self._events:
-                    out, fut = self._events.popleft(), None
-                else:
-                    out, fut = None, loop.create_future()
-                    self._waiter = (loop, fut)
-            if fut is not None:
-                await fut
-                continue
-            yield out
-            if out.finish_reason is not None:
-                return
-
-    def result(self, timeout: float | None = None) -> tuple[list[int], str, str]:
-        """Block until done: (token_ids, text, finish_reason)."""
-        ids, text = [], []
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            out = self.get(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            ids += out.token_ids
-            text.append(out.text)
-            if out.finish_reason is not None:
-                return ids, "".join(text), out.finish_reason
-
-    # ---- engine side --------------------------------------------------------------------------
-    def _push(self, out: Output) -> None:
-        with self._cond:
-            self.completion_tokens += len(out.token_ids)
-            if out.finish_reason is not None:
-                self.finish_reason, self.error, self.unavailable = out.finish_reason, out.error, out.unavailable
-            self._events.append(out)
-            self._cond.notify_all()
-            waiter, self._waiter = self._waiter, None
-        if waiter is not None:
-            loop, fut = waiter
-            try:
-                loop.call_soon_threadsafe(_resolve, fut)
-            except RuntimeError:  # the consumer's loop is closed: nobody is listening
-                pass
-
-
-def _resolve(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
-@dataclass
-class _Request:
-    handle: RequestHandle
-    prompt_len: int
-    tokens: list[int]  # prompt + generated; KV exists for tokens[:seq.length]
-    params: SamplingParams
-    gen: torch.Generator | None
-    max_tokens: int
-    stop: tuple[str, ...]
-    ignore_eos: bool
-    seq: SeqKV
-    arrival: float = field(default_factory=time.monotonic)
-    # incremental detokenisation (prefix/read offsets into the generated ids) and stop handling
-    prefix_offset: int = 0
-    read_offset: int = 0
-    text: str = ""
-    sent_chars: int = 0
-
-    @property
-    def out(self) -> list[int]:
-        return self.tokens[self.prompt_len:]
-
-    @property
-    def remaining(self) -> int:
-        """Tokens still to feed before the next sample (1 = a decode)."""
-        return len(self.tokens) - self.seq.length
-
 
 class Engine:
-    """Continuous batching over a `ModelRunner` (see the module docstring)."""
+    """Continuous batching over a `ModelRunner` (see the module docstring).
+
+    Limits every API gets (checked in `submit`, before any work): at most `max_waiting` requests
+    queued (QueueFull beyond), at most MAX_STOP stop strings of MAX_STOP_CHARS characters, and a
+    completion of at most `max_new_tokens` (also the default when max_tokens is omitted)."""
+
+    MAX_STOP = 16
+    MAX_STOP_CHARS = 256
 
     def __init__(self, runner, tokenizer=None, max_batch: int = 16, chunk_tokens: int = 512,
-                 eos_token_ids: tuple[int, ...] | None = None, max_context: int | None = None):
+                 eos_token_ids: tuple[int, ...] | None = None, max_context: int | None = None,
+                 max_waiting: int = 256, max_new_tokens: int = 8192, check_pool: bool = False):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if chunk_tokens < 1:
@@ -210,7 +70,13 @@ class Engine:
         self.chunk_tokens = chunk_tokens
         self.eos = frozenset(self.cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.max_context = int(max_context or self.cfg.max_position_embeddings)
+        if max_waiting < 1 or max_new_tokens < 1:
+            raise ValueError(f"max_waiting and max_new_tokens must be >= 1, got {max_waiting}, {max_new_tokens}")
+        self.max_waiting = int(max_waiting)
+        self.max_new_tokens = int(max_new_tokens)
         self.pool = runner.pool
+        self.prefix = getattr(runner, "prefix_cache", None)  # PrefixCache or None (--no-prefix-cache)
+        self.check_pool = check_pool  # test mode: assert the pool's invariants after every step
         self.pool_tokens = self.pool.num_pages * self.pool.page_size
         self._inbox: collections.deque[_Request] = collections.deque()
         self._lock = threading.Lock()
@@ -221,8 +87,10 @@ class Engine:
         self.waiting: collections.deque[_Request] = collections.deque()
         self.running: list[_Request] = []
         self.counters = dict(peak_running=0, requests=0, finished=0, cancelled=0, errors=0, preempted=0, steps=0,
-                             prompt_tokens=0, generated_tokens=0, step_tokens=0)
+                             prompt_tokens=0, generated_tokens=0, step_tokens=0, prefill_tokens_computed=0,
+                             structured_requests=0, cached_tokens=0)
         self.last_error: str | None = None
+        self.grammars = compiler_for(tokenizer, self.cfg)  # GrammarCompiler (structured outputs) or None
         self.observer = None  # metrics hooks (gpu_service.metrics.EngineObserver): submit/admit/token/finish/preempt
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -239,6 +107,8 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
         self._abort_all("cancelled", None)
+        if self.grammars is not None:
+            self.grammars.close()
 
     @property
     def alive(self) -> bool:
@@ -254,12 +124,27 @@ class Engine:
         return min(self.max_context, self.pool_tokens)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, max_tokens: int | None = None,
-               stop: list[str] | tuple[str, ...] = (), ignore_eos: bool = False) -> RequestHandle:
-        """Queue a request. `max_tokens=None` means up to the context (or pool) size.
+               stop: list[str] | tuple[str, ...] = (), ignore_eos: bool = False, grammar=None,
+               prompt_logprobs: int | None = None, _leader: _Request | None = None,
+               cache_salt: str | None = None) -> RequestHandle:
+        """Queue a request. `max_tokens=None` means up to `max_new_tokens` (within the context / pool).
+        Requests share cached prefixes only with requests of the same `cache_salt`.
 
-        Raises RequestError for a request that can never be served, EngineStopped when stopping."""
+        `grammar`: a gpu_service.runtime.grammar.CompiledGrammar the output must match (compile it
+        first, off this thread: `GrammarCompiler.compile(spec)`); its end stops the request.
+        `prompt_logprobs=k`: report each prompt token's logprob (and top k) in the first Output;
+        then `max_tokens=0` is allowed (score the prompt only, finish "length").
+        Raises RequestError for a request that can never be served, QueueFull when `max_waiting`
+        requests wait already, EngineStopped when stopping."""
         if self._stopping:
             raise EngineStopped("the engine is shutting down")
+        stop = tuple(stop or ())
+        if len(stop) > self.MAX_STOP or any(isinstance(s, str) and len(s) > self.MAX_STOP_CHARS for s in stop):
+            raise RequestError(f"at most {self.MAX_STOP} stop strings of at most {self.MAX_STOP_CHARS} characters "
+                               f"each, got {len(stop)} (longest {max((len(s) for s in stop if isinstance(s, str)), default=0)})",
+                               "stop")
+        if len(self.waiting) + len(self._inbox) >= self.max_waiting:
+            raise QueueFull(f"{self.max_waiting} requests are waiting already (--max-waiting); retry shortly")
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise RequestError("empty prompt: give at least one token", "prompt")
@@ -274,32 +159,89 @@ class Engine:
                 f"the prompt has {n} tokens but the {where} is {limit} tokens; shorten the prompt",
                 "messages", "context_length_exceeded")
         if max_tokens is None:
-            max_tokens = limit - n
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise RequestError(f"max_tokens must be an integer >= 1, got {max_tokens!r}", "max_tokens")
+            max_tokens = min(limit - n, self.max_new_tokens)
+        least = 0 if prompt_logprobs is not None else 1
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < least:
+            raise RequestError(f"max_tokens must be an integer >= {least}, got {max_tokens!r}", "max_tokens")
+        if max_tokens > self.max_new_tokens:
+            raise RequestError(f"max_tokens {max_tokens} is over this server's limit of {self.max_new_tokens} "
+                               f"(--max-new-tokens); lower it", "max_tokens")
         if n + max_tokens > limit:
             raise RequestError(
                 f"this request needs {n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion) "
                 f"but the {where} is {limit} tokens; lower max_tokens to at most {limit - n}",
                 "max_tokens", "context_length_exceeded")
-        stop = tuple(stop or ())
         if any(not isinstance(s, str) or not s for s in stop):
             raise RequestError("stop strings must be non-empty strings", "stop")
         if stop and self.tokenizer is None:
             raise RequestError("stop strings need the checkpoint's tokenizer.json", "stop")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise RequestError(f"cache_salt must be a string, got {cache_salt!r}", "cache_salt")
         params = params or SamplingParams()
+        bad = next((t for t in params.stop_token_ids + tuple(t for t, _ in params.logit_bias) if not 0 <= t < V), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} out of range: ids must be in [0, {V})",
+                               "stop_token_ids" if bad in params.stop_token_ids else "logit_bias")
+        if grammar is not None and getattr(grammar, "vocab_key", None) is None:
+            raise RequestError("grammar must be a CompiledGrammar (GrammarCompiler.compile(spec).result())",
+                               "response_format")
         rid = f"req-{next(self._ids)}"
         handle = RequestHandle(rid, n, max_tokens, self._wake)
-        req = _Request(handle, n, list(prompt_ids), params, params.generator(), max_tokens, stop, ignore_eos,
-                       self.runner.new_seq())
+        handle._request = req = _Request(handle, n, list(prompt_ids), params, params.generator(), max_tokens, stop, ignore_eos,
+                       self.runner.new_seq(), grammar.matcher() if grammar is not None else None,
+                       tuple(sorted(self.eos | set(params.stop_token_ids))), prompt_logprobs,
+                       salt=cache_salt or None)
         if self.observer is not None:
             self.observer.submit(handle)
         with self._lock:
-            self._inbox.append(req)
+            if _leader is not None:
+                _leader.followers.append(req)
+            else:
+                self._inbox.append(req)
             self.counters["requests"] += 1
+            self.counters["structured_requests"] += grammar is not None
             self.counters["prompt_tokens"] += n
         self._wake()
         return handle
+
+    def submit_n(self, prompt_ids: list[int], params: list[SamplingParams], **kw) -> list[RequestHandle]:
+        """len(params) requests on one prompt (OpenAI's `n`): the first prefills it; when it has, the
+        others copy its KV pages for all but the last prompt token and compute only that one (their
+        own first logits), so the prompt is prefilled once. A choice that cannot fork then (pool or
+        batch full, the first choice cancelled) is prefilled on its own: same tokens, more work."""
+        hs = [self.submit(prompt_ids, params[0], **kw)]
+        try:
+            for p in params[1:]:
+                hs.append(self.submit(prompt_ids, p, _leader=hs[0]._request, **kw))
+        except BaseException:
+            for h in hs:
+                h.cancel()
+            raise
+        return hs
+
+    def _fork(self, r: _Request) -> None:
+        """r's prompt KV is complete: start its followers from a copy of it (see submit_n)."""
+        followers, r.followers = r.followers, []
+        n = r.prompt_len - 1
+        for f in followers:
+            if f.handle.cancelled:
+                self._finish(f, "cancelled")
+                continue
+            try:
+                if len(self.running) >= self.max_batch or n < 1:
+                    raise PoolExhausted("batch full")
+                if self.prefix is not None:  # share r's full pages (committed by now), copy the rest
+                    self.prefix.attach(f.seq, f.tokens, f.salt)
+                f.seq.reserve(r.prompt_len + 1)
+            except PoolExhausted:
+                f.seq.free()
+                self.waiting.appendleft(f)  # prefilled on its own
+                continue
+            self.runner.copy_prefix(r.seq, f.seq, n, start=f.seq.length)
+            f.prompt_lps = list(r.prompt_lps)
+            self.running.append(f)
+            if self.observer is not None:
+                self.observer.admit(f.handle)
 
     # ---- stats --------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -311,10 +253,13 @@ class Engine:
             "pool_pages_total": p.num_pages,
             "pool_pages_in_use": p.pages_in_use,
             "pool_page_size": p.page_size,
-            "pool_usage": p.pages_in_use / p.num_pages if p.num_pages else 0.0,
+            # held by requests; unreferenced prefix-cache pages are reclaimable, so they count as free here
+            "pool_usage": (p.pages_in_use - p.cached_pages) / p.num_pages if p.num_pages else 0.0,
             "max_batch": self.max_batch,
             "chunk_tokens": self.chunk_tokens,
+            "pool_pages_cached": p.cached_pages,
             **self.counters,
+            **({"prefix_" + k: v for k, v in self.prefix.stats.items()} if self.prefix is not None else {}),
         }
 
     # ---- scheduler ----------------------------------------------------------------------------
@@ -330,6 +275,14 @@ class Engine:
                 self._wake_ev.wait()
                 continue
             self._run(batch)
+            if self.check_pool:
+                try:
+                    self._check_pool()
+                except AssertionError as e:  # test mode: fail every request loudly, stop serving
+                    self.last_error = f"KV pool invariant broken: {e}"
+                    log.error("%s", self.last_error)
+                    self._stopping = True
+                    self._abort_all("error", self.last_error)
 
     def _reap_cancelled(self) -> None:
         for r in [r for r in self.running if r.handle.cancelled]:
@@ -376,11 +329,20 @@ class Engine:
         # 3. admit new requests while the budget, the batch size and the pool allow
         while self.waiting and budget > 0 and len(self.running) < self.max_batch:
             r = self.waiting[0]
+            # (a request that reports prompt logprobs computes its whole prompt)
+            hit = self.prefix.attach(r.seq, r.tokens, r.salt) if self.prefix is not None and r.prompt_lp is None \
+                else (0, 0)
             try:
                 r.seq.reserve(len(r.tokens) + 1)
             except PoolExhausted:
+                r.seq.free()  # the prefix it took stays cached
                 break  # wait until a request finishes (FIFO: no overtaking)
             self.waiting.popleft()
+            if self.prefix is not None and not r.looked_up:  # counted once (not again after a preemption)
+                r.looked_up = True
+                r.handle.cached_tokens = r.seq.length
+                self.counters["cached_tokens"] += r.seq.length
+                self.prefix.note_query(r.prompt_len, *hit)
             self.running.append(r)
             if self.observer is not None:
                 self.observer.admit(r.handle)
@@ -395,8 +357,11 @@ class Engine:
         for r, start, n in batch:
             ids += r.tokens[start:start + n]
             chunks.append(Chunk(r.seq, start, n))
+            if start < r.prompt_len:
+                self.counters["prefill_tokens_computed"] += min(n, r.prompt_len - start)
+        every = any(r.prompt_lp is not None and start < r.prompt_len for r, start, _ in batch)
         try:
-            logits = self.runner.step(ids, chunks)  # [len(chunks), V]
+            logits = self.runner.step(ids, chunks, all_logits=every)  # [len(chunks), V] ([len(ids), V] with every)
         except Exception as e:  # noqa: BLE001 - fail this batch's requests, keep serving
             unavailable = bool(getattr(e, "unavailable", False))  # e.g. ShardError: no replica of a shard left
             msg = f"model step failed: {type(e).__name__}: {e}"
@@ -413,23 +378,38 @@ class Engine:
         self.counters["steps"] += 1
         self.counters["peak_running"] = max(self.counters["peak_running"], len(self.running))
         self.counters["step_tokens"] += len(ids)
-        # one device->host copy for every greedy row (sample() would sync once per request)
-        greedy = logits.argmax(-1).tolist() if any(r.params.greedy for r, _, _ in batch) else None
-        for j, (r, start, n) in enumerate(batch):
-            if start + n < len(r.tokens):
-                continue  # a prefill chunk short of the prompt's end: nothing to sample yet
-            tok = greedy[j] if r.params.greedy else sample(logits[j], r.params, r.gen)
+        if self.prefix is not None:
+            for r, _, _ in batch:
+                self.prefix.commit(r.seq, r.tokens)  # pages filled by this step
+        if every:  # rows of every token: keep the prompt logprobs asked for, then the chunks' last rows
+            ends = list(itertools.accumulate(n for _, _, n in batch))
+            for (r, start, n), end in zip(batch, ends):
+                if r.prompt_lp is not None and start < r.prompt_len:
+                    upto = min(start + n, r.prompt_len) - 1  # row t predicts token t + 1
+                    if upto > start:
+                        r.prompt_lps += prompt_logprobs(logits[end - n:end - n + upto - start],
+                                                        r.tokens[start + 1:upto + 1], r.prompt_lp)
+            logits = logits[[e - 1 for e in ends]]
+        rows = [j for j, (r, start, n) in enumerate(batch) if start + n >= len(r.tokens)]  # the rest: mid-prompt
+        for j in rows:
+            if batch[j][0].followers and len(batch[j][0].out) == 0:
+                self._fork(batch[j][0])
+        picks = choose_tokens(logits if len(rows) == len(batch) else logits[rows], [batch[j][0] for j in rows])
+        for j, (tok, lp) in zip(rows, picks):
+            r = batch[j][0]
+            if r.max_tokens == 0:  # scoring the prompt only (echo with max_tokens 0)
+                self._emit(r, None, None)
+                continue
             r.tokens.append(tok)
             self.counters["generated_tokens"] += 1
             if self.observer is not None:
                 self.observer.token(r.handle)
-            self._emit(r, tok)
+            self._emit(r, tok, lp)
 
     # ---- outputs ------------------------------------------------------------------------------
-    def _detok(self, r: _Request) -> str:
+    def _detok(self, r: _Request, out: list[int]) -> str:
         """New text of the generated ids (prefix/read-offset incremental decoding: only complete
         characters are returned, so multi-byte characters split across tokens come out whole)."""
-        out = r.out
         prefix = self.tokenizer.decode(out[r.prefix_offset:r.read_offset])
         new = self.tokenizer.decode(out[r.prefix_offset:])
         if len(new) > len(prefix) and not new.endswith("\ufffd"):
@@ -437,19 +417,28 @@ class Engine:
             return new[len(prefix):]
         return ""
 
-    def _emit(self, r: _Request, tok: int) -> None:
-        finish = None
-        if tok in self.eos and not r.ignore_eos:
+    def _emit(self, r: _Request, tok: int | None, lp: TokenLogprob | None = None) -> None:
+        finish, error, hide = None, None, False
+        if tok is None:
+            finish = "length"
+        elif r.matcher is not None and not r.matcher.accept(tok):
+            finish, error = "error", f"grammar: token {tok} rejected: {r.matcher.error}"
+        elif tok in self.eos and not r.ignore_eos:
             finish = "stop"
+        elif tok in r.params.stop_token_ids:
+            finish, hide = "stop", True  # like EOS: its text is not part of the output
+        elif r.matcher is not None and r.matcher.stopped:
+            finish = "stop"  # the grammar is complete and cannot continue
         elif len(r.out) >= r.max_tokens:
             finish = "length"
         text = ""
+        out = r.out[:-1] if hide else r.out
         if self.tokenizer is not None:
             before = len(r.text)
-            r.text += self._detok(r)
-            if finish is not None and r.read_offset < len(r.out):  # flush an incomplete tail
-                tail = self.tokenizer.decode(r.out[r.prefix_offset:])
-                r.text += tail[len(self.tokenizer.decode(r.out[r.prefix_offset:r.read_offset])):]
+            r.text += self._detok(r, out)
+            if finish is not None and r.read_offset < len(out):  # flush an incomplete tail
+                tail = self.tokenizer.decode(out[r.prefix_offset:])
+                r.text += tail[len(self.tokenizer.decode(out[r.prefix_offset:r.read_offset])):]
             if r.stop:
                 longest = max(len(s) for s in r.stop)
                 lo = max(0, before - longest + 1)
@@ -462,23 +451,35 @@ class Engine:
                 hold = 0
             end = max(r.sent_chars, len(r.text) - hold)
             text, r.sent_chars = r.text[r.sent_chars:end], end
+        ids = [] if tok is None else [tok]
+        lps = [lp] if lp is not None else None
+        plp = None
+        if r.prompt_lp is not None:  # once: a preempted request's recompute does not report them again
+            plp, r.prompt_lps, r.prompt_lp = r.prompt_lps, [], None
         if finish is None:
-            r.handle._push(Output([tok], text))
+            r.handle._push(Output(ids, text, logprobs=lps, prompt_logprobs=plp))
             return
         self.running.remove(r)
         r.seq.free()
-        self.counters["finished"] += 1
-        r.handle._push(Output([tok], text, finish))
+        self.counters["finished" if finish != "error" else "errors"] += 1
+        r.handle._push(Output(ids, text, finish, error, logprobs=lps, prompt_logprobs=plp))
         if self.observer is not None:
             self.observer.finish(r.handle, finish)
 
     def _finish(self, r: _Request, reason: str, error: str | None = None, unavailable: bool = False) -> None:
         """End a request without a new token (cancelled, error, shutdown) and free its pages."""
+        followers, r.followers = r.followers, []  # not forked yet: end them too, or queue them on their own
+        for f in reversed(followers):
+            self._finish(f, reason, error) if self._stopping else self.waiting.appendleft(f)
         r.seq.free()
         self.counters["cancelled" if reason == "cancelled" else "errors"] += 1
         r.handle._push(Output([], "", reason, error, unavailable))
         if self.observer is not None:
             self.observer.finish(r.handle, reason)
+
+    def _check_pool(self) -> None:
+        """Test mode: every page free, private to one live request, or cached; references match."""
+        check_pool(self.pool, self.prefix, [r.seq for r in self.running + list(self.waiting)])
 
     def _abort_all(self, reason: str, error: str | None) -> None:
         with self._lock:

@@ -17,6 +17,7 @@ import torch
 from checkpoint.config import ModelConfig
 from gpu_service.model.kv import Chunk, KVPool, SeqKV
 from gpu_service.model.deepseek import build_model, DeepseekV3
+from gpu_service.model.prefix_cache import make_prefix_cache
 from gpu_service.model.placement import Placement
 from gpu_service.runtime.sampling import sample, SamplingParams
 
@@ -119,7 +120,8 @@ def verify_gpu_weights(reader) -> int:
 
 class ModelRunner:
     def __init__(self, reader, experts, device: torch.device | None = None, dtype: torch.dtype | None = None,
-                 kv_tokens: int = 4096, page_size: int = 64, placement: Placement | None = None):
+                 kv_tokens: int = 4096, page_size: int = 64, placement: Placement | None = None,
+                 prefix_cache: bool = True, host_kv_bytes: int = 0):
         self.cfg: ModelConfig = reader.config
         self.device = device or (placement.devices[0] if placement else default_device())
         self.dtype = dtype or default_dtype(self.device)
@@ -134,9 +136,13 @@ class ModelRunner:
             linear_format=self.placement.linear_format, get_stored=reader.get_stored,
             hot_experts=self.placement.hot_experts)
         self.load_s = time.perf_counter() - t0
+        for blk in self.model.model.layers:  # the key block the plan's workspace assumes
+            blk.self_attn.key_block = self.placement.key_block
         self.page_size = page_size
         self.pool = KVPool(self.cfg, -(-self.placement.kv_tokens // page_size), page_size, self.dtype,
                            self.placement.layer_devices)
+        # prefix sharing (the engine looks prompts up and inserts pages); host_kv_bytes: its host tier
+        self.prefix_cache = make_prefix_cache(self.pool, host_kv_bytes) if prefix_cache else None
         self.set_decode_path(os.environ.get("MOESPLIT_DECODE_PATH", "fast"))
 
     DECODE_PATHS = ("fast", "plain")
@@ -153,17 +159,27 @@ class ModelRunner:
     def new_seq(self) -> SeqKV:
         return SeqKV(self.pool)
 
+    def copy_prefix(self, src: SeqKV, dst: SeqKV, n: int, start: int = 0) -> None:
+        """Copy the KV of src's tokens [start, n) into dst (pages already reserved; dst already has
+        [0, start), e.g. shared prefix-cache pages); dst.length = n. (n choices of one prompt: the
+        prompt is prefilled once.)"""
+        s, d = src.slots(start, n, torch.device("cpu")), dst.slots(start, n, torch.device("cpu"))
+        for t in self.pool.kv + (self.pool.index_k or []):
+            t.index_copy_(0, d.to(t.device), t.index_select(0, s.to(t.device)))
+        dst.length = n
+
     def step(self, input_ids: list[int], chunks: list[Chunk], all_logits: bool = False) -> torch.Tensor:
         ids = torch.tensor(input_ids, dtype=torch.long)
         return self.model(ids, chunks, self.pool, self.experts, all_logits=all_logits)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
-                 stop_ids: tuple[int, ...] = (), chunk_tokens: int = 2048) -> GenerationResult:
+                 stop_ids: tuple[int, ...] = (), chunk_tokens: int | None = None) -> GenerationResult:
         if not prompt_ids:
             raise ValueError("empty prompt: give at least one token")
         if any(not 0 <= t < self.cfg.vocab_size for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
         sampling = sampling or SamplingParams()
+        chunk_tokens = chunk_tokens or self.placement.chunk_tokens  # the plan's prefill chunk
         gen = sampling.generator()
         seq = self.new_seq()
         out: list[int] = []

@@ -1,4 +1,11 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with a per-request seeded generator."""
+"""Token sampling: greedy, temperature, top-k, top-p, with a per-request seeded generator.
+
+`SamplingParams` also carries what gpu_service.runtime.logits applies to a row's logits before
+sampling (OpenAI / vLLM definitions, in this order): `logit_bias` added; EOS and `stop_token_ids`
+banned while fewer than `min_tokens` are generated; `repetition_penalty` (prompt + output tokens:
+a positive logit divided by it, a negative one multiplied); `frequency_penalty` x count and
+`presence_penalty` x (count > 0) subtracted (output tokens); the grammar's mask. `logprobs` (None
+= off, else the number of top alternatives, 0..20) are reported from the raw logits."""
 from __future__ import annotations
 
 import math
@@ -13,6 +20,13 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # None = off; k = the chosen token's logprob and the top k
 
     def __post_init__(self):
         if not (math.isfinite(self.temperature) and self.temperature >= 0):  # NaN would pass a plain `< 0`
@@ -23,6 +37,24 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and -2 <= v <= 2):
+                raise ValueError(f"{name} must be in [-2, 2], got {v}")
+        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 2):
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if any(not (math.isfinite(b) and -100 <= b <= 100) for _, b in self.logit_bias):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs (top_logprobs) must be in [0, 20], got {self.logprobs}")
+
+    @property
+    def processed(self) -> bool:
+        """Whether the logits are changed before sampling (bias, min_tokens, penalties)."""
+        return bool(self.logit_bias or self.min_tokens or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:

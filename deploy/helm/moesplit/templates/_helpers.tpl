@@ -36,9 +36,11 @@ app.kubernetes.io/instance: {{ .ctx.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
+{{/* Image of one component; pass {"ctx": $, "which": "experts"|"gpu"} (scripts/build_images.sh builds both). */}}
 {{- define "moesplit.image" -}}
-{{- $repo := required "image.repository is required (an image with the `moesplit` entry point)" .Values.image.repository }}
-{{- printf "%s:%s" $repo (default .Chart.AppVersion .Values.image.tag) }}
+{{- $img := index .ctx.Values.image .which }}
+{{- $repo := required (printf "image.%s.repository is required (an image with the `moesplit` entry point)" .which) $img.repository }}
+{{- printf "%s:%s" $repo (default .ctx.Chart.AppVersion $img.tag) }}
 {{- end }}
 
 {{- define "moesplit.gpuName" -}}
@@ -158,5 +160,31 @@ app.kubernetes.io/component: {{ .component }}
 {{- list | toJson }}
 {{- else }}
 {{- fail (printf "experts.kernelIsa must be amx, avx512, avx2 or auto, not %q" $isa) }}
+{{- end }}
+{{- end }}
+
+{{/* securityContext of a pod / a container (values podSecurityContext / containerSecurityContext). */}}
+{{- define "moesplit.podSecurityContext" -}}
+{{- with .Values.podSecurityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{- define "moesplit.containerSecurityContext" -}}
+{{- with .Values.containerSecurityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* The API key from apiKey.secretName as MOESPLIT_API_KEY (an env entry; empty without a Secret). */}}
+{{- define "moesplit.apiKeyEnv" -}}
+{{- if .Values.apiKey.secretName }}
+- name: MOESPLIT_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.apiKey.secretName }}
+      key: {{ .Values.apiKey.key }}
 {{- end }}
 {{- end }}

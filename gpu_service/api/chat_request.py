@@ -1,0 +1,220 @@
+"""A `/v1/chat/completions` (or gRPC chat) request -> prompt ids + the parsers of its output.
+
+Validates, each failure an APIError (400) naming the field: `messages` (roles; assistant
+`tool_calls`, `reasoning_content`; `tool` messages need `tool_call_id`), `tools` (functions whose
+`parameters` must be a JSON schema), `tool_choice` (`auto`, `none`, `required`, or a named
+function among `tools`), `parallel_tool_calls`, `chat_template_kwargs` (template variables, e.g.
+`{"thinking": true}`); the legacy `functions` / `function_call` are refused with the new names.
+
+`tool_choice`:
+- `auto`: tools rendered in the prompt, the model's calls parsed;
+- `none`: tools left out of the prompt, nothing parsed as a call;
+- `required` / named: the prompt is extended with the opening of a call in the model's native
+  syntax (of the named function, or up to the name for `required`), and the plan carries a
+  grammar (gpu_service.api.tool_grammar) for the rest: a listed name, arguments valid for its
+  schema, the closing markers. The text goes through the same tool-call parser. Without a grammar
+  engine for the vocabulary the prefix alone still forces the call and its name, not the
+  arguments' shape.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpu_service.api.errors import APIError, check_prompt_chars
+from gpu_service.api.parsers import OutputParser, ChatStream, reasoning_parser_for, tool_parser_for
+from gpu_service.api.tool_grammar import tool_call_grammar
+
+ROLES = ("system", "user", "assistant", "developer", "tool")
+RESERVED_KWARGS = ("messages", "tools", "add_generation_prompt", "documents")
+
+
+@dataclass
+class ChatSettings:
+    """Server-wide choices (`--tool-call-parser`, `--reasoning-parser`); "auto" picks by model."""
+
+    tool_parser: str = "auto"
+    reasoning_parser: str = "auto"
+
+
+@dataclass
+class ChatPlan:
+    ids: list[int]
+    prompt: str
+    parser: OutputParser
+    tool_choice: str | dict
+    grammar: object = None  # GrammarSpec forcing the call (tool_choice required / named), else None
+
+    def stream(self) -> ChatStream:
+        return ChatStream(self.parser)
+
+
+def _text(content, where: str, allow_none: bool = False) -> str:
+    if content is None:
+        if allow_none:
+            return ""
+        raise APIError(400, f"{where} is required", param=where)
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        parts = []
+        for p in content:
+            if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
+                raise APIError(400, f"{where}: only text parts are supported", param=where)
+            parts.append(p["text"])
+        return "".join(parts)
+    raise APIError(400, f"{where} must be a string or an array of text parts", param=where)
+
+
+def _tool_calls(calls, i: int) -> list[dict]:
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise APIError(400, f"{where} must be an array", param=where)
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise APIError(400, f"{where}[{j}].function.name is required", param=f"{where}[{j}].function.name")
+        args = fn.get("arguments", "{}")
+        if not isinstance(args, (str, dict)):
+            raise APIError(400, f"{where}[{j}].function.arguments must be a JSON string",
+                           param=f"{where}[{j}].function.arguments")
+        call = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        if c.get("id") is not None:
+            call["id"] = str(c["id"])
+        out.append(call)
+    return out
+
+
+def normalize_messages(messages, keep_developer: bool = False) -> list[dict]:
+    """OpenAI messages -> the plain dicts templates read (content as text, tool fields kept)."""
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "'messages' must be a non-empty array of {role, content} objects", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise APIError(400, f"messages[{i}] must be an object with a 'role' and 'content'", param="messages")
+        role = m["role"]
+        if role not in ROLES:
+            raise APIError(400, f"messages[{i}].role {role!r} is not one of {', '.join(ROLES)}", param="messages")
+        msg: dict = {"role": "system" if role == "developer" and not keep_developer else role}
+        msg["content"] = _text(m.get("content"), f"messages[{i}].content",
+                               allow_none=role == "assistant" or role == "system")
+        if isinstance(m.get("name"), str) and m["name"]:
+            msg["name"] = m["name"]
+        if role == "assistant":
+            if m.get("tool_calls"):
+                msg["tool_calls"] = _tool_calls(m["tool_calls"], i)
+            for k in ("reasoning_content", "reasoning"):
+                if m.get(k) is not None:
+                    msg["reasoning_content"] = _text(m[k], f"messages[{i}].{k}")
+        if role == "tool":
+            tcid = m.get("tool_call_id")
+            if not isinstance(tcid, str) or not tcid:
+                raise APIError(400, f"messages[{i}]: a 'tool' message needs 'tool_call_id', the id of the call "
+                                    "it answers", param=f"messages[{i}].tool_call_id")
+            msg["tool_call_id"] = tcid
+        out.append(msg)
+    return out
+
+
+def _check_schema(schema, where: str) -> None:
+    if not isinstance(schema, dict):
+        raise APIError(400, f"{where} must be a JSON schema object", param=where)
+    try:
+        import jsonschema
+    except ImportError:  # the shape check above is all we can do
+        return
+    try:
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        raise APIError(400, f"{where} is not a valid JSON schema: {e.message}", param=where) from None
+
+
+def validate_tools(tools) -> list[dict]:
+    if not isinstance(tools, list):
+        raise APIError(400, "'tools' must be an array of {type: 'function', function: {...}}", param="tools")
+    out, names = [], set()
+    for i, t in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):
+            raise APIError(400, f"{where} must be {{type: 'function', function: {{name, parameters}}}}", param=where)
+        fn = t["function"]
+        name = fn.get("name")
+        if not isinstance(name, str) or not name or len(name) > 64 or not all(c.isalnum() or c in "_-." for c in name):
+            raise APIError(400, f"{where}.function.name must be 1-64 letters, digits, '_', '-' or '.', got {name!r}",
+                           param=f"{where}.function.name")
+        if name in names:
+            raise APIError(400, f"{where}.function.name {name!r} is given twice", param=f"{where}.function.name")
+        names.add(name)
+        if "parameters" in fn and fn["parameters"] is not None:
+            _check_schema(fn["parameters"], f"{where}.function.parameters")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise APIError(400, f"{where}.function.description must be a string", param=f"{where}.function.description")
+        out.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
+    return out
+
+
+def validate_tool_choice(choice, tools: list[dict]) -> str | dict:
+    names = [t["function"]["name"] for t in tools]
+    if choice is None:
+        return "auto" if tools else "none"
+    if choice in ("auto", "none", "required"):
+        if choice == "required" and not tools:
+            raise APIError(400, "tool_choice 'required' needs 'tools'", param="tool_choice")
+        return choice
+    if isinstance(choice, dict) and choice.get("type", "function") == "function":
+        name = (choice.get("function") or {}).get("name")
+        if name not in names:
+            raise APIError(400, f"tool_choice names the function {name!r}, which is not in 'tools' "
+                                f"({', '.join(names) or 'none given'})", param="tool_choice")
+        return {"type": "function", "function": {"name": name}}
+    raise APIError(400, "tool_choice must be 'auto', 'none', 'required' or "
+                        "{type: 'function', function: {name}}", param="tool_choice")
+
+
+def chat_plan(body: dict, tokenizer, settings: ChatSettings, max_chars: int | None = None) -> ChatPlan:
+    """Validate the chat fields of `body`, render the prompt and set up its output parsers; a
+    conversation over `max_chars` characters is refused before the template runs."""
+    if tokenizer is None:
+        raise APIError(400, "this model has no tokenizer (tokenizer.json or tiktoken.model); use /v1/completions "
+                            "with token ids", param="messages")
+    for legacy, new in (("functions", "tools"), ("function_call", "tool_choice")):
+        if body.get(legacy) is not None:
+            raise APIError(400, f"'{legacy}' is the deprecated form: send '{new}' instead", param=legacy)
+    fmt = tokenizer.chat_format
+    family = getattr(fmt, "family", None)
+    messages = normalize_messages(body.get("messages"), keep_developer=family == "deepseek_v32")
+    check_prompt_chars(sum(len(m.get("content") or "") for m in messages), max_chars, "messages")
+    tools = validate_tools(body["tools"]) if body.get("tools") is not None else []
+    choice = validate_tool_choice(body.get("tool_choice"), tools)
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise APIError(400, "'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise APIError(400, "'chat_template_kwargs' must be an object of template variables",
+                       param="chat_template_kwargs")
+    bad = [k for k in kwargs if k in RESERVED_KWARGS]
+    if bad:
+        raise APIError(400, f"chat_template_kwargs may not set {bad}: use the request's own fields",
+                       param="chat_template_kwargs")
+    rendered_tools = tools if choice != "none" else None
+    try:
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=rendered_tools, **kwargs)
+    except ValueError as e:  # TokenizerError: no template, or the template refused the conversation
+        param = "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages"
+        raise APIError(400, f"chat template: {e}", param=param) from None
+    tparser = tool_parser_for(settings.tool_parser, family) if choice != "none" else None
+    rparser = reasoning_parser_for(settings.reasoning_parser, family, prompt)
+    prefix, grammar = "", None
+    if choice == "required" or isinstance(choice, dict):
+        if tparser is None:
+            raise APIError(400, f"tool_choice {choice!r} needs a tool-call parser for this model; start the server "
+                                "with --tool-call-parser NAME", param="tool_choice")
+        prefix = ("</think>" if rparser is not None and rparser.start_in else "") + \
+            tparser.forced_prefix(choice["function"]["name"] if isinstance(choice, dict) else None)
+        prompt += prefix
+        grammar = tool_call_grammar(tparser.name, tools, choice, tokenizer)
+    ids = tokenizer.encode(prompt, add_bos=False)
+    max_calls = 1 if (not parallel or isinstance(choice, dict)) else None
+    return ChatPlan(ids, prompt, OutputParser(rparser, tparser, prefix, max_calls), choice, grammar)

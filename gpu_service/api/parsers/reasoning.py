@@ -1,0 +1,44 @@
+"""Reasoning parsers: `<think>...</think>` apart from the answer (names as vLLM / SGLang use them).
+
+    deepseek_r1   the output starts inside the reasoning (R1's template opens `<think>`): all up to
+                  `</think>` is reasoning; a leading `<think>` is dropped; no `</think>` -> all reasoning
+    deepseek_v3   reasoning only when the prompt opened `<think>` (V3.1 / V3.2 with `thinking` on)
+                  or the output starts with `<think>`; else all is the answer
+    kimi_k2       as deepseek_v3, and the reasoning also ends where the model jumps into its tool
+                  section (`<|tool_calls_section_begin|>`) without closing `</think>`
+"""
+from __future__ import annotations
+
+from gpu_service.api.chat_formats.common import THINK_END, THINK_START
+from gpu_service.api.parsers.base import until
+from gpu_service.api.parsers.tools import KimiK2ToolParser
+
+REASONING_PARSERS = ("kimi_k2", "deepseek_r1", "deepseek_v3")
+
+
+class ReasoningParser:
+    """`split(text, final) -> (reasoning, rest, ended)`; `rest` is the answer (and tool calls)."""
+
+    def __init__(self, name: str, start_in_reasoning: bool = False):
+        if name not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {name!r}: use one of {', '.join(REASONING_PARSERS)}, none")
+        self.name = name
+        self.start_in = start_in_reasoning or name == "deepseek_r1"
+        self.enders = (THINK_END, KimiK2ToolParser.SECTION_BEGIN) if name == "kimi_k2" else (THINK_END,)
+
+    @staticmethod
+    def prompt_opens_reasoning(prompt: str) -> bool:
+        """True when the rendered prompt ends inside an opened `<think>` (whitespace aside)."""
+        return prompt.rstrip().endswith(THINK_START)
+
+    def split(self, text: str, final: bool) -> tuple[str, str, bool]:
+        if text.startswith(THINK_START):
+            text = text[len(THINK_START):]
+        elif not final and THINK_START.startswith(text):
+            return "", "", False  # may still become "<think>"
+        elif not self.start_in:
+            return "", text, True
+        reasoning, m, after = until(text, self.enders, final)
+        if m is None:
+            return reasoning, "", False
+        return reasoning, (after if m == THINK_END else m + after), True

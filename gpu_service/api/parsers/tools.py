@@ -1,0 +1,176 @@
+"""Tool-call parsers for the four target formats (names as vLLM / SGLang users know them).
+
+    kimi_k2       <|tool_calls_section_begin|>{<|tool_call_begin|>functions.NAME:I<|tool_call_argument_begin|>
+                  JSON<|tool_call_end|>}<|tool_calls_section_end|>        the id is `functions.NAME:I`
+    deepseek_v3   <｜tool▁calls▁begin｜>{<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\nJSON\\n```
+                  <｜tool▁call▁end｜>}<｜tool▁calls▁end｜>
+    deepseek_v31  <｜tool▁calls▁begin｜>{<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>JSON<｜tool▁call▁end｜>}<｜tool▁calls▁end｜>
+    deepseek_v32  \\n\\n<｜DSML｜function_calls>\\n{<｜DSML｜invoke name="NAME">\\n{<｜DSML｜parameter name="K"
+                  string="true|false">V</｜DSML｜parameter>}\\n</｜DSML｜invoke>}\\n</｜DSML｜function_calls>
+                  (arguments assembled as a JSON object: string="true" values raw strings, else JSON)
+
+Content is the text before the calls. See `parsers.base` for the streaming contract.
+"""
+from __future__ import annotations
+
+import json
+
+from gpu_service.api.chat_formats import dsv32
+from gpu_service.api.parsers.base import ToolCall, ToolParser, until
+
+
+class KimiK2ToolParser(ToolParser):
+    name = "kimi_k2"
+    SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+    CALL_BEGIN, ARG_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+    markers = (SECTION_BEGIN,)
+
+    @staticmethod
+    def function_name(call_id: str) -> str:
+        """`functions.get_weather:0` -> `get_weather`."""
+        s = call_id.strip()
+        if s.startswith("functions."):
+            s = s[len("functions."):]
+        return s.rsplit(":", 1)[0] if ":" in s else s
+
+    def parse(self, text, final):
+        content, m, rest = until(text, (self.SECTION_BEGIN,), final)
+        calls: list[ToolCall] = []
+        while m is not None:
+            _, m, after = until(rest, (self.CALL_BEGIN, self.SECTION_END), final)
+            if m != self.CALL_BEGIN:
+                break
+            head, m, after = until(after, (self.ARG_BEGIN,), final)
+            if m is None:
+                break  # the id (and name) is not complete yet
+            args, m, rest = until(after, (self.CALL_END,), final)
+            calls.append(ToolCall(self.function_name(head), args, head.strip(), m is not None))
+        return content, calls
+
+    def forced_prefix(self, function):
+        head = self.SECTION_BEGIN + self.CALL_BEGIN + "functions."
+        return head if function is None else head + f"{function}:0" + self.ARG_BEGIN
+
+
+class DeepseekV3ToolParser(ToolParser):
+    name = "deepseek_v3"
+    CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+    FENCE = "```json\n"
+    markers = (CALLS_BEGIN,)
+
+    def _body(self, after: str, final: bool) -> str | None:
+        """The arguments' text after the name line: past the ```json fence (None: fence still arriving)."""
+        if after.startswith(self.FENCE):
+            return after[len(self.FENCE):]
+        if after.startswith("```"):  # another fence word
+            nl = after.find("\n")
+            return after[nl + 1:] if nl >= 0 else (after[3:] if final else None)
+        if not final and self.FENCE.startswith(after):
+            return None
+        return after
+
+    def parse(self, text, final):
+        content, m, rest = until(text, (self.CALLS_BEGIN,), final)
+        calls: list[ToolCall] = []
+        while m is not None:
+            _, m, after = until(rest, (self.CALL_BEGIN, self.CALLS_END), final)
+            if m != self.CALL_BEGIN:
+                break
+            _, m, after = until(after, (self.SEP,), final)  # the type word ("function")
+            if m is None:
+                break
+            name, m, after = until(after, ("\n", self.CALL_END), final)
+            if m is None and not final:
+                break
+            body = "" if m == self.CALL_END else self._body(after, final)
+            if body is None:
+                calls.append(ToolCall(name.strip(), ""))
+                break
+            args, m, rest = until(body, ("\n```", self.CALL_END), final)
+            if m == "\n```":
+                _, m, rest = until(rest, (self.CALL_END,), final)
+            calls.append(ToolCall(name.strip(), args, None, m is not None))
+        return content, calls
+
+    def forced_prefix(self, function):
+        head = self.CALLS_BEGIN + self.CALL_BEGIN + "function" + self.SEP
+        return head if function is None else head + function + "\n" + self.FENCE
+
+
+class DeepseekV31ToolParser(DeepseekV3ToolParser):
+    name = "deepseek_v31"
+
+    def parse(self, text, final):
+        content, m, rest = until(text, (self.CALLS_BEGIN,), final)
+        calls: list[ToolCall] = []
+        while m is not None:
+            _, m, after = until(rest, (self.CALL_BEGIN, self.CALLS_END), final)
+            if m != self.CALL_BEGIN:
+                break
+            name, m, after = until(after, (self.SEP,), final)
+            if m is None:
+                break
+            args, m, rest = until(after, (self.CALL_END,), final)
+            calls.append(ToolCall(name.strip(), args, None, m is not None))
+        return content, calls
+
+    def forced_prefix(self, function):
+        head = self.CALLS_BEGIN + self.CALL_BEGIN
+        return head if function is None else head + function + self.SEP
+
+
+class DeepseekV32ToolParser(ToolParser):
+    name = "deepseek_v32"
+    BEGIN = (f"\n\n{dsv32.CALLS_BEGIN}", dsv32.CALLS_BEGIN)
+    INVOKE, PARAM = '<｜DSML｜invoke name="', '<｜DSML｜parameter name="'
+    markers = BEGIN
+
+    @staticmethod
+    def _json(parts: list[tuple[str, bool, str, bool]], done: bool) -> str:
+        """Parameters (key, is string, raw value, complete) -> the arguments' JSON text (a prefix
+        of it until `done`): strings escaped as JSON, other values as the model wrote them."""
+        items = []
+        for key, is_str, value, complete in parts:
+            v = json.dumps(value, ensure_ascii=False)
+            items.append(json.dumps(key, ensure_ascii=False) + ": " + ((v if complete else v[:-1]) if is_str else value))
+        return "{" + ", ".join(items) + ("}" if done else "")
+
+    def parse(self, text, final):
+        content, m, rest = until(text, self.BEGIN, final)
+        calls: list[ToolCall] = []
+        while m is not None:
+            _, m, after = until(rest, (self.INVOKE, dsv32.CALLS_END), final)
+            if m != self.INVOKE:
+                break
+            name, m, body = until(after, ('">',), final)
+            if m is None:
+                break
+            parts: list[tuple[str, bool, str, bool]] = []
+            done = False
+            while True:
+                _, mp, after = until(body, (self.PARAM, dsv32.INVOKE_END), final)
+                if mp != self.PARAM:
+                    done, body = mp is not None, after
+                    break
+                key, mk, after = until(after, ('"',), final)
+                attrs, ma, after = until(after, (">",), final) if mk else ("", None, "")
+                if ma is None:
+                    break
+                value, mv, body = until(after, (dsv32.PARAM_END,), final)
+                parts.append((key, 'string="false"' not in attrs, value, mv is not None))
+                if mv is None:
+                    break
+            calls.append(ToolCall(name, self._json(parts, done), None, done))
+            if not done:
+                break
+            rest, m = body, True
+        return content, calls
+
+    def forced_prefix(self, function):
+        head = f"\n\n{dsv32.CALLS_BEGIN}\n{self.INVOKE}"
+        return head if function is None else head + function + '">\n'
+
+
+TOOL_PARSERS = {p.name: p for p in (KimiK2ToolParser, DeepseekV3ToolParser, DeepseekV31ToolParser,
+                                    DeepseekV32ToolParser)}

@@ -1,0 +1,67 @@
+"""`POST /tokenize` and `POST /detokenize` at the server root, as vLLM serves them, so a user can
+see exactly what the model is given.
+
+    /tokenize    {"prompt": str, "add_special_tokens": true}                      -> {"tokens", "count", "max_model_len"}
+                 {"messages": [...], "tools": [...], "add_generation_prompt": true,
+                  "chat_template_kwargs": {...}}                                   (rendered by the chat format)
+    /detokenize  {"tokens": [int]}                                                 -> {"prompt": str}
+
+Special-token strings in `prompt` are parsed as special tokens. The API key applies (see
+`create_app`'s middleware); ids outside the model's vocabulary are refused with 400.
+"""
+from __future__ import annotations
+
+from fastapi import Request
+
+from gpu_service.api.chat_request import normalize_messages, validate_tools
+from gpu_service.api.errors import APIError
+
+
+def add_routes(app, engine, tokenizer, body_fn) -> None:
+    """Register the two routes on `app`; `body_fn(request)` parses and checks the JSON body."""
+    def need_tokenizer(param: str):
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer (tokenizer.json or tiktoken.model)", param=param)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await body_fn(request)
+        if ("prompt" in body) == ("messages" in body):
+            raise APIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
+        if "prompt" in body:
+            need_tokenizer("prompt")
+            if not isinstance(body["prompt"], str):
+                raise APIError(400, "'prompt' must be a string", param="prompt")
+            special = body.get("add_special_tokens", True)
+            if not isinstance(special, bool):
+                raise APIError(400, "'add_special_tokens' must be a boolean", param="add_special_tokens")
+            ids = tokenizer.encode(body["prompt"], add_bos=None if special else False)
+        else:
+            need_tokenizer("messages")
+            fmt = tokenizer.chat_format
+            msgs = normalize_messages(body["messages"], keep_developer=getattr(fmt, "family", None) == "deepseek_v32")
+            tools = validate_tools(body["tools"]) if body.get("tools") is not None else None
+            gen = body.get("add_generation_prompt", True)
+            kwargs = body.get("chat_template_kwargs") or {}
+            if not isinstance(gen, bool):
+                raise APIError(400, "'add_generation_prompt' must be a boolean", param="add_generation_prompt")
+            if not isinstance(kwargs, dict):
+                raise APIError(400, "'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+            try:
+                ids = tokenizer.encode_chat(msgs, tools=tools, add_generation_prompt=gen, **kwargs)
+            except (ValueError, TypeError) as e:
+                raise APIError(400, f"chat template: {e}", param="messages") from None
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_request_tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await body_fn(request)
+        need_tokenizer("tokens")
+        ids = body.get("tokens")
+        V = engine.cfg.vocab_size
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise APIError(400, "'tokens' must be an array of token ids", param="tokens")
+        bad = next((t for t in ids if not 0 <= t < V), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} out of range: ids must be in [0, {V})", param="tokens")
+        return {"prompt": tokenizer.decode(ids, skip_special_tokens=False)}

@@ -1,0 +1,103 @@
+"""Grammars that force a tool call in the model's native syntax (`tool_choice` required / named).
+
+The prompt already ends with the call's opening (`ToolParser.forced_prefix`); the grammar
+(llguidance Lark, compiled by gpu_service.runtime.grammar) constrains the rest: the function
+name (for `required`, one of `tools`), the arguments valid for its JSON schema (compact JSON), and
+the closing markers. Reaching the grammar's end stops the request, and the text goes through the
+same tool-call parser as an unforced call. Markers that are single tokens are matched by id
+(`<[id]>`, special or not); other text by literal.
+
+    kimi_k2       [NAME ":0" <|tool_call_argument_begin|>] JSON <|tool_call_end|> <|tool_calls_section_end|>
+    deepseek_v3   [NAME "\\n```json\\n"] JSON "\\n```" <｜tool▁call▁end｜> <｜tool▁calls▁end｜>
+    deepseek_v31  [NAME <｜tool▁sep｜>] JSON <｜tool▁call▁end｜> <｜tool▁calls▁end｜>
+    deepseek_v32  [NAME '">\\n'] {DSML parameter "\\n"} "</｜DSML｜invoke>\\n</｜DSML｜function_calls>"
+                  (string properties raw: an enum's values, else text without '<' up to maxLength;
+                  others as JSON for their sub-schema; required ones in order, the others optional)
+(the bracketed part only for `required`: the prompt's prefix already names a named function).
+"""
+from __future__ import annotations
+
+import json
+
+from gpu_service.api.chat_formats import dsv32
+
+JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+def _schema(fn: dict) -> dict:
+    s = dict(fn.get("parameters") or {"type": "object"})
+    s["x-guidance"] = JSON_OPTIONS
+    return s
+
+
+class _Lark:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.rules: list[str] = []
+        self.n = 0
+
+    def marker(self, text: str) -> str:
+        """A marker: by token id when it is one token of the vocabulary, else as a literal."""
+        i = self.tokenizer.token_id(text)
+        return f"<[{i}]>" if i is not None else json.dumps(text)
+
+    def json_rule(self, schema: dict) -> str:
+        self.n += 1
+        name = f"j{self.n}"
+        self.rules.append(f"{name}: %json {json.dumps(schema, ensure_ascii=False)}")
+        return name
+
+    def text(self, start: str) -> str:
+        return "\n".join([f"start: {start}"] + self.rules) + "\n"
+
+
+def _dsml_params(g: _Lark, fn: dict) -> str:
+    schema = fn.get("parameters") or {}
+    props = schema.get("properties") or {}
+    required = set(schema.get("required") or [])
+    parts = []
+    for key, sub in props.items():
+        sub = sub if isinstance(sub, dict) else {}
+        head = f'<｜DSML｜parameter name="{key}" string='
+        if sub.get("type") == "string":
+            if isinstance(sub.get("enum"), list) and sub["enum"]:
+                value = "(" + " | ".join(json.dumps(str(v)) for v in sub["enum"]) + ")"
+            else:
+                n = sub.get("maxLength")
+                value = f"/[^<]{{0,{int(n)}}}/" if isinstance(n, int) else "/[^<]*/"
+            item = f'{json.dumps(head + chr(34) + "true" + chr(34) + ">")} {value} {json.dumps(dsv32.PARAM_END)}'
+        else:
+            value = g.json_rule({**sub, "x-guidance": JSON_OPTIONS})
+            item = f'{json.dumps(head + chr(34) + "false" + chr(34) + ">")} {value} {json.dumps(dsv32.PARAM_END)}'
+        item = f'({item} "\\n")'
+        parts.append(item if key in required else item + "?")
+    return " ".join(parts + [json.dumps(dsv32.INVOKE_END + "\n" + dsv32.CALLS_END)])
+
+
+def tool_call_grammar(parser: str, tools: list[dict], choice, tokenizer):
+    """The GrammarSpec (Lark) of the forced continuation, for parser `parser` (a TOOL_PARSERS name)."""
+    from gpu_service.runtime.grammar import GrammarSpec
+
+    g = _Lark(tokenizer)
+    fns = [t["function"] for t in tools]
+    named = choice["function"]["name"] if isinstance(choice, dict) else None
+    alts = []
+    for fn in fns if named is None else [f for f in fns if f["name"] == named]:
+        name = json.dumps(fn["name"])
+        if parser == "kimi_k2":
+            body = f"{g.json_rule(_schema(fn))} {g.marker('<|tool_call_end|>')} {g.marker('<|tool_calls_section_end|>')}"
+            head = f"{json.dumps(fn['name'] + ':0')} {g.marker('<|tool_call_argument_begin|>')} "
+        elif parser == "deepseek_v3":
+            body = (f"{g.json_rule(_schema(fn))} {json.dumps(chr(10) + '```')} {g.marker('<｜tool▁call▁end｜>')} "
+                    f"{g.marker('<｜tool▁calls▁end｜>')}")
+            head = f"{name} {json.dumps(chr(10) + '```json' + chr(10))} "
+        elif parser == "deepseek_v31":
+            body = f"{g.json_rule(_schema(fn))} {g.marker('<｜tool▁call▁end｜>')} {g.marker('<｜tool▁calls▁end｜>')}"
+            head = f"{name} {g.marker('<｜tool▁sep｜>')} "
+        elif parser == "deepseek_v32":
+            body = _dsml_params(g, fn)
+            head = f"{name} {json.dumps(chr(34) + '>' + chr(10))} "
+        else:
+            raise ValueError(f"no tool-call grammar for parser {parser!r}")
+        alts.append(body if named is not None else head + body)
+    return GrammarSpec.lark(g.text(" | ".join(f"({a})" for a in alts)))

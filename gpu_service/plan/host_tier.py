@@ -1,0 +1,31 @@
+"""The prefix cache's host-RAM tier in the memory plan: its bytes and how many tokens it holds.
+
+`--host-kv-cache SIZE` is taken as given (and counted in the host RAM required); "auto" (the
+default) gives the tier `AUTO_SHARE` of the host RAM the plan leaves free (--host-ram minus shards,
+GPU service and OS reserve), or nothing to report when --host-ram is not given (the server then
+sizes it from MemAvailable at start, gpu_service.model.host_kv.auto_host_kv_bytes).
+"""
+from __future__ import annotations
+
+from checkpoint.config import ModelConfig
+from gpu_service.plan.bytes import kv_bytes_per_token_layer, parse_size
+
+AUTO_SHARE = 0.5
+
+
+def host_kv_fields(cfg: ModelConfig, host: dict, host_kv_cache: int | str | None = "auto") -> dict:
+    """Fields merged into `Plan.host`: host_kv_cache_bytes (None when unknown), host_kv_cache_tokens,
+    and, for an explicit size, required_bytes / fits / missing_bytes updated."""
+    per_token = sum(kv_bytes_per_token_layer(cfg)) * cfg.num_hidden_layers
+    cap = host.get("capacity_bytes")
+    out: dict = {}
+    if host_kv_cache in (None, "auto"):
+        size = None if cap is None else max(0, int(AUTO_SHARE * (cap - host["required_bytes"])))
+    else:
+        size = parse_size(host_kv_cache)
+        req = host["required_bytes"] + size
+        out.update(required_bytes=req, fits=cap is None or req <= cap)
+        if cap is not None and req > cap:
+            out["missing_bytes"] = req - cap
+    out.update(host_kv_cache_bytes=size, host_kv_cache_tokens=None if size is None else size // per_token)
+    return out

@@ -1,0 +1,193 @@
+"""What a request is to the engine: its errors, its outputs, the caller's handle and the scheduler's record.
+
+`RequestHandle` is what `Engine.submit` returns (iterate it, `await` it, or `result()`; `cancel()` from
+any thread); `_Request` is the scheduler's own state of one request (prompt, KV, sampling, grammar).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from gpu_service.model.kv import SeqKV
+from gpu_service.runtime.logits import TokenLogprob
+from gpu_service.runtime.sampling import SamplingParams
+
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+class RequestError(ValueError):
+    """A request the engine will never serve as given; `param`/`code` name what to fix."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class QueueFull(RequestError):
+    """The waiting queue holds `max_waiting` requests already: retry after `retry_after_s`
+    (HTTP 429 with Retry-After, gRPC RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message, None, "queue_full")
+        self.retry_after_s = retry_after_s
+
+
+class EngineStopped(RuntimeError):
+    """The engine is shutting down and takes no new requests."""
+
+
+@dataclass
+class Output:
+    """What a request produced since the previous Output. `finish_reason` is set on the last one:
+    "stop" (EOS, a stop string or token, or the grammar's end), "length" (max_tokens), "cancelled",
+    or "error" (see `error`). `logprobs`: one TokenLogprob per token id when the request asked
+    (SamplingParams.logprobs); `prompt_logprobs` (first Output only, with `prompt_logprobs=`): one
+    per prompt token after the first."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    error: str | None = None
+    unavailable: bool = False  # an "error" because a backend (expert shard) is unavailable: retry later
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+
+
+class RequestHandle:
+    """The caller's side of one request: iterate (sync or async) over `Output`s, or `cancel()`.
+
+    Thread-safe: the scheduler pushes, any thread or event loop consumes."""
+
+    def __init__(self, rid: str, prompt_tokens: int, max_tokens: int, wake):
+        self.id = rid
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.unavailable = False  # the error was an unavailable expert shard (HTTP 503 / gRPC UNAVAILABLE)
+        self._wake = wake
+        self._cond = threading.Condition()
+        self._events: collections.deque[Output] = collections.deque()
+        self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
+        self._cancel = threading.Event()
+
+    # ---- consumer side ------------------------------------------------------------------------
+    def cancel(self) -> None:
+        """Ask the engine to drop this request; its KV pages are freed at the next step boundary."""
+        if self.finish_reason is None and not self._cancel.is_set():
+            self._cancel.set()
+            self._wake()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def get(self, timeout: float | None = None) -> Output:
+        """The next Output (blocking); raises TimeoutError after `timeout` seconds."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._events, timeout):
+                raise TimeoutError(f"request {self.id}: no output within {timeout}s")
+            return self._events.popleft()
+
+    def __iter__(self):
+        while True:
+            out = self.get()
+            yield out
+            if out.finish_reason is not None:
+                return
+
+    async def __aiter__(self):
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._cond:
+                if self._events:
+                    out, fut = self._events.popleft(), None
+                else:
+                    out, fut = None, loop.create_future()
+                    self._waiter = (loop, fut)
+            if fut is not None:
+                await fut
+                continue
+            yield out
+            if out.finish_reason is not None:
+                return
+
+    def result(self, timeout: float | None = None) -> tuple[list[int], str, str]:
+        """Block until done: (token_ids, text, finish_reason)."""
+        ids, text = [], []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            out = self.get(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            ids += out.token_ids
+            text.append(out.text)
+            if out.finish_reason is not None:
+                return ids, "".join(text), out.finish_reason
+
+    # ---- engine side --------------------------------------------------------------------------
+    def _push(self, out: Output) -> None:
+        with self._cond:
+            self.completion_tokens += len(out.token_ids)
+            if out.finish_reason is not None:
+                self.finish_reason, self.error, self.unavailable = out.finish_reason, out.error, out.unavailable
+            self._events.append(out)
+            self._cond.notify_all()
+            waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            loop, fut = waiter
+            try:
+                loop.call_soon_threadsafe(_resolve, fut)
+            except RuntimeError:  # the consumer's loop is closed: nobody is listening
+                pass
+
+
+def _resolve(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+@dataclass
+class _Request:
+    handle: RequestHandle
+    prompt_len: int
+    tokens: list[int]  # prompt + generated; KV exists for tokens[:seq.length]
+    params: SamplingParams
+    gen: torch.Generator | None
+    max_tokens: int
+    stop: tuple[str, ...]
+    ignore_eos: bool
+    seq: SeqKV
+    matcher: object | None = None  # grammar.GrammarMatcher of a structured-output request
+    banned_early: tuple[int, ...] = ()  # EOS + stop_token_ids while fewer than min_tokens are out
+    prompt_lp: int | None = None  # top-k of the prompt's logprobs to report (echo), None = off
+    prompt_lps: list = field(default_factory=list)
+    followers: list = field(default_factory=list)  # choices 2..n of the same prompt: fork off this one's KV
+    salt: str | None = None  # cache_salt: prefixes are shared only between equal salts
+    looked_up: bool = False  # the prefix-cache lookup has been counted
+    arrival: float = field(default_factory=time.monotonic)
+    # incremental detokenisation (prefix/read offsets into the generated ids) and stop handling
+    prefix_offset: int = 0
+    read_offset: int = 0
+    text: str = ""
+    sent_chars: int = 0
+
+    @property
+    def out(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to feed before the next sample (1 = a decode)."""
+        return len(self.tokens) - self.seq.length
