@@ -115,19 +115,20 @@ def mla_forward(mla, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: 
     q_nope, q_pe, k_pe = q[..., : mla.nope], pe[:, : mla.nh], pe[:, mla.nh]  # [T,nh,nope], [T,nh,rope], [T,rope]
     kv.index_copy_(0, meta.write_slots, torch.cat([mla.kv_a_layernorm(ckv[:, : mla.r]), k_pe], dim=-1).to(kv.dtype))
     out = None if meta.dec_rows is None else x.new_empty(T, mla.nh * mla.vdim)
+    wkv = weight_of(mla.kv_b_proj, x.dtype)  # dequantised once per call (issue 21's scratch), shared by every chunk
     for sl, hist, start in meta.prefill:  # the reference expanded path, per prefill chunk
         cache = kv[hist].to(x.dtype)
         keep = None
         if mla.indexer is not None:
             keep = mla.indexer.select(x[sl], q_resid[sl], cos[sl], sin[sl], ik[hist].to(x.dtype), start)
-        out[sl] = mla._attend(q_nope[sl], q_pe[sl], cache, start, keep)
+        out[sl] = mla._attend(q_nope[sl], q_pe[sl], cache, start, keep, wkv)
     if meta.key_slots is not None:
         rows = meta.dec_rows
         pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
         keep = None
         if mla.indexer is not None:
             keep = select_decode(mla.indexer, pick(x), pick(q_resid), pick(cos), pick(sin), ik, meta)
-        o = decode_attention(mla, pick(q_nope), pick(q_pe), kv, meta, keep)
+        o = decode_attention(mla, pick(q_nope), pick(q_pe), kv, meta, keep, wkv)
         if rows is None:
             out = o
         else:
@@ -136,11 +137,13 @@ def mla_forward(mla, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: 
 
 
 def decode_attention(mla, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, meta: PagedMeta,
-                     keep: torch.Tensor | None = None) -> torch.Tensor:
+                     keep: torch.Tensor | None = None, wkv: torch.Tensor | None = None) -> torch.Tensor:
     """Weight-absorbed attention of one query per decode sequence. q_nope [B, nh, nope], q_pe
     [B, nh, rope]; keep [B, Smax] bool (V3.2 selection) or None. Returns [B, nh * v_head_dim]."""
     B, r = q_nope.shape[0], mla.r
-    wkv = weight_of(mla.kv_b_proj, q_nope.dtype).view(mla.nh, mla.nope + mla.vdim, r)
+    if wkv is None:
+        wkv = weight_of(mla.kv_b_proj, q_nope.dtype)
+    wkv = wkv.view(mla.nh, mla.nope + mla.vdim, r)
     q_abs = torch.einsum("bhd,hdr->bhr", _min_rows(q_nope), wkv[:, : mla.nope])[:B]  # [B, nh, r]
     if meta.fi_indices is not None and kv.device.type == "cuda":
         o_lat = _flashinfer_decode(mla, q_abs, q_pe, kv, meta, keep)  # [B, nh, r]
