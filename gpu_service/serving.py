@@ -212,6 +212,7 @@ class ServingStack:
                              eos_token_ids=tuple(dict.fromkeys(eos)))
         self.limits = limits or ServerLimits()
         self.api_key, self.grpc_tls = api_key, grpc_tls
+        self.chat_settings = chat_settings
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.host, self.port, self.grpc_port = host, port, grpc_port
@@ -229,7 +230,8 @@ class ServingStack:
             self.http = HTTPServer(self.app, self.host, self.port, limits=self.limits).start()
             self.grpc_server, self.grpc_port = create_grpc_server(
                 self.engine, self.tokenizer, self.host, self.grpc_port, api_key=self.api_key, tls=self.grpc_tls,
-                max_prompt_chars=self.limits.prompt_chars_for(self.engine.max_request_tokens))
+                max_prompt_chars=self.limits.prompt_chars_for(self.engine.max_request_tokens),
+                chat_settings=self.chat_settings)
         except BaseException:
             self.stop()
             raise

@@ -306,3 +306,54 @@ def test_tokenize_and_detokenize(kimi):
     assert r.json()["tokens"][0] == kimi.tokenizer.token_id("<|im_user|>")
     assert httpx.post(url + "/detokenize", json={"tokens": [10 ** 6]}).json()["error"]["param"] == "tokens"
     assert httpx.post(url + "/tokenize", json={}).status_code == 400
+
+
+def _grpc_chat(st, **kw):
+    """One gRPC Generate over `messages`: (reasoning, text, [(id, name, arguments)], finish_reason)."""
+    import grpc
+
+    from protos.moesplit.v1 import generate_pb2, generate_pb2_grpc
+
+    with grpc.insecure_channel(st.grpc_address) as ch:
+        rs = list(generate_pb2_grpc.GenerateServiceStub(ch).Generate(generate_pb2.GenerateRequest(**kw), timeout=60))
+    calls: dict[int, list[str]] = {}
+    for r in rs:
+        for c in r.tool_calls:
+            cur = calls.setdefault(c.index, ["", "", ""])
+            cur[0], cur[1] = cur[0] or c.id, cur[1] or c.name
+            cur[2] += c.arguments
+    return ("".join(r.reasoning for r in rs), "".join(r.text for r in rs),
+            [tuple(calls[i]) for i in sorted(calls)], rs[-1].finish_reason)
+
+
+def test_grpc_gets_the_same_tool_call_and_reasoning_as_http(kimi):
+    from protos.moesplit.v1 import generate_pb2
+
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    _script(kimi, KIMI_CALL)
+    r = _client(kimi).chat.completions.create(model="kimi-k2-thinking", messages=msgs, tools=[WEATHER],
+                                              max_tokens=200, seed=3)
+    http_prompt = list(kimi.runner.last_prompt)
+    m = r.choices[0].message
+    _script(kimi, KIMI_CALL)
+    reasoning, text, calls, finish = _grpc_chat(
+        kimi, messages=[generate_pb2.ChatMessage(role="user", content="Weather in Paris?")],
+        tools_json=json.dumps([WEATHER]), max_tokens=200, seed=3)
+    assert kimi.runner.last_prompt == http_prompt  # the same rendering (tools in Kimi's format)
+    assert (reasoning, text, finish) == (m.reasoning_content, "", "tool_calls")
+    assert calls == [(c.id, c.function.name, c.function.arguments) for c in m.tool_calls]
+
+
+def test_grpc_chat_fields_are_checked(kimi):
+    import grpc
+
+    from protos.moesplit.v1 import generate_pb2
+
+    user = [generate_pb2.ChatMessage(role="user", content="hi")]
+    for kw, what in ((dict(prompt="hi", tools_json=json.dumps([WEATHER])), "only with messages"),
+                     (dict(messages=user, tools_json="[not json"), "tools_json"),
+                     (dict(messages=user, tools_json=json.dumps([WEATHER]), tool_choice_json=json.dumps(
+                         {"type": "function", "function": {"name": "nope"}})), "tool_choice")):
+        with pytest.raises(grpc.RpcError) as e:
+            _grpc_chat(kimi, max_tokens=4, **kw)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and what in e.value.details()

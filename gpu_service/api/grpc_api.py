@@ -24,7 +24,10 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from gpu_service.api.chat_request import ChatPlan, ChatSettings, chat_plan
+from gpu_service.api.errors import APIError
 from gpu_service.api.guard import KeyCheck, UNAUTHORIZED
+from gpu_service.api.parsers.stream import merge_deltas
 from gpu_service.runtime.engine import Engine, EngineStopped, QueueFull, RequestError
 from gpu_service.runtime.grammar import GrammarError, GrammarSpec, InvalidSchema
 from gpu_service.runtime.sampling import SamplingParams
@@ -59,16 +62,59 @@ class AuthInterceptor(grpc.ServerInterceptor):
 
 
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
-    def __init__(self, engine: Engine, tokenizer=None, max_prompt_chars: int | None = None):
+    def __init__(self, engine: Engine, tokenizer=None, max_prompt_chars: int | None = None,
+                 chat_settings: ChatSettings | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.max_prompt_chars = max_prompt_chars
+        self.chat_settings = chat_settings or ChatSettings()
+
+    def _chat(self, req: generate_pb2.GenerateRequest, context) -> ChatPlan:
+        """`messages` (+ tools, tool_choice, ...) through the HTTP API's chat plan: the model's own
+        format, its reasoning and tool-call parsers, the forced-call grammar."""
+        msgs = []
+        for m in req.messages:
+            d = {"role": m.role, "content": m.content}
+            if m.reasoning_content:
+                d["reasoning_content"] = m.reasoning_content
+            if m.tool_calls:
+                d["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                                   for c in m.tool_calls]
+            if m.tool_call_id:
+                d["tool_call_id"] = m.tool_call_id
+            if m.name:
+                d["name"] = m.name
+            msgs.append(d)
+        body: dict = {"messages": msgs}
+        for field, key in (("tools_json", "tools"), ("tool_choice_json", "tool_choice"),
+                           ("chat_template_kwargs_json", "chat_template_kwargs")):
+            raw = getattr(req, field)
+            if not raw:
+                continue
+            if key == "tool_choice" and raw in ("auto", "none", "required"):
+                body[key] = raw
+                continue
+            try:
+                body[key] = json.loads(raw)
+            except json.JSONDecodeError as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{field} is not valid JSON: {e}")
+        if req.HasField("parallel_tool_calls"):
+            body["parallel_tool_calls"] = req.parallel_tool_calls
+        try:
+            return chat_plan(body, self.tokenizer, self.chat_settings, self.max_prompt_chars)
+        except APIError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e.param}: {e.message}" if e.param else e.message)
 
     def _prompt_ids(self, req: generate_pb2.GenerateRequest, context) -> list[int]:
         forms = [bool(req.prompt), bool(req.prompt_ids), bool(req.messages)]
         if sum(forms) != 1:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           "give exactly one of prompt, prompt_ids or messages")
+        chat_only = [f for f in ("tools_json", "tool_choice_json", "chat_template_kwargs_json") if getattr(req, f)]
+        if req.HasField("parallel_tool_calls"):
+            chat_only.append("parallel_tool_calls")
+        if chat_only and not req.messages:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{', '.join(chat_only)}: only with messages")
         if req.prompt_ids:
             return list(req.prompt_ids)
         if self.tokenizer is None:
@@ -79,11 +125,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the prompt has {chars} characters; this server takes "
                                                             f"at most {self.max_prompt_chars} (--max-prompt-chars)")
         try:
-            if req.prompt:
-                return self.tokenizer.encode(req.prompt)
-            return self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in req.messages])
+            return self.tokenizer.encode(req.prompt)
         except TokenizerError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"chat template: {e}")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     def _grammar(self, request):
         """The request's compiled grammar or None (GrammarError when it has none that compiles)."""
@@ -110,8 +154,23 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             raise GrammarError(f"{kind}: the grammar engine cannot compile this: {e}") from None
 
     def Generate(self, request, context):
-        ids = self._prompt_ids(request, context)
+        plan = None
+        if request.messages and not request.prompt and not request.prompt_ids:
+            if self.tokenizer is None:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              "this model has no tokenizer: send prompt_ids instead of messages")
+            self._prompt_ids(request, context)  # the common checks (one prompt form, chat-only fields, size)
+            plan = self._chat(request, context)
+            ids = plan.ids
+        else:
+            ids = self._prompt_ids(request, context)
         try:
+            grammar = self._grammar(request)
+            if plan is not None and plan.grammar is not None and self.engine.grammars is not None:
+                if grammar is not None:
+                    raise GrammarError("tool_choice 'required' or a named function cannot be combined with a "
+                                       "structured-output constraint: drop one")
+                grammar = self.engine.grammars.compile(plan.grammar).result()
             params = SamplingParams(
                 request.temperature, request.top_p if request.HasField("top_p") else 1.0, request.top_k,
                 request.seed if request.HasField("seed") else None, presence_penalty=request.presence_penalty,
@@ -122,7 +181,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 logprobs=request.logprobs if request.HasField("logprobs") else None)
             h = self.engine.submit(ids, params, request.max_tokens if request.HasField("max_tokens") else None,
                                    stop=list(request.stop), ignore_eos=request.ignore_eos,
-                                   grammar=self._grammar(request), cache_salt=request.cache_salt or None)
+                                   grammar=grammar, cache_salt=request.cache_salt or None)
         except QueueFull as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except (RequestError, ValueError) as e:  # GrammarError is a ValueError
@@ -130,6 +189,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         except EngineStopped as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         context.add_callback(h.cancel)  # runs when the RPC ends; a no-op once the request finished
+        parsed = plan.stream() if plan is not None else None
         for out in h:
             if out.finish_reason == "cancelled":
                 if context.is_active():
@@ -140,6 +200,18 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 context.abort(code, out.error or "generation failed")
             resp = generate_pb2.GenerateResponse(token_ids=out.token_ids, text=out.text,
                                                  finish_reason=out.finish_reason or "")
+            if parsed is not None:  # chat: the answer, its reasoning and its tool calls apart
+                delta = parsed.feed(out.text) if out.text else None
+                if out.finish_reason is not None:
+                    delta = merge_deltas(delta, parsed.finish())
+                    if out.finish_reason == "stop" and parsed.has_calls:
+                        resp.finish_reason = "tool_calls"
+                delta = delta or {}
+                resp.text, resp.reasoning = delta.get("content", ""), delta.get("reasoning_content", "")
+                for c in delta.get("tool_calls", ()):
+                    fn = c.get("function", {})
+                    resp.tool_calls.add(index=c["index"], id=c.get("id", ""), name=fn.get("name", ""),
+                                        arguments=fn.get("arguments", ""))
             for x in out.logprobs or ():
                 resp.logprobs.add(token_id=x.token, logprob=x.logprob,
                                   top=[generate_pb2.TopLogprob(token_id=t, logprob=v) for t, v in x.top])
@@ -152,14 +224,15 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
 def create_server(engine: Engine, tokenizer=None, host: str = "127.0.0.1", port: int = 50050,
                   max_workers: int = 64, api_key: str | None = None, tls=None,
-                  max_prompt_chars: int | None = None) -> tuple[grpc.Server, int]:
+                  max_prompt_chars: int | None = None, chat_settings: ChatSettings | None = None
+                  ) -> tuple[grpc.Server, int]:
     """Build and start the gRPC server; returns (server, bound port) so tests can pass port 0.
     `api_key`: required as `authorization: Bearer` metadata; `tls`: `ApiTLS` (server certificate,
     optional client CA). More than `max_workers` RPCs at once: RESOURCE_EXHAUSTED, not a queue."""
     interceptors = [AuthInterceptor(api_key)] if api_key is not None else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="moesplit-grpc"),
                          interceptors=interceptors, maximum_concurrent_rpcs=max_workers)
-    generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(engine, tokenizer, max_prompt_chars),
+    generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(engine, tokenizer, max_prompt_chars, chat_settings),
                                                             server)
     hs = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
