@@ -1,5 +1,5 @@
 """`moesplit chat`: interactive chat over the gRPC Generate API; streams tokens as they come and
-keeps the conversation. Commands: /reset (forget the conversation), /exit (or Ctrl-D)."""
+keeps the conversation; a reasoning model's thinking is shown apart (dim, before the answer). Commands: /reset (forget the conversation), /exit (or Ctrl-D)."""
 from __future__ import annotations
 
 import argparse
@@ -38,12 +38,21 @@ def chat_loop(client, args: argparse.Namespace, stdin=sys.stdin, stdout=sys.stdo
             history = history[:1] if args.system else []
             continue
         history.append({"role": "user", "content": line})
-        parts = []
+        parts, thinking = [], []
+        dim, reset = ("\033[2m", "\033[0m") if interactive else ("", "")
         try:
             for r in client.generate(messages=history, max_tokens=args.max_tokens, temperature=args.temperature,
                                      top_p=args.top_p, top_k=args.top_k, seed=args.seed):
-                parts.append(r.text)
-                stdout.write(r.text)
+                if r.reasoning:
+                    if not thinking:
+                        stdout.write(f"{dim}[thinking] ")
+                    thinking.append(r.reasoning)
+                    stdout.write(r.reasoning)
+                if r.text:
+                    if thinking and not parts:
+                        stdout.write(f"{reset}\n")
+                    parts.append(r.text)
+                    stdout.write(r.text)
                 stdout.flush()
         except grpc.RpcError as e:
             history.pop()
@@ -53,7 +62,9 @@ def chat_loop(client, args: argparse.Namespace, stdin=sys.stdin, stdout=sys.stdo
             continue
         except KeyboardInterrupt:  # stop this answer, keep the conversation
             stdout.write("\n")
-        history.append({"role": "assistant", "content": "".join(parts)})
+        if thinking and not parts:
+            stdout.write(reset)
+        history.append({"role": "assistant", "content": "".join(parts), "reasoning_content": "".join(thinking)})
         stdout.write("\n")
         stdout.flush()
 

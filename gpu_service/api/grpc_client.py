@@ -39,7 +39,9 @@ class GenerateClient:
         single response holding everything. Closing the iterator early cancels the request."""
         req = generate_pb2.GenerateRequest(
             prompt=prompt or "", prompt_ids=prompt_ids or [],
-            messages=[generate_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages or []],
+            messages=[generate_pb2.ChatMessage(role=m["role"], content=m.get("content") or "",
+                                               reasoning_content=m.get("reasoning_content") or "")
+                      for m in messages or []],
             temperature=temperature, top_k=top_k, stop=stop or [], ignore_eos=ignore_eos)
         if max_tokens is not None:
             req.max_tokens = max_tokens
@@ -69,12 +71,14 @@ def _stream(call) -> Iterator[generate_pb2.GenerateResponse]:
 
 def _merged(call) -> Iterator[generate_pb2.GenerateResponse]:
     out = generate_pb2.GenerateResponse()
-    text = []
+    text, reasoning = [], []
     for r in call:
         out.token_ids.extend(r.token_ids)
         text.append(r.text)
+        reasoning.append(r.reasoning)
+        out.tool_calls.extend(r.tool_calls)  # pieces, by index (see generate.proto's ToolCall)
         if r.finish_reason:
             out.finish_reason = r.finish_reason
             out.usage.CopyFrom(r.usage)
-    out.text = "".join(text)
+    out.text, out.reasoning = "".join(text), "".join(reasoning)
     yield out
