@@ -25,7 +25,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gpu_service.api.chat_request import ChatPlan, ChatSettings, chat_plan
-from gpu_service.api.errors import APIError
+from gpu_service.api.errors import APIError, check_prompt_chars
 from gpu_service.api.guard import KeyCheck, UNAUTHORIZED
 from gpu_service.api.parsers.stream import merge_deltas
 from gpu_service.runtime.engine import Engine, EngineStopped, QueueFull, RequestError
@@ -105,7 +105,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         except APIError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e.param}: {e.message}" if e.param else e.message)
 
-    def _prompt_ids(self, req: generate_pb2.GenerateRequest, context) -> list[int]:
+    def _prompt(self, req: generate_pb2.GenerateRequest, context) -> tuple[list[int], ChatPlan | None]:
+        """The request's prompt ids, and for `messages` its chat plan (None for the other forms)."""
         forms = [bool(req.prompt), bool(req.prompt_ids), bool(req.messages)]
         if sum(forms) != 1:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -116,18 +117,18 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         if chat_only and not req.messages:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{', '.join(chat_only)}: only with messages")
         if req.prompt_ids:
-            return list(req.prompt_ids)
+            return list(req.prompt_ids), None
         if self.tokenizer is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          "this model has no tokenizer.json: send prompt_ids instead of text")
-        chars = len(req.prompt) + sum(len(m.content) for m in req.messages)
-        if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the prompt has {chars} characters; this server takes "
-                                                            f"at most {self.max_prompt_chars} (--max-prompt-chars)")
+                          "this model has no tokenizer: send prompt_ids instead of text or messages")
+        if req.messages:  # the chat plan refuses a conversation over --max-prompt-chars before rendering it
+            plan = self._chat(req, context)
+            return plan.ids, plan
         try:
-            return self.tokenizer.encode(req.prompt)
-        except TokenizerError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            check_prompt_chars(len(req.prompt), self.max_prompt_chars, "prompt")
+            return self.tokenizer.encode(req.prompt), None
+        except (APIError, TokenizerError) as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.message if isinstance(e, APIError) else str(e))
 
     def _grammar(self, request):
         """The request's compiled grammar or None (GrammarError when it has none that compiles)."""
@@ -154,16 +155,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             raise GrammarError(f"{kind}: the grammar engine cannot compile this: {e}") from None
 
     def Generate(self, request, context):
-        plan = None
-        if request.messages and not request.prompt and not request.prompt_ids:
-            if self.tokenizer is None:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                              "this model has no tokenizer: send prompt_ids instead of messages")
-            self._prompt_ids(request, context)  # the common checks (one prompt form, chat-only fields, size)
-            plan = self._chat(request, context)
-            ids = plan.ids
-        else:
-            ids = self._prompt_ids(request, context)
+        ids, plan = self._prompt(request, context)
         try:
             grammar = self._grammar(request)
             if plan is not None and plan.grammar is not None and self.engine.grammars is not None:
