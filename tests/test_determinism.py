@@ -15,6 +15,8 @@ import time
 import httpx
 import pytest
 
+from local_stack import replicated_stack
+
 pytest.importorskip("cpu_expert_service.kernel_backend", reason="kernel extension not built (make build)")
 
 MODEL = "tiny-det"
@@ -31,22 +33,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(model_dir):
-    from gpu_service.local.stack import start_shards
-    from gpu_service.serving import ServingStack, build_runner
-
-    shards = start_shards(model_dir, 2, split="experts", backend="auto", replicas=2)
-    try:
-        runner, client, tok = build_runner(model_dir, shards.addresses, "cpu", "float32", kv_tokens=8192,
-                                           page_size=16, expert_timeout=10.0)
-        st = ServingStack(runner, tok, MODEL, port=0, grpc_port=0, max_batch=N_REQ, chunk_tokens=64,
-                          health_fn=client.health, closers=[shards.stop, client.close])
-    except BaseException:
-        shards.stop()
-        raise
-    st.shards, st.client = shards, client
-    st.start()
-    yield st
-    st.stop()
+    with replicated_stack(model_dir, MODEL, kv_tokens=8192,
+                          max_batch=N_REQ, chunk_tokens=64, expert_timeout=10.0) as st:
+        yield st
 
 
 PROMPTS = [f"request {i}: " + "the experts answer " * (1 + i % 4) for i in range(N_REQ)]

@@ -18,6 +18,8 @@ import grpc
 import httpx
 import numpy as np
 import pytest
+
+from local_stack import replicated_stack
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,22 +37,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(model_dir):
-    from gpu_service.local.stack import start_shards
-    from gpu_service.serving import ServingStack, build_runner
-
-    shards = start_shards(model_dir, 2, split="experts", backend="auto", replicas=2)
-    try:
-        runner, client, tok = build_runner(model_dir, shards.addresses, "cpu", "float32", kv_tokens=4096,
-                                           page_size=16, expert_timeout=TIMEOUT_S)
-        st = ServingStack(runner, tok, MODEL, port=0, grpc_port=0, max_batch=N_GEN, chunk_tokens=256,
-                          health_fn=client.health, closers=[shards.stop, client.close])
-    except BaseException:
-        shards.stop()
-        raise
-    st.shards, st.client = shards, client
-    st.start()
-    yield st
-    st.stop()
+    with replicated_stack(model_dir, MODEL, kv_tokens=4096,
+                          max_batch=N_GEN, chunk_tokens=256, expert_timeout=TIMEOUT_S) as st:
+        yield st
 
 
 def _prompts(tok, n=N_GEN):

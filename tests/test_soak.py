@@ -15,6 +15,8 @@ import httpx
 import numpy as np
 import pytest
 
+from local_stack import replicated_stack
+
 SOAK_S = float(os.environ.get("MOESPLIT_SOAK_S", "15"))
 CONCURRENCY = 32
 MODEL = "tiny-soak"
@@ -23,24 +25,12 @@ N_PROMPTS = 12
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from gpu_service.local.stack import start_shards
-    from gpu_service.serving import ServingStack, build_runner
     from gpu_service.local.tiny import make_tiny
 
     model_dir = make_tiny(str(tmp_path_factory.mktemp("soak") / MODEL), "bf16", seed=11)
-    shards = start_shards(model_dir, 2, split="experts", backend="auto", replicas=2)
-    try:
-        runner, client, tok = build_runner(model_dir, shards.addresses, "cpu", "float32", kv_tokens=8192,
-                                           page_size=16, expert_timeout=10.0)
-        st = ServingStack(runner, tok, MODEL, port=0, grpc_port=0, max_batch=CONCURRENCY, chunk_tokens=256,
-                          health_fn=client.health, closers=[shards.stop, client.close])
-    except BaseException:
-        shards.stop()
-        raise
-    st.client = client
-    st.start()
-    yield st
-    st.stop()
+    with replicated_stack(model_dir, MODEL, kv_tokens=8192,
+                          max_batch=CONCURRENCY, chunk_tokens=256, expert_timeout=10.0) as st:
+        yield st
 
 
 def test_soak_streaming(stack):
