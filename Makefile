@@ -5,7 +5,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-test protos build test soak demo bench bench-decode bench-kernels bench-prefix gpu-check chart-check images image-test clean
+.PHONY: setup setup-test protos build test soak demo bench bench-decode bench-grammar bench-kernels bench-prefix gpu-check chart-check images image-test clean
 
 setup: $(STAMP)
 
@@ -42,6 +42,11 @@ bench-kernels: build
 bench: setup
 	$(PY) bench/bench_pipeline.py
 	$(PY) bench/bench_decode.py
+	$(PY) bench/bench_grammar.py
+
+# structured outputs: a 30-property schema's compile time, the sampler's masking overhead at batch 1 and 16
+bench-grammar: setup
+	$(PY) bench/bench_grammar.py
 
 # the decode step's fixed cost per MoE layer (3 vs 27 layers) and 1/8/32 streams through `moesplit serve`
 bench-decode: setup
