@@ -125,6 +125,9 @@ MoePool *moe_pool_create(int nthreads, const int *cpus, int ncpus);
 void moe_pool_destroy(MoePool *pool);
 int moe_pool_size(const MoePool *pool);
 void moe_pool_run(MoePool *pool, moe_job_fn fn, void *arg); /* caller is thread 0 */
+void moe_pool_run_n(MoePool *pool, moe_job_fn fn, void *arg, int threads); /* threads 1: the caller alone */
+/* multiply-adds below which a forward call runs on the calling thread alone (moe_forward) */
+#define MOE_SMALL_CALL_MACS (1L << 21)
 void moe_pool_barrier(MoePool *pool);
 /* Streaming-read probe: every pool thread reads its contiguous share of buf (64-byte aligned,
  * bytes a multiple of 256 * threads) once, with 256-bit loads where the CPU has AVX2; returns the

@@ -190,9 +190,13 @@ void moe_pool_barrier(MoePool *pool) {
     if (pool->n > 1) pthread_barrier_wait(&pool->bar);
 }
 
-void moe_pool_run(MoePool *pool, moe_job_fn fn, void *arg) {
+void moe_pool_run(MoePool *pool, moe_job_fn fn, void *arg) { moe_pool_run_n(pool, fn, arg, pool->n); }
+
+/* run fn on `threads` threads: 1 = on the caller alone (no worker woken; its job must not call
+ * moe_pool_barrier then), else the whole pool */
+void moe_pool_run_n(MoePool *pool, moe_job_fn fn, void *arg, int threads) {
     pthread_mutex_lock(&pool->run_mu);
-    if (pool->n == 1) {
+    if (pool->n == 1 || threads <= 1) {
         fn(arg, 0, 1);
         pthread_mutex_unlock(&pool->run_mu);
         return;
@@ -600,7 +604,7 @@ static void fwd_job(void *arg, int tid, int nt) {
         } else
             quant_row(xr, f->H, Kx, off, f->xq + (size_t)t * 2 * Kx, f->xs + (size_t)t * gx, f->xc + (size_t)t * gx);
     }
-    moe_pool_barrier(f->pool);
+    if (nt > 1) moe_pool_barrier(f->pool);
 
     const void **ptr = f->ptrs + (size_t)tid * 4 * f->nmax;
     float *C = f->C + (size_t)tid * f->nmax * 64;
@@ -641,13 +645,13 @@ static void fwd_job(void *arg, int tid, int nt) {
             }
         }
     }
-    moe_pool_barrier(f->pool);
+    if (nt > 1) moe_pool_barrier(f->pool);
     if (isint) { /* phase 1b: quantise the intermediate rows */
         part(f->na, tid, nt, &r0, &r1);
         for (int a = r0; a < r1; a++)
             quant_row(f->af + (size_t)a * Ka, Ka, Ka, off, f->aq + (size_t)a * 2 * Ka, f->as + (size_t)a * ga,
                       f->ac + (size_t)a * ga);
-        moe_pool_barrier(f->pool);
+        if (nt > 1) moe_pool_barrier(f->pool);
     }
     /* phase 2: down, weighted accumulation; this thread owns output columns of its panels, so a
      * token's out[c] gets its experts' terms in one fixed order, ascending expert id (then k slot
@@ -806,7 +810,10 @@ int moe_forward(MoePool *pool, const MoeKernels *kern, MoeExpert *const *experts
                 }
             }
     }
-    moe_pool_run(pool, fwd_job, &f);
+    /* a call this small (a tiny model's decode step) runs on the calling thread: waking the pool
+     * costs more than the work (~25 us a call on a 2-core VM). The result is the same bits: a row's
+     * arithmetic does not depend on the thread count (threads split output channels, never k). */
+    moe_pool_run_n(pool, fwd_job, &f, (long)f.na * 3 * H * I < MOE_SMALL_CALL_MACS ? 1 : nt);
 done:
     free(cnt);
     free(slot);
