@@ -161,9 +161,18 @@ class FastBlock:
         self.in_norm, self.post_norm = _Norm(blk.input_layernorm), _Norm(blk.post_attention_layernorm)
         self.o = _Lin(mla.o_proj)
         dev = blk.input_layernorm.weight.device
-        self.q_rope_idx = rope_index(self.rdim, mla.rope.interleave, self.nope, dev)
-        self.kv_off = self.n_first if self.a is not None else 0  # kv_a's columns in the fused output
-        self.k_rope_idx = rope_index(self.rdim, mla.rope.interleave, self.kv_off + self.r, dev)
+        # RoPE of the query heads and the new key in one gather over cat([q, kv_a output]) (or over
+        # the fused output alone when it already holds q: no q_lora)
+        self.kv_off = self.n_first if self.a is not None else 0  # kv_a's columns in its output
+        qw = self.nh * (self.nope + self.rdim)
+        self.pe_in_a = self.a is not None and self.ql is None  # q is a's first columns
+        k0 = (self.kv_off if self.pe_in_a else qw + self.kv_off) + self.r
+        self.pe_idx = torch.cat([rope_index(self.rdim, mla.rope.interleave, h * (self.nope + self.rdim) + self.nope, dev)
+                                 for h in range(self.nh)] + [rope_index(self.rdim, mla.rope.interleave, k0, dev)])
+        self.scaling = torch.tensor(mla.scaling, dtype=torch.float32, device=dev)
+        self.ninf = torch.tensor(float("-inf"), dtype=torch.float32, device=dev)
+        self.eps20 = torch.tensor(1e-20, dtype=torch.float32, device=dev)
+        self.route_scale = torch.tensor(cfg.routed_scaling_factor, dtype=torch.float32, device=dev)
         self.wkv_fixed = None
         if type(mla.kv_b_proj) is nn.Linear:  # unquantised: W_UK / W_UV views resolved once
             self.wkv_fixed = self._wkv(mla.kv_b_proj.weight.to(dtype))
@@ -204,15 +213,13 @@ class FastBlock:
             q0, ckv = a[:, : self.n_first], a
         else:
             q0, ckv = self.first(xn), self.kva(xn)
-        q = self.qb(self.q_norm(q0)) if self.qb is not None else q0
-        q = q.view(Bp, self.nh, self.nope + self.rdim)
-        m = q.index_select(2, self.q_rope_idx) * cs[:, None, :]  # [Bp, nh, 2 rope]
-        q_pe = m[..., : self.rdim] + m[..., self.rdim:]
-        m = ckv.index_select(1, self.k_rope_idx) * cs  # [Bp, 2 rope]
-        k_pe = m[:, : self.rdim] + m[:, self.rdim:]
+        q = self.qb(self.q_norm(q0)) if self.qb is not None else q0  # [Bp, nh * (nope + rope)]
+        src = ckv if self.pe_in_a else torch.cat([q, ckv], dim=1)
+        m = src.index_select(1, self.pe_idx).view(Bp, self.nh + 1, 2 * self.rdim) * cs[:, None, :]
+        pe = m[..., : self.rdim] + m[..., self.rdim:]  # [Bp, nh + 1, rope]: the heads' q_pe, then k_pe
         c = self.kv_norm(ckv[:, self.kv_off: self.kv_off + self.r])
-        q_abs = torch.bmm(q[..., : self.nope].transpose(0, 1), w_uk)  # [nh, Bp, r]
-        return torch.cat([q_abs.transpose(0, 1), q_pe], dim=-1), torch.cat([c, k_pe], dim=-1)
+        q_abs = torch.bmm(q.view(Bp, self.nh, self.nope + self.rdim)[..., : self.nope].transpose(0, 1), w_uk)
+        return torch.cat([q_abs.transpose(0, 1), pe[:, : self.nh]], dim=-1), torch.cat([c, pe[:, self.nh]], dim=-1)
 
     def mid(self, x: torch.Tensor, o_lat: torch.Tensor, w_uv: torch.Tensor):
         """o_lat [Bp, nh, r] -> x after attention, h = post-attention norm, (MoE) ids, w."""
@@ -234,12 +241,12 @@ class FastBlock:
             cg = choice.view(-1, cfg.n_group, E // cfg.n_group)
             gidx = cg.topk(2, dim=-1)[0].sum(-1).topk(cfg.topk_group, dim=-1, sorted=False)[1]  # [Bp, topk_group]
             drop = torch.ones(cg.shape[:2] + (1,), dtype=torch.bool, device=h.device).scatter_(1, gidx[..., None], False)
-            choice = cg.masked_fill(drop, float("-inf")).view(-1, E)
+            choice = torch.where(drop, self.ninf, cg).view(-1, E)
         ids = choice.topk(self.k, dim=-1, sorted=False)[1]
         w = scores.gather(1, ids)
         if cfg.norm_topk_prob:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return ids, w * cfg.routed_scaling_factor
+            w = w / (w.sum(-1, keepdim=True) + self.eps20)
+        return ids, (w * self.route_scale if cfg.routed_scaling_factor != 1.0 else w)
 
     def shared(self, h: torch.Tensor) -> torch.Tensor:
         return self.mlp(h)
@@ -274,6 +281,14 @@ class DecodeStep:
         self.meta, self.B, self.Bp = meta, B, Bp
         self.cs = rope_table(cos, sin, Bp)
         self.graphs = graphs  # a cuda_graphs.GraphSet for this (device, micro-batch, bucket), or None
+        self._o_lat = None
+
+    def o_lat_buffer(self, nh: int, r: int, dtype: torch.dtype, device) -> torch.Tensor:
+        """[Bp, nh, r] zeros, once per step: attention writes its B real rows, pad rows stay 0
+        (every layer's o_lat is consumed by its own `mid` before the next layer writes)."""
+        if self._o_lat is None:
+            self._o_lat = torch.zeros(self.Bp, nh, r, dtype=dtype, device=device)
+        return self._o_lat
 
 
 def padded_rows(B: int, device: torch.device) -> int:
@@ -299,7 +314,8 @@ def fast_block(model, i: int, dtype: torch.dtype) -> FastBlock:
 def attention_core(fb: FastBlock, qcat: torch.Tensor, new: torch.Tensor, kv: torch.Tensor, st: DecodeStep):
     """Eager: write the step's new cache rows, attend (one query per sequence) -> o_lat [Bp, nh, r]."""
     meta, B, Bp, r = st.meta, st.B, st.Bp, fb.r
-    kv.index_copy_(0, meta.write_slots, (new[:B] if Bp > B else new).to(kv.dtype))
+    new = new[:B] if Bp > B else new
+    kv.index_copy_(0, meta.write_slots, new if new.dtype == kv.dtype else new.to(kv.dtype))
     q = qcat[:B] if Bp > B else qcat
     if meta.fi_indices is not None and kv.device.type == "cuda":
         o_lat = paged_attention._flashinfer_decode(fb.mla, q[..., :r], q[..., r:], kv, meta, None)
@@ -309,8 +325,13 @@ def attention_core(fb: FastBlock, qcat: torch.Tensor, new: torch.Tensor, kv: tor
             cache = cache.to(q.dtype)
         scores = torch.bmm(cache, q.transpose(1, 2)).transpose(1, 2)  # [B, nh, Smax] (keys as GEMM rows)
         scores = scores.float().contiguous() if scores.dtype != torch.float32 else scores.contiguous()
-        p = torch.softmax(scores.masked_fill_(meta.invalid, float("-inf")).mul_(fb.mla.scaling), dim=-1)
-        o_lat = torch.bmm(p if p.dtype == q.dtype else p.to(q.dtype), cache[..., :r])  # [B, nh, r]
+        p = torch.softmax(scores.masked_fill_(meta.invalid, fb.ninf).mul_(fb.scaling), dim=-1)
+        p = p if p.dtype == q.dtype else p.to(q.dtype)
+        if Bp > B:  # into the step's zero-padded buffer: its pad rows stay zero
+            buf = st.o_lat_buffer(q.shape[1], r, q.dtype, q.device)
+            torch.bmm(p, cache[..., :r], out=buf[:B])
+            return buf
+        return torch.bmm(p, cache[..., :r])  # [B, nh, r]
     if Bp > B:
         o_lat = torch.cat([o_lat, o_lat.new_zeros((Bp - B,) + tuple(o_lat.shape[1:]))])
     return o_lat
