@@ -280,6 +280,8 @@ class DecodeStep:
     def __init__(self, meta, cos: torch.Tensor, sin: torch.Tensor, B: int, Bp: int, graphs=None):
         self.meta, self.B, self.Bp = meta, B, Bp
         self.cs = rope_table(cos, sin, Bp)
+        if graphs is not None:
+            self.cs = graphs.rope_table(self.cs)  # the set's static buffer: no copy per layer
         self.graphs = graphs  # a cuda_graphs.GraphSet for this (device, micro-batch, bucket), or None
         self._o_lat = None
 
@@ -341,6 +343,8 @@ def block_steps(fb: FastBlock, x: torch.Tensor, st: DecodeStep, kv: torch.Tensor
     """Generator like Block.steps over padded rows x [Bp, H]: yields once while the experts work."""
     g = st.graphs
     w_uk, w_uv = fb.wkv()
+    if g is not None and fb.wkv_fixed is not None:
+        g.persist(w_uk, w_uv)
     if g is None:
         qcat, new = fb.pre(x, st.cs, w_uk)
     else:
