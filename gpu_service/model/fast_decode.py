@@ -322,18 +322,9 @@ def attention_core(fb: FastBlock, qcat: torch.Tensor, new: torch.Tensor, kv: tor
     if meta.fi_indices is not None and kv.device.type == "cuda":
         o_lat = paged_attention._flashinfer_decode(fb.mla, q[..., :r], q[..., r:], kv, meta, None)
     else:
-        cache = kv.index_select(0, meta.key_slots.view(-1)).view(B, meta.key_slots.shape[1], kv.shape[1])
-        if cache.dtype != q.dtype:
-            cache = cache.to(q.dtype)
-        scores = torch.bmm(cache, q.transpose(1, 2)).transpose(1, 2)  # [B, nh, Smax] (keys as GEMM rows)
-        scores = scores.float().contiguous() if scores.dtype != torch.float32 else scores.contiguous()
-        p = torch.softmax(scores.masked_fill_(meta.invalid, fb.ninf).mul_(fb.scaling), dim=-1)
-        p = p if p.dtype == q.dtype else p.to(q.dtype)
-        if Bp > B:  # into the step's zero-padded buffer: its pad rows stay zero
-            buf = st.o_lat_buffer(q.shape[1], r, q.dtype, q.device)
-            torch.bmm(p, cache[..., :r], out=buf[:B])
-            return buf
-        return torch.bmm(p, cache[..., :r])  # [B, nh, r]
+        buf = st.o_lat_buffer(q.shape[1], r, q.dtype, q.device) if Bp > B else None  # pad rows stay 0
+        o = paged_attention.torch_attend(q, kv, meta, None, fb.scaling, r, None if buf is None else buf[:B], fb.ninf)
+        return o if buf is None else buf
     if Bp > B:
         o_lat = torch.cat([o_lat, o_lat.new_zeros((Bp - B,) + tuple(o_lat.shape[1:]))])
     return o_lat
