@@ -8,11 +8,13 @@ afterwards; a step whose batch is above the largest bucket, a prefill or a mixed
 
 Static buffers: a segment's inputs are copied into its static inputs before a replay unless the
 argument *is* a static buffer of the same set already (the previous segment's output, the step's
-RoPE table, a weight view): then nothing is copied. The outputs are the graph's own tensors,
-overwritten by the next replay of the same segment, which happens only in the next step (every
-consumer reads them within the layer, the expert hand-off copies h / ids / w to the host at once).
-All graphs of a set share one memory pool and replay in the order they were captured (layer by
-layer), the condition for sharing a pool; the two ping-pong micro-batches have separate sets.
+RoPE table, a weight view): then nothing is copied. Static inputs and outputs are shared by all
+layers of a set (one buffer per segment name, argument and shape): each graph ends by copying its
+results into the set's output buffers of its segment, which the layer consumes before the next
+layer's segment of that name runs (the expert hand-off copies h / ids / w to the host at once).
+So a set holds one layer's buffers, and its graphs' temporaries come from one memory pool, reused
+from graph to graph: they replay in the order they were captured (layer by layer), the condition
+for sharing a pool. The two ping-pong micro-batches have separate sets.
 
 Capture is lazy: the first step at a bucket runs each segment once on a side stream (warm-up),
 captures it and replays it, so that step is slow and every later one replays.
@@ -53,6 +55,7 @@ class GraphSet:
         self.pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
         self.entries: dict[tuple[int, str], _Entry] = {}
         self.static: set[tuple] = set()  # signatures of tensors used as they are (no copy)
+        self.buffers: dict[tuple, torch.Tensor] = {}  # static inputs / outputs shared by the layers
         self._cs: torch.Tensor | None = None
         self.replays = 0
 
@@ -71,10 +74,11 @@ class GraphSet:
         return self._cs
 
     def run(self, layer: int, name: str, fn, *args) -> tuple:
-        """fn(*args) as a replay of its graph (captured at the first call); returns its outputs."""
+        """fn(*args) as a replay of its graph (captured at the first call); returns its outputs
+        (the set's shared output buffers of `name`: valid until the next call of `name`)."""
         e = self.entries.get((layer, name))
         if e is None:
-            e = self.entries[(layer, name)] = self._capture(fn, args)
+            e = self.entries[(layer, name)] = self._capture(name, fn, args)
             return e.outputs
         for s, a in zip(e.inputs, args):
             if s is not None and s.data_ptr() != a.data_ptr():
@@ -83,32 +87,53 @@ class GraphSet:
         if e.graph is not None:
             e.graph.replay()
         else:  # static mode: the same call on the same buffers
-            for s, o in zip(e.outputs, _tuple(e.fn(*e.inputs))):
-                s.copy_(o)
+            e.fn(*e.inputs)
         return e.outputs
 
-    def _capture(self, fn, args) -> _Entry:
-        inputs = [None if a is None else a if _sig(a) in self.static else a.clone() for a in args]
-        for t in inputs:
-            if t is not None:
-                self.static.add(_sig(t))
-        if self.mode == "static":
-            outs = tuple(o.clone() for o in _tuple(fn(*inputs)))
-            graph = None
-        else:
+    def _shared(self, key: tuple, like: torch.Tensor) -> torch.Tensor:
+        """A buffer shared by every layer's segment of one name (a layer's segment fills it and
+        the layer reads it before the next layer's segment runs): bytes per set, not per layer."""
+        key = key + (tuple(like.shape), like.dtype)
+        b = self.buffers.get(key)
+        if b is None:
+            b = self.buffers[key] = torch.empty_like(like)
+            self.static.add(_sig(b))
+        return b
+
+    def _capture(self, name: str, fn, args) -> _Entry:
+        inputs = []
+        for j, a in enumerate(args):
+            if a is None or _sig(a) in self.static:
+                inputs.append(a)
+            else:
+                b = self._shared((name, "in", j), a)
+                b.copy_(a)
+                inputs.append(b)
+        if self.mode == "cuda":
             cur = torch.cuda.current_stream(self.device)
             side = torch.cuda.Stream(self.device)
             side.wait_stream(cur)
             with torch.cuda.stream(side):
-                fn(*inputs)  # warm-up off the capture (lazy init, cuBLAS workspaces)
+                probe = _tuple(fn(*inputs))  # warm-up off the capture (lazy init, cuBLAS workspaces)
             cur.wait_stream(side)
+        else:
+            probe = _tuple(fn(*inputs))
+        outs = tuple(self._shared((name, "out", j), o) for j, o in enumerate(probe))
+        del probe
+
+        def body(*xs):
+            for b, o in zip(outs, _tuple(fn(*xs))):
+                b.copy_(o)
+
+        graph = None
+        if self.mode == "cuda":
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                outs = _tuple(fn(*inputs))
+                body(*inputs)
             graph.replay()
-        for o in outs:
-            self.static.add(_sig(o))
-        return _Entry(inputs, outs, graph, fn)
+        else:
+            body(*inputs)
+        return _Entry(inputs, outs, graph, body)
 
 
 class Graphs:

@@ -38,6 +38,7 @@ from gpu_service.model import paged_attention
 from gpu_service.model.qlinear import weight_of
 
 MIN_ROWS = paged_attention.MIN_ROWS
+_WKV_BUFFERS: dict = {}  # (device, dtype, shape) -> the dequantised kv_b_proj weight CUDA graphs read
 
 
 # -------------------------------------------------------------------------- fused weights at load
@@ -203,6 +204,20 @@ class FastBlock:
             return self.wkv_fixed
         return self._wkv(weight_of(self.mla.kv_b_proj, self.dtype))
 
+    def wkv_static(self):
+        """wkv() at a fixed address: a quantised kv_b_proj is dequantised into one buffer per
+        device and dtype, shared by all layers (a layer reads it only between its pre and mid
+        segments, with no yield in between), so CUDA graphs read it in place."""
+        if self.wkv_fixed is not None:
+            return self.wkv_fixed
+        w = weight_of(self.mla.kv_b_proj, self.dtype)
+        key = (w.device, w.dtype, tuple(w.shape))
+        buf = _WKV_BUFFERS.get(key)
+        if buf is None:
+            buf = _WKV_BUFFERS[key] = torch.empty_like(w)
+        buf.copy_(w)
+        return self._wkv(buf)
+
     # ---- segments (pure functions of tensors: CUDA-graph capturable) ---------------------------
     def pre(self, x: torch.Tensor, cs: torch.Tensor, w_uk: torch.Tensor):
         """x [Bp, H], cs [Bp, 2 rope] -> qcat [Bp, nh, r + rope], new cache rows [Bp, r + rope]."""
@@ -333,8 +348,8 @@ def attention_core(fb: FastBlock, qcat: torch.Tensor, new: torch.Tensor, kv: tor
 def block_steps(fb: FastBlock, x: torch.Tensor, st: DecodeStep, kv: torch.Tensor, experts, layer: int):
     """Generator like Block.steps over padded rows x [Bp, H]: yields once while the experts work."""
     g = st.graphs
-    w_uk, w_uv = fb.wkv()
-    if g is not None and fb.wkv_fixed is not None:
+    w_uk, w_uv = fb.wkv() if g is None else fb.wkv_static()
+    if g is not None:
         g.persist(w_uk, w_uv)
     if g is None:
         qcat, new = fb.pre(x, st.cs, w_uk)

@@ -54,10 +54,11 @@ Workspace of one GPU: what the forward pass keeps alive at once beyond weights a
              in row groups of at most K keys), plus the fused decode segments' rows and step buffers
              (A' = q_lora + kv_lora + rope + heads*(qk_head_dim + 2*rope + kv_lora)). A decode step
              runs after the step's prefill chunks have dropped theirs: max(common + attn, decode)
-    graphs = 2 * sum(buckets) * (L_gpu * (e*(heads*(2*kv_lora + rope) + kv_lora + rope + 6H) + 12*top_k
-             + 8*rope) + e*(A' + 3M + 2H) + 8*E)     CUDA-graph pools (cuda_graphs, the default): per
-             micro-batch slot and batch-size bucket (1, 2, 4, ..., 32 and powers of 2 to max_batch)
-             every layer's static segment inputs/outputs plus one set of temporaries
+    graphs = 2 * sum(buckets) * (e*(heads*(2*kv_lora + rope) + kv_lora + rope + 6H) + 12*top_k + 8*rope
+             + e*(A' + 3M + 2H) + 8*E) [+ e*heads*(qk_nope + v_head_dim)*kv_lora, a quantised kv_b_proj]
+             CUDA-graph pools (cuda_graphs, the default; on a GPU with layers): per micro-batch slot
+             and batch-size bucket (1, 2, 4, ..., 32 and powers of 2 to max_batch) one layer's static
+             segment inputs/outputs (shared by the layers) plus one set of temporaries (the pool)
   workspace = act + max(common + max(attn, index), decode) + moe + logits + scratch + graphs
 Compute dtype (`dtype`, default bfloat16): unquantised weights ("bf16" above), norms, embeddings,
   lm_head, GPU hot experts in "bf16" and the KV cache are held in it: e bytes per element where
@@ -351,8 +352,9 @@ def decode_workspace_bytes(cfg: ModelConfig, o: Options, *, mlp_width: int) -> i
 
 
 def graph_pool_bytes(cfg: ModelConfig, o: Options, *, layers: int, mlp_width: int) -> int:
-    """CUDA-graph pools: per micro-batch slot and bucket b, every layer's static outputs and inputs
-    (b rows each) plus one set of segment temporaries (shared by the set's graphs)."""
+    """CUDA-graph pools: per micro-batch slot and bucket b, one layer's static inputs and outputs
+    (shared by the set's layers) and one set of segment temporaries (the set's memory pool, reused
+    from graph to graph), b rows each; plus the dequantised kv_b_proj buffer graphs read."""
     if not o.cuda_graphs or not layers:
         return 0
     eb, H, nh, r, rope = o.eb, cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
@@ -360,7 +362,8 @@ def graph_pool_bytes(cfg: ModelConfig, o: Options, *, layers: int, mlp_width: in
     row_static = eb * (nh * (r + rope) + nh * r + (r + rope) + 6 * H) + 12 * k + 8 * rope
     A = (cfg.q_lora_rank or 0) + cfg.kv_cache_dim + nh * (cfg.qk_head_dim + 2 * rope + r)
     row_tmp = eb * (A + 3 * mlp_width + 2 * H) + 8 * E
-    return GRAPH_SLOTS * sum(graph_buckets(o.max_batch)) * (layers * row_static + row_tmp)
+    wkv = eb * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim) * r if kv_b_dequantised(cfg, o) else 0
+    return GRAPH_SLOTS * sum(graph_buckets(o.max_batch)) * (row_static + row_tmp) + wkv
 
 
 def workspace_bytes(cfg: ModelConfig, o: Options, *, mlp_width: int, lm_head: bool, scratch: int = 0,
