@@ -466,8 +466,9 @@ class DeepseekV3(nn.Module):
             last = torch.tensor([c.n for c in chunks]).cumsum(0) - 1
             x = x[last.to(x.device)]
         n = x.shape[0]
-        if x.device.type == "cpu" and n < fast_decode.MIN_ROWS:  # batch-invariant GEMM rows (fast_decode)
-            x = torch.cat([x, x.new_zeros(fast_decode.MIN_ROWS - n, x.shape[1])])
+        pad = fast_decode.padded_rows(n, x.device) - n  # batch-invariant GEMM rows (fast_decode)
+        if pad and not all_logits:
+            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
         x = self.model.norm(x)
         return self.lm_head(x)[:n].float()
 

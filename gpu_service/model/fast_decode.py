@@ -14,9 +14,9 @@ four segments around two eager parts:
     shared  the shared expert (gate ++ up as one matmul) or the dense MLP, while the shards work
     post    residual + routed + shared
 
-Rows are padded to Bp (at least MIN_ROWS on CPU, the CUDA-graph bucket there): every GEMM sees
-at least four rows, so a sequence's result is bit-identical alone or batched (the CPU GEMM takes
-another summation order for 1-3 rows; paged_attention.MIN_ROWS). Padded rows are zeros and
+Rows are padded to Bp (a multiple of MIN_ROWS on CPU, the CUDA-graph bucket there): every GEMM
+row lies in a full block of four rows, so a sequence's result is bit-identical alone or batched (the
+CPU GEMM takes another summation order for a partial block of 1-3 rows; paged_attention.MIN_ROWS). Padded rows are zeros and
 row-independent; they are never sent to the experts nor written to the cache.
 
 On CPU fp32 RMSNorm is x * rsqrt(||x||^2 + H eps) * (w sqrt(H)): torch's fused rms_norm costs
@@ -309,7 +309,10 @@ class DecodeStep:
 
 
 def padded_rows(B: int, device: torch.device) -> int:
-    return max(B, MIN_ROWS) if device.type == "cpu" else B
+    """Rows a step runs with: on CPU a multiple of MIN_ROWS (the CPU GEMM computes rows in blocks
+    of four and a row in a partial block in another summation order: measured, any row of an M = 4k
+    product equals the same row alone padded to 4; tests/test_fast_decode.py checks it end to end)."""
+    return -(-B // MIN_ROWS) * MIN_ROWS if device.type == "cpu" else B
 
 
 def eligible(model, meta) -> bool:
