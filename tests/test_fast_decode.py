@@ -159,3 +159,28 @@ def test_plan_workspace_counts_decode_attention_and_graph_pools():
     kw = dict(mlp_width=2048, lm_head=True, layers=61)
     assert P.workspace_bytes(cfg, o, **kw) - P.workspace_bytes(cfg, no_graphs, **kw) == g
     assert g < 256 * 2 ** 20  # one layer's static buffers per set, not one per layer
+
+
+@pytest.mark.parametrize("over,fmt", [({"q_lora_rank": None}, None), ({}, "int8"), ({}, "fp8")],
+                         ids=["no-q-lora", "int8-attention", "fp8-attention"])
+def test_fused_decode_variants_equal_plain(over, fmt):
+    """No q_lora (q_proj fused with kv_a), weight-only quantised attention / shared expert (no fusion,
+    kv_b_proj dequantised per step): the fused step equals the plain reference."""
+    from checkpoint.config import ModelConfig
+    from gpu_service.local.tiny import build_hf_model, tiny_config
+    from gpu_service.model.deepseek import build_model
+
+    d = tiny_config("deepseek_v3", "bf16", over)
+    sd = {k: v.float() for k, v in build_hf_model(d, 0).state_dict().items()}
+    cfg = ModelConfig.from_dict(d)
+
+    def linear_format(n):
+        return fmt if fmt and ("self_attn" in n or "shared_experts" in n) and n.endswith("proj.weight") else None
+
+    model, _ = build_model(cfg, lambda n: sd[n].numpy(), torch.float32, lambda n: torch.device("cpu"),
+                           linear_format=linear_format)
+    plain = _greedy(model, cfg, _row_independent_experts, PROMPTS[:3], 8, batched=False)
+    fused = _greedy(model, cfg, _row_independent_experts, PROMPTS[:3], 8)
+    assert fused[0] == plain[0]
+    assert max(float((a - b).abs().max()) for a, b in zip(plain[1], fused[1])) < 1e-5
+    assert len(model.__dict__["_fast_blocks"]) == cfg.num_hidden_layers  # the fused path ran every layer
