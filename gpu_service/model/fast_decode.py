@@ -118,8 +118,8 @@ class _Norm:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.composed and x.dtype == torch.float32:
-            n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-            return x * torch.rsqrt(n * n + self.heps) * self.ws
+            n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # in place on fresh tensors: fewer allocations
+            return (x * n.mul_(n).add_(self.heps).rsqrt_()).mul_(self.ws)
         return self.w * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
 
 
@@ -230,7 +230,7 @@ class FastBlock:
             q0, ckv = self.first(xn), self.kva(xn)
         q = self.qb(self.q_norm(q0)) if self.qb is not None else q0  # [Bp, nh * (nope + rope)]
         src = ckv if self.pe_in_a else torch.cat([q, ckv], dim=1)
-        m = src.index_select(1, self.pe_idx).view(Bp, self.nh + 1, 2 * self.rdim) * cs[:, None, :]
+        m = src.index_select(1, self.pe_idx).view(Bp, self.nh + 1, 2 * self.rdim).mul_(cs[:, None, :])
         pe = m[..., : self.rdim] + m[..., self.rdim:]  # [Bp, nh + 1, rope]: the heads' q_pe, then k_pe
         c = self.kv_norm(ckv[:, self.kv_off: self.kv_off + self.r])
         q_abs = torch.bmm(q.view(Bp, self.nh, self.nope + self.rdim)[..., : self.nope].transpose(0, 1), w_uk)
@@ -239,7 +239,7 @@ class FastBlock:
     def mid(self, x: torch.Tensor, o_lat: torch.Tensor, w_uv: torch.Tensor):
         """o_lat [Bp, nh, r] -> x after attention, h = post-attention norm, (MoE) ids, w."""
         o = torch.bmm(o_lat.transpose(0, 1), w_uv)  # [nh, Bp, v]
-        x = x + self.o(o.transpose(0, 1).reshape(x.shape[0], self.nh * self.vdim))
+        x = self.o(o.transpose(0, 1).reshape(x.shape[0], self.nh * self.vdim)).add_(x)  # x + o (commutative)
         h = self.post_norm(x)
         if self.moe is None:
             return x, h
@@ -260,15 +260,15 @@ class FastBlock:
         ids = choice.topk(self.k, dim=-1, sorted=False)[1]
         w = scores.gather(1, ids)
         if cfg.norm_topk_prob:
-            w = w / (w.sum(-1, keepdim=True) + self.eps20)
-        return ids, (w * self.route_scale if cfg.routed_scaling_factor != 1.0 else w)
+            w = w / w.sum(-1, keepdim=True).add_(self.eps20)
+        return ids, (w.mul_(self.route_scale) if cfg.routed_scaling_factor != 1.0 else w)
 
     def shared(self, h: torch.Tensor) -> torch.Tensor:
         return self.mlp(h)
 
     @staticmethod
     def post(x: torch.Tensor, routed: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
-        return x + (routed if shared is None else routed + shared)
+        return x + routed if shared is None else (routed + shared).add_(x)  # x + (routed + shared)
 
 
 class _Mlp:
