@@ -22,8 +22,9 @@ tokens/s, with the default decode path and with MOESPLIT_DECODE_PATH=plain.
 
 Findings (this 2-core AVX2 VM, torch CPU, 1 thread; the machine is shared, so ratios are what count):
 - every torch op costs >= 3 µs of dispatch, so the fixed cost is the op count: the fused decode
-  step (gpu_service/model/fast_decode.py) cut null/fast b1 from ~1,740-1,880 to ~930 µs per MoE layer
-  and b8 from ~3,500 to ~1,800 µs (b8 runs two ping-pong micro-batches: each layer twice);
+  step (gpu_service/model/fast_decode.py) cut null/fast b1 from ~1,560-1,600 to ~840-940 µs per MoE
+  layer and b8 from ~3,230-3,280 to ~1,670-1,780 µs (b8 runs two ping-pong micro-batches: each layer
+  twice); shm b1 ~2,600 -> ~1,550-1,830, b8 ~5,700 -> ~3,440-3,670 (quick runs, back to back);
 - F.rms_norm on a [1, 96] row costs 30-43 µs, vector_norm + 4 elementwise ops ~20 µs; einsum ~35 µs
   against ~5 µs for the bmm it becomes; a Python scalar operand costs ~4 µs more than a 0-d tensor
   (it is wrapped per call), masked_fill with a scalar ~18 µs against torch.where's ~8;
