@@ -20,6 +20,23 @@ Part 2, streams: `moesplit serve` (tiny bf16, 3 layers, 2 shards, default backen
 1, 8 and 32 concurrent streaming completions (64 tokens each, ignore_eos): aggregate decode
 tokens/s, with the default decode path and with MOESPLIT_DECODE_PATH=plain.
 
+Findings (this 2-core AVX2 VM, torch CPU, 1 thread; the machine is shared, so ratios are what count):
+- every torch op costs >= 3 µs of dispatch, so the fixed cost is the op count: the fused decode
+  step (gpu_service/model/fast_decode.py) cut null/fast b1 from ~1,560-1,600 to ~840-940 µs per MoE
+  layer and b8 from ~3,230-3,280 to ~1,670-1,780 µs (b8 runs two ping-pong micro-batches: each layer
+  twice); shm b1 ~2,600 -> ~1,550-1,830, b8 ~5,700 -> ~3,440-3,670 (quick runs, back to back);
+- F.rms_norm on a [1, 96] row costs 30-43 µs, vector_norm + 4 elementwise ops ~20 µs; einsum ~35 µs
+  against ~5 µs for the bmm it becomes; a Python scalar operand costs ~4 µs more than a 0-d tensor
+  (it is wrapped per call), masked_fill with a scalar ~18 µs against torch.where's ~8;
+- a CPU GEMM row in a partial block of four rows takes another summation order: rows are padded to
+  a multiple of 4 for bit-identical results alone or batched (not only to at least 4);
+- torch.compile (inductor, also cpp_wrapper) of a norm + router + shared-expert segment was slower
+  than eager here (305 / 218 µs against 221-240 µs) and compiling took 5-25 s: not adopted;
+- shm per MoE layer minus null is the round trip to two shard processes on the same two cores
+  (~1.2 ms here): the transport's wake-ups, not the GPU side's math;
+- CUDA graphs (gpu_service/model/cuda_graphs.py) replace the per-op launches on a GPU; their
+  numbers come from `make gpu-check` (bench_gpu.py: graphs vs eager ms per step).
+
 Writes bench/results/decode.json and decode.png.
 
     python bench/bench_decode.py [--quick] [--skip-serve]

@@ -1,5 +1,6 @@
 """Short decode/prefill benchmark of the GPU service on CUDA vs CPU (in-process experts), for
-`make gpu-check`. Prints JSON and writes it to --out."""
+`make gpu-check`, and decode with CUDA graphs vs eager (equal tokens, ms per step). Prints JSON
+and writes it to --out; exits 1 if the graphs changed the tokens."""
 import argparse
 import json
 import os
@@ -48,6 +49,37 @@ def linear_times(devices, shapes=((7168, 2048), (4096, 7168)), tokens=(1, 512)):
     return rows
 
 
+def graphs_vs_eager(reader, experts, batches=(1, 8), steps=32):
+    """Decode steps on CUDA (bf16) with the decode segments as CUDA graphs (default) and eager
+    (--no-cuda-graphs): equal greedy tokens, median ms per step of each (issue 20)."""
+    from gpu_service.model.kv import Chunk
+
+    rows = []
+    V = reader.config.vocab_size
+    for B in batches:
+        prompts = [[(13 * i + 5 * j + 1) % V for j in range(8 + i)] for i in range(B)]
+        got = {}
+        for graphs in (False, True):
+            r = ModelRunner(reader, experts, device=torch.device("cuda"), dtype=torch.bfloat16, kv_tokens=2048,
+                            cuda_graphs=graphs)
+            seqs = [r.new_seq() for _ in prompts]
+            logits = r.step(sum(prompts, []), [Chunk(s, 0, len(p)) for s, p in zip(seqs, prompts)])
+            toks, times = [], []
+            for _ in range(steps):
+                nxt = logits.argmax(-1).tolist()
+                toks.append(nxt)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                logits = r.step(nxt, [Chunk(s, s.length, 1) for s in seqs])
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            got[graphs] = (toks, sorted(times[2:])[len(times[2:]) // 2] * 1e3)
+            del r
+        rows.append({"batch": B, "tokens_equal": got[True][0] == got[False][0],
+                     "ms_per_step_eager": round(got[False][1], 3), "ms_per_step_graphs": round(got[True][1], 3)})
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -70,10 +102,15 @@ def main() -> int:
                             "wall_s": round(time.perf_counter() - t0, 3)})
     out = {"bench": "gpu-service decode (tiny wide model, in-process numpy experts)", "results": results,
            "linears": linear_times(devices)}
+    if torch.cuda.is_available():
+        out["cuda_graphs_vs_eager"] = graphs_vs_eager(reader, experts)
     print(json.dumps(out, indent=1))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
+    if not all(r["tokens_equal"] for r in out.get("cuda_graphs_vs_eager", [])):
+        print("bench_gpu: CUDA graphs changed the greedy tokens", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -39,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from gpu_service.experts.client import add_expert_client_arguments  # --expert-timeout, --tls-*
 
     add_expert_client_arguments(p)
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="run decode steps eagerly (default on CUDA: decode segments replayed as CUDA graphs)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
@@ -101,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         transports = {a: client.fast.transport_of(a) for a in addresses}
         try:
             runner = ModelRunner(reader, RemoteExperts(client), device=device, dtype=dtype, kv_tokens=kv,
-                                 placement=placement)
+                                 placement=placement, cuda_graphs=args.cuda_graphs)
             res = runner.generate(ids, args.max_new_tokens, sampling,
                                   stop_ids=() if args.ignore_eos else cfg.eos_token_ids)
         finally:

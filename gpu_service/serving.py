@@ -66,6 +66,9 @@ def add_serving_arguments(p: argparse.ArgumentParser) -> None:
                         "plan leaves free with --host-ram, else a quarter of MemAvailable (at most 64 GiB); "
                         "0 or a CPU pool: none")
     p.add_argument("--max-batch", type=int, default=32, help="most requests running at once (default 32)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="run decode steps eagerly (default on CUDA: each layer's decode segments replayed as "
+                        "CUDA graphs per batch-size bucket)")
     p.add_argument("--chunk-tokens", type=int, default=512,
                    help="token budget of one step (decodes + prefill chunks)")
     p.add_argument("--device", default=None, help="cuda|cpu (default: cuda when available)")
@@ -150,7 +153,7 @@ def shard_health_fn(addresses: list[str], timeout_s: float = 1.0, tls=None) -> C
 def build_runner(model_dir: str, addresses: list[str], device=None, dtype=None, kv_tokens: int = 8192,
                  page_size: int = 64, expert_timeout: float = 5.0, tls=None, tls_server_name: str | None = None,
                  placement=None, chat_template: str | None = None, prefix_cache: bool = True,
-                 host_kv_cache: str | int = 0):
+                 host_kv_cache: str | int = 0, cuda_graphs: bool = True):
     """Connect to the shards (fingerprint + coverage checked) and load the GPU side (its tensors
     verified first). Returns (runner, experts_client, tokenizer or None); `chat_template`: a Jinja file
     overriding the checkpoint's chat format; `host_kv_cache`: bytes / "64GiB" / "auto" (`host_kv_bytes`)
@@ -169,7 +172,8 @@ def build_runner(model_dir: str, addresses: list[str], device=None, dtype=None, 
         runner = ModelRunner(reader, RemoteExperts(client), device=torch.device(device) if device else None,
                              dtype=getattr(torch, dtype) if dtype else None, kv_tokens=kv_tokens,
                              page_size=page_size, placement=placement, prefix_cache=prefix_cache,
-                             host_kv_bytes=host_kv_bytes(host_kv_cache, placement, device))
+                             host_kv_bytes=host_kv_bytes(host_kv_cache, placement, device),
+                             cuda_graphs=cuda_graphs)
     except BaseException:
         client.close()
         raise
@@ -304,7 +308,7 @@ def run_stack(args: argparse.Namespace, prog: str, addresses: list[str], closers
                                                  args.kv_tokens, args.page_size, args.expert_timeout,
                                                  expert_client_tls(args, prog), args.tls_server_name, placement,
                                                  getattr(args, "chat_template", None), args.prefix_cache,
-                                                 args.host_kv_cache)
+                                                 args.host_kv_cache, getattr(args, "cuda_graphs", True))
         closers.append(client.close)
         shard_max = min((int(s.info.max_tokens) for s in client.shards if s.info.max_tokens), default=None)
         chunk = args.chunk_tokens

@@ -10,8 +10,10 @@
 #      into build/gpu-check-site, when that folder exists;
 #   4. runs every `gpu`-marked test (tests/test_gpu.py: plan vs memory_allocated after load, a long
 #      prefill's max_memory_allocated within the plan, bf16 CUDA vs fp32 CPU logits, two planned
-#      GPUs; tests/test_pipeline.py: pinned device->host copies) and fails if any was skipped;
-#   5. a short benchmark (decode tokens/s per device and dtype, time per bf16/fp8/int8 linear).
+#      GPUs, CUDA graphs vs eager decode tokens; tests/test_pipeline.py: pinned device->host copies;
+#      tests/test_paged_attention.py: batched attention on CUDA) and fails if any was skipped;
+#   5. a short benchmark (decode tokens/s per device and dtype, time per bf16/fp8/int8 linear, decode
+#      ms per step with CUDA graphs and eager at batch 1 and 8: tokens must be equal).
 # Everything lands in $OUT when set (else build/gpu-check): machine.txt, torch.txt, pytest.txt,
 # junit.xml, bench_gpu.json.
 set -uo pipefail
@@ -32,7 +34,7 @@ if [ -d "$WHEELS" ]; then
 fi
 "$PY" setup.py -q build_ext --inplace > "$OUT/build.txt" 2>&1 || { echo "gpu-check: building the kernels failed (see $OUT/build.txt)" >&2; exit 1; }
 timeout 300 "$PY" -m pytest -q -m gpu -rA -s -p no:cacheprovider --junitxml="$OUT/junit.xml" \
-  tests/test_gpu.py tests/test_pipeline.py 2>&1 | tee "$OUT/pytest.txt"
+  tests/test_gpu.py tests/test_pipeline.py tests/test_paged_attention.py 2>&1 | tee "$OUT/pytest.txt"
 rc=${PIPESTATUS[0]}
 skipped=$("$PY" - "$OUT/junit.xml" <<'PYEOF'
 import sys, xml.etree.ElementTree as ET
@@ -47,7 +49,7 @@ if [ "$rc" -eq 0 ] && [ "$skipped" != "0" ]; then
   echo "gpu-check: $skipped gpu test(s) skipped (or no junit report): a gpu check that did not run is a failure" >&2
   rc=1
 fi
-timeout 90 "$PY" bench/bench_gpu.py --out "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench.txt"
+timeout 150 "$PY" bench/bench_gpu.py --out "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench.txt"
 brc=${PIPESTATUS[0]}
 [ "$rc" -eq 0 ] && [ "$brc" -ne 0 ] && rc=$brc
 echo "gpu-check: pytest exit $rc ($skipped skipped), bench exit $brc; results in $OUT"

@@ -96,4 +96,31 @@ def attribute_layers(model, placement, tracker: ByteTracker) -> list:
         handles.append(blk.input_layernorm.register_forward_pre_hook(setter(f"gpu{placement.layer_gpu[i]}")))
     handles.append(model.model.norm.register_forward_pre_hook(setter(last)))
     handles.append(model.lm_head.register_forward_pre_hook(setter(last)))
+    handles.append(_FusedLayerLabels(placement, tracker))
     return handles
+
+
+class _FusedLayerLabels:
+    """The fused decode path (gpu_service.model.fast_decode) calls no module of a layer: wrap its
+    `block_steps` to set the label of the layer it runs. `remove()` restores it, like a hook handle."""
+
+    def __init__(self, placement, tracker: ByteTracker):
+        from gpu_service.model import fast_decode
+
+        self.mod, self.orig = fast_decode, fast_decode.block_steps
+        orig = self.orig
+
+        def block_steps(fb, x, st, kv, experts, layer):
+            gen, label = orig(fb, x, st, kv, experts, layer), f"gpu{placement.layer_gpu[layer]}"
+            while True:  # the label again after each yield (the other micro-batch ran meanwhile)
+                tracker.label = label
+                try:
+                    next(gen)
+                except StopIteration as e:
+                    return e.value
+                yield
+
+        fast_decode.block_steps = block_steps
+
+    def remove(self) -> None:
+        self.mod.block_steps = self.orig

@@ -25,7 +25,7 @@ from checkpoint.config import ModelConfig
 from gpu_service.model.qlinear import make_quantized, weight_of
 from gpu_service.model.indexer import Indexer
 from gpu_service.model.kv import Chunk, KVPool
-from gpu_service.model import paged_attention
+from gpu_service.model import fast_decode, paged_attention
 
 
 class ExpertsFn(Protocol):
@@ -291,26 +291,39 @@ class MoE(nn.Module):
         """Route and send to the shards; returns `finish()` -> MoE output. Between the two, the
         caller may compute something else (the other micro-batch's attention: ping-pong)."""
         ids, w = self.gate(x)  # [T, k], [T, k] float32
-        w_remote = w
-        if self.experts is not None:
-            is_hot = (ids[..., None] == torch.tensor(self.hot, device=ids.device)).any(-1)  # [T, k]
-            w_remote = w.masked_fill(is_hot, 0.0)
+        w_remote = w if self.experts is None else self.remote_weights(ids, w)
         wait = experts(self.layer, x, ids, w_remote)  # shards work while we compute the rest
 
         def finish() -> torch.Tensor:
             shared = self.shared_experts(x) if self.shared_experts is not None else None
             routed = wait()
             if self.experts is not None:
-                hot_out = torch.zeros_like(routed)
-                for e in self.hot:
-                    rows, cols = torch.where(ids == e)
-                    if rows.numel():
-                        y = self.experts[str(e)](x[rows]) * w[rows, cols, None].to(x.dtype)
-                        hot_out.index_add_(0, rows, y.to(hot_out.dtype))
-                routed = routed + hot_out
+                routed = routed + self.hot_output(x, ids, w, routed)
             return routed if shared is None else routed + shared
 
         return finish
+
+    def _hot_ids(self, device: torch.device) -> torch.Tensor:
+        hot = self.__dict__.get("_hot_t")
+        if hot is None or hot.device != device:
+            hot = self.__dict__["_hot_t"] = torch.tensor(self.hot, device=device)
+        return hot
+
+    def remote_weights(self, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The weights sent to the shards: 0 for the GPU-resident hot experts (the shards skip them)."""
+        return w.masked_fill((ids[..., None] == self._hot_ids(ids.device)).any(-1), 0.0)
+
+    def hot_output(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """sum over the hot experts this step selected of w * expert(x) on their rows. One
+        host sync finds the hot experts present; the loop is bounded by min(#hot, T * k)."""
+        out = torch.zeros_like(like)
+        present = (ids[..., None] == self._hot_ids(ids.device)).any(1).any(0).nonzero().flatten().tolist()  # one sync
+        for j in present:
+            e = self.hot[j]
+            rows, cols = torch.where(ids == e)
+            y = self.experts[str(e)](x[rows]) * w[rows, cols, None].to(x.dtype)
+            out.index_add_(0, rows, y.to(out.dtype))
+        return out
 
     def forward(self, x: torch.Tensor, experts: ExpertsFn) -> torch.Tensor:
         return self.start(x, experts)()
@@ -385,6 +398,8 @@ class DeepseekV3(nn.Module):
         hot_experts = hot_experts or {}
         self.ping_pong = True  # two micro-batches overlap attention with remote experts
         self.batched_attention = True  # False: MLA's per-sequence reference path
+        self.fused_decode = True  # all-decode steps through fast_decode's segments (batched path only)
+        self.graphs = None  # a cuda_graphs.Graphs: decode segments replayed per batch-size bucket
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.model.layers = nn.ModuleList(Block(cfg, i, self.rope, hot_experts.get(i, ()))
@@ -397,19 +412,37 @@ class DeepseekV3(nn.Module):
         return [blk.input_layernorm.weight.device for blk in self.model.layers]
 
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, chunks: list[Chunk], pool: KVPool,
-                experts: ExpertsFn):
-        """Generator over all layers for one micro-batch; yields while its experts are remote."""
+                experts: ExpertsFn, slot: int = 0):
+        """Generator over all layers for one micro-batch (`slot`); yields while its experts are
+        remote. An all-decode step runs the fused decode segments (gpu_service/model/fast_decode.py)."""
         cos_sin: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         views: dict[torch.device, list[Chunk]] = {}  # per device: the chunks, or a StepView with metadata
+        fast: dict[torch.device, fast_decode.DecodeStep | None] = {}
+        B = x.shape[0]
         for i, blk in enumerate(self.model.layers):
             dev = pool.kv[i].device
             x = x.to(dev)
             if dev not in cos_sin:
                 cos_sin[dev] = self.rope.cos_sin(positions.to(dev), x.dtype)
                 views[dev] = paged_attention.step_view(chunks, pool, dev) if self.batched_attention else chunks
+                meta = getattr(views[dev], "paged", None)
+                fast[dev] = None
+                if fast_decode.eligible(self, meta):
+                    graphs = self.graphs.get(dev, slot, B) if self.graphs is not None else None
+                    Bp = graphs.rows if graphs is not None else fast_decode.padded_rows(B, dev)
+                    fast[dev] = fast_decode.DecodeStep(meta, *cos_sin[dev], B, Bp, graphs)
+            st = fast[dev]
+            if st is not None:
+                if x.shape[0] != st.Bp:
+                    x = torch.cat([x[:B], x.new_zeros(st.Bp - B, x.shape[1])]) if st.Bp > B else x[:B]
+                x = yield from fast_decode.block_steps(fast_decode.fast_block(self, i, x.dtype), x, st, pool.kv[i],
+                                                       experts, i)
+                continue
+            if x.shape[0] != B:
+                x = x[:B]
             x = yield from blk.steps(x, *cos_sin[dev], pool.kv[i], views[dev], experts,
                                      pool.index_k[i] if pool.index_k is not None else None)
-        return x
+        return x[:B] if x.shape[0] != B else x
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, chunks: list[Chunk], pool: KVPool, experts: ExpertsFn,
@@ -423,8 +456,8 @@ class DeepseekV3(nn.Module):
             c.seq.reserve(c.start + c.n)
         groups = split_micro_batches(chunks) if self.ping_pong else [chunks]
         bounds = torch.tensor([0] + [sum(c.n for c in g) for g in groups]).cumsum(0).tolist()
-        gens = [self._layers(x[a:b], positions[a:b], g, pool, experts)
-                for g, a, b in zip(groups, bounds[:-1], bounds[1:])]
+        gens = [self._layers(x[a:b], positions[a:b], g, pool, experts, slot)
+                for slot, (g, a, b) in enumerate(zip(groups, bounds[:-1], bounds[1:]))]
         x = torch.cat(_round_robin(gens)) if len(gens) > 1 else _run(gens[0])
         for c in chunks:
             c.seq.length = max(c.seq.length, c.start + c.n)
@@ -432,8 +465,12 @@ class DeepseekV3(nn.Module):
         if not all_logits:
             last = torch.tensor([c.n for c in chunks]).cumsum(0) - 1
             x = x[last.to(x.device)]
+        n = x.shape[0]
+        pad = fast_decode.padded_rows(n, x.device) - n  # batch-invariant GEMM rows (fast_decode)
+        if pad and not all_logits:
+            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
         x = self.model.norm(x)
-        return self.lm_head(x).float()
+        return self.lm_head(x)[:n].float()
 
 
 def checkpoint_name(param_name: str) -> str:
@@ -495,4 +532,5 @@ def build_model(cfg: ModelConfig, get: Callable[[str], "object"], dtype: torch.d
         mod._parameters[attr] = nn.Parameter(
             t.to(device=dev, dtype=torch.float32 if keep32 else dtype), requires_grad=False)
         loaded.add(src)
+    fast_decode.fuse_weights(model)  # q_a ++ kv_a, gate ++ up: one weight each, the modules hold views
     return model.eval(), loaded

@@ -148,15 +148,38 @@ def decode_attention(mla, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Te
     if meta.fi_indices is not None and kv.device.type == "cuda":
         o_lat = _flashinfer_decode(mla, q_abs, q_pe, kv, meta, keep)  # [B, nh, r]
     else:
-        cache = kv[meta.key_slots].to(q_nope.dtype)  # [B, Smax, r + rope]: one gather for the step
-        # keys as the GEMM's rows (M = Smax, K and N fixed): a key's score does not depend on Smax
-        scores = torch.bmm(cache, torch.cat([q_abs, q_pe], dim=-1).transpose(1, 2))  # [B, Smax, nh]
-        scores = scores.transpose(1, 2).float().contiguous()  # [B, nh, Smax]: softmax over a contiguous dim
-        mask = meta.invalid if keep is None else ~keep[:, None, :]
-        p = torch.softmax(scores.masked_fill_(mask, float("-inf")).mul_(mla.scaling), dim=-1).to(q_nope.dtype)
-        o_lat = torch.bmm(p, cache[..., :r])  # [B, nh, r]
+        o_lat = torch_attend(torch.cat([q_abs, q_pe], dim=-1), kv, meta, keep, mla.scaling, r)  # [B, nh, r]
     o = torch.einsum("bhr,hvr->bhv", _min_rows(o_lat), wkv[:, mla.nope:])[:B]  # [B, nh, v]
     return o.reshape(B, -1)
+
+
+def torch_attend(q: torch.Tensor, kv: torch.Tensor, meta: PagedMeta, keep: torch.Tensor | None,
+                 scaling, r: int, out: torch.Tensor | None = None, ninf=float("-inf")) -> torch.Tensor:
+    """The batched torch path: q [B, nh, r + rope] (absorbed query ++ q_pe) against the step's
+    padded slots -> o_lat [B, nh, r] (into `out` when given). At most max(pool slots +
+    B * MIN_KEYS, Smax) keys are gathered at once (row groups otherwise: the plan's decode
+    workspace); a row's result does not depend on its group."""
+    B, Smax = q.shape[0], meta.key_slots.shape[1]
+    per = max(1, (kv.shape[0] + B * MIN_KEYS) // Smax)
+    if out is None:
+        out = q.new_empty(B, q.shape[1], r) if per < B else None
+    for b0 in range(0, B, per):
+        b1 = min(B, b0 + per)
+        whole = b0 == 0 and b1 == B
+        slots = meta.key_slots if whole else meta.key_slots[b0:b1]
+        cache = kv.index_select(0, slots.reshape(-1)).view(b1 - b0, Smax, kv.shape[1])  # one gather
+        if cache.dtype != q.dtype:
+            cache = cache.to(q.dtype)
+        # keys as the GEMM's rows (M = Smax, K and N fixed): a key's score does not depend on Smax
+        scores = torch.bmm(cache, (q if whole else q[b0:b1]).transpose(1, 2)).transpose(1, 2)  # [b, nh, Smax]
+        scores = scores.float().contiguous() if scores.dtype != torch.float32 else scores.contiguous()
+        mask = meta.invalid if keep is None else ~keep[:, None, :]
+        p = torch.softmax(scores.masked_fill_(mask if whole else mask[b0:b1], ninf).mul_(scaling), dim=-1)
+        p = p if p.dtype == q.dtype else p.to(q.dtype)
+        if out is None:
+            return torch.bmm(p, cache[..., :r])
+        torch.bmm(p, cache[..., :r], out=out[b0:b1])
+    return out
 
 
 MIN_ROWS = 4

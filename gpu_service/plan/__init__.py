@@ -18,6 +18,7 @@ from gpu_service.plan.bytes import (  # noqa: F401 (re-exported)
     gpu_reserve, GPU_SERVICE_HOST_BYTES, HOST_OS_RESERVE_BYTES, INT4_GROUP, KiB, kv_bytes_per_token_layer,
     KV_ROUND, linear_bytes, MiB, Module, module_bytes, Options, param_bytes_by_module, param_counts,
     parse_size, PRESETS_DIR, QLINEAR_ROWS, qlinear_scratch_bytes, SHARD_BASELINE_BYTES, TiB, workspace_bytes,
+    decode_workspace_bytes, graph_buckets, graph_pool_bytes, MIN_KEYS,
 )
 from gpu_service.plan.search import GpuPlan, host_summary, make_plan, Plan, shard_plans, ShardPlan  # noqa: F401
 from gpu_service.plan.report import load_model_config, presets, render_table  # noqa: F401

@@ -47,7 +47,19 @@ Workspace of one GPU: what the forward pass keeps alive at once beyond weights a
              only each sequence's last position is projected)
     scratch = max over this GPU's quantised linears of qlinear_scratch_bytes: the one reused buffer
              a weight-only linear dequantises min(1024, out) rows into (QLINEAR_ROWS)
-  workspace = act + common + max(attn, index) + moe + logits + scratch
+    decode = e*(kv_lora + rope)*K + (2e + 8 + e')*heads*K + 9*B*K + e*B*(4H + max(A', 3M) + heads*kv_lora)
+             + 16*B*rope   the batched decode attention at B = max_batch rows over K = kv + B*MIN_KEYS
+             padded keys (paged_attention: the gather, the scores, their fp32 copy and softmax; the
+             step's padded slots and mask; when the padded batch would exceed K keys it is attended
+             in row groups of at most K keys), plus the fused decode segments' rows and step buffers
+             (A' = q_lora + kv_lora + rope + heads*(qk_head_dim + 2*rope + kv_lora)). A decode step
+             runs after the step's prefill chunks have dropped theirs: max(common + attn, decode)
+    graphs = 2 * sum(buckets) * (e*(heads*(2*kv_lora + rope) + kv_lora + rope + 6H) + 12*top_k + 8*rope
+             + e*(A' + 3M + 2H) + 8*E) [+ e*heads*(qk_nope + v_head_dim)*kv_lora, a quantised kv_b_proj]
+             CUDA-graph pools (cuda_graphs, the default; on a GPU with layers): per micro-batch slot
+             and batch-size bucket (1, 2, 4, ..., 32 and powers of 2 to max_batch) one layer's static
+             segment inputs/outputs (shared by the layers) plus one set of temporaries (the pool)
+  workspace = act + max(common + max(attn, index), decode) + moe + logits + scratch + graphs
 Compute dtype (`dtype`, default bfloat16): unquantised weights ("bf16" above), norms, embeddings,
   lm_head, GPU hot experts in "bf16" and the KV cache are held in it: e bytes per element where
   the formulas say 2; `moesplit plan --dtype float32` plans fp32 (4 B).
@@ -244,6 +256,7 @@ class Options:
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     max_batch: int = DEFAULT_MAX_BATCH
     dtype: str = "bfloat16"  # compute dtype: bytes of unquantised weights, KV cache and activations
+    cuda_graphs: bool = True  # decode segments as CUDA graphs per batch-size bucket (their pools)
 
     @property
     def eb(self) -> int:
@@ -315,9 +328,49 @@ def kv_b_dequantised(cfg: ModelConfig, o: Options) -> bool:
     return o.attention_weights in ("fp8", "int8")
 
 
-def workspace_bytes(cfg: ModelConfig, o: Options, *, mlp_width: int, lm_head: bool, scratch: int = 0) -> int:
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32)  # gpu_service.model.cuda_graphs.BUCKETS (plus powers of 2 to max_batch)
+GRAPH_SLOTS = 2  # micro-batches of one step (ping-pong): each has its own graph sets
+MIN_KEYS = 64  # gpu_service.model.paged_attention.MIN_KEYS: a decode query's padded key columns at least
+
+
+def graph_buckets(max_batch: int) -> tuple[int, ...]:
+    """The batch-size buckets the runner captures (ModelRunner.set_cuda_graphs)."""
+    top = max(max_batch, GRAPH_BUCKETS[-1])
+    return tuple(sorted(set(GRAPH_BUCKETS) | {1 << i for i in range(top.bit_length()) if (1 << i) <= top}))
+
+
+def decode_workspace_bytes(cfg: ModelConfig, o: Options, *, mlp_width: int) -> int:
+    """The batched decode attention and the fused decode step at max_batch rows (module docstring)."""
+    B, eb, H, nh = o.max_batch, o.eb, cfg.hidden_size, cfg.num_attention_heads
+    r, rope, K = cfg.kv_lora_rank, cfg.qk_rope_head_dim, o.kv_tokens + o.max_batch * MIN_KEYS
+    twin = 0 if eb == 4 else eb
+    attn = eb * cfg.kv_cache_dim * K + (2 * eb + 8 + twin) * nh * K  # gather; scores, fp32 copy, softmax
+    meta = 9 * B * K  # the step's padded slots (int64) and their mask, for the whole batch
+    A = (cfg.q_lora_rank or 0) + cfg.kv_cache_dim + nh * (cfg.qk_head_dim + 2 * rope + r)
+    rows = eb * B * (4 * H + max(A, 3 * mlp_width) + nh * r) + 8 * B * 2 * rope  # segments + step buffers
+    return attn + meta + rows
+
+
+def graph_pool_bytes(cfg: ModelConfig, o: Options, *, layers: int, mlp_width: int) -> int:
+    """CUDA-graph pools: per micro-batch slot and bucket b, one layer's static inputs and outputs
+    (shared by the set's layers) and one set of segment temporaries (the set's memory pool, reused
+    from graph to graph), b rows each; plus the dequantised kv_b_proj buffer graphs read."""
+    if not o.cuda_graphs or not layers:
+        return 0
+    eb, H, nh, r, rope = o.eb, cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    k, E = cfg.num_experts_per_tok, cfg.n_routed_experts
+    row_static = eb * (nh * (r + rope) + nh * r + (r + rope) + 6 * H) + 12 * k + 8 * rope
+    A = (cfg.q_lora_rank or 0) + cfg.kv_cache_dim + nh * (cfg.qk_head_dim + 2 * rope + r)
+    row_tmp = eb * (A + 3 * mlp_width + 2 * H) + 8 * E
+    wkv = eb * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim) * r if kv_b_dequantised(cfg, o) else 0
+    return GRAPH_SLOTS * sum(graph_buckets(o.max_batch)) * (row_static + row_tmp) + wkv
+
+
+def workspace_bytes(cfg: ModelConfig, o: Options, *, mlp_width: int, lm_head: bool, scratch: int = 0,
+                    layers: int = 0) -> int:
     """Activation workspace of one GPU (formula in the module docstring): the most the forward
-    pass keeps alive at once beyond weights and KV cache, at `o.chunk_tokens` tokens per step."""
+    pass keeps alive at once beyond weights and KV cache, at `o.chunk_tokens` tokens per step
+    (prefill) or `o.max_batch` decode rows, plus the CUDA-graph pools of its `layers` layers."""
     T, H, nh, eb, kv = o.chunk_tokens, cfg.hidden_size, cfg.num_attention_heads, o.eb, o.kv_tokens
     Kb = min(kv, T)
     nope, rope, v, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
@@ -337,7 +390,9 @@ def workspace_bytes(cfg: ModelConfig, o: Options, *, mlp_width: int, lm_head: bo
                  + 12 * T * cfg.index_topk + 2 * eb * T * ih * hd + 4 * T * ih)
     moe = 4 * T * H + 12 * T * cfg.num_experts_per_tok
     logits = 2 * 4 * o.max_batch * cfg.vocab_size if lm_head else 0
-    return act + common + max(attn, index) + moe + logits + scratch
+    decode = decode_workspace_bytes(cfg, o, mlp_width=mlp_width)
+    graphs = graph_pool_bytes(cfg, o, layers=layers, mlp_width=mlp_width)
+    return act + max(common + max(attn, index), decode) + moe + logits + scratch + graphs
 
 
 # ------------------------------------------------------------------------------- the plan

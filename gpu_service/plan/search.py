@@ -180,10 +180,11 @@ class _Layout:
         self.tail = self.fixed["model.norm"] + self.fixed["lm_head"]
         self.ws_cache: dict[tuple[int, bool], int] = {}
 
-    def _ws(self, mlp_width: int, lm_head: bool, scratch: int = 0) -> int:
-        k = (mlp_width, lm_head, scratch)
+    def _ws(self, mlp_width: int, lm_head: bool, scratch: int = 0, layers: int = 0) -> int:
+        k = (mlp_width, lm_head, scratch, layers)
         if k not in self.ws_cache:
-            self.ws_cache[k] = workspace_bytes(self.cfg, self.o, mlp_width=mlp_width, lm_head=lm_head, scratch=scratch)
+            self.ws_cache[k] = workspace_bytes(self.cfg, self.o, mlp_width=mlp_width, lm_head=lm_head, scratch=scratch,
+                                               layers=layers)
         return self.ws_cache[k]
 
     def used(self, g: int, a: int, b: int) -> int:
@@ -194,7 +195,7 @@ class _Layout:
         if n_dense < b - a:
             width = max(width, self.moe_width)
         scratch = max(self.layer_scratch[a:b], default=0)
-        u = self.prefix[b] - self.prefix[a] + self._ws(width, g == G - 1, scratch) + gpu_reserve(self.caps[g])
+        u = self.prefix[b] - self.prefix[a] + self._ws(width, g == G - 1, scratch, b - a) + gpu_reserve(self.caps[g])
         if g == 0:
             u += self.emb
         if g == G - 1:
@@ -256,7 +257,8 @@ class _Layout:
             width = self.cfg.intermediate_size if n_dense else 0
             if n_dense < b[g + 1] - b[g]:
                 width = max(width, self.moe_width)
-            items["workspace"] = self._ws(width, g == G - 1, max(self.layer_scratch[b[g]:b[g + 1]], default=0))
+            items["workspace"] = self._ws(width, g == G - 1, max(self.layer_scratch[b[g]:b[g + 1]], default=0),
+                                          b[g + 1] - b[g])
             items["reserve"] = gpu_reserve(self.caps[g])
             if not self.cfg.is_v32:
                 items.pop("indexer"), items.pop("index_keys")

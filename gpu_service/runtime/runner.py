@@ -121,7 +121,8 @@ def verify_gpu_weights(reader) -> int:
 class ModelRunner:
     def __init__(self, reader, experts, device: torch.device | None = None, dtype: torch.dtype | None = None,
                  kv_tokens: int = 4096, page_size: int = 64, placement: Placement | None = None,
-                 prefix_cache: bool = True, host_kv_bytes: int = 0):
+                 prefix_cache: bool = True, host_kv_bytes: int = 0, cuda_graphs: bool = True,
+                 graph_buckets: tuple[int, ...] | None = None):
         self.cfg: ModelConfig = reader.config
         self.device = device or (placement.devices[0] if placement else default_device())
         self.dtype = dtype or default_dtype(self.device)
@@ -144,6 +145,23 @@ class ModelRunner:
         # prefix sharing (the engine looks prompts up and inserts pages); host_kv_bytes: its host tier
         self.prefix_cache = make_prefix_cache(self.pool, host_kv_bytes) if prefix_cache else None
         self.set_decode_path(os.environ.get("MOESPLIT_DECODE_PATH", "fast"))
+        self.set_cuda_graphs(cuda_graphs and os.environ.get("MOESPLIT_CUDA_GRAPHS", "1") != "0", graph_buckets)
+
+    def set_cuda_graphs(self, on: bool, buckets: tuple[int, ...] | None = None, mode: str = "cuda") -> None:
+        """Decode segments as CUDA graphs per batch-size bucket (gpu_service.model.cuda_graphs), on a
+        CUDA device only (`--no-cuda-graphs` / MOESPLIT_CUDA_GRAPHS=0: eager); buckets default to
+        the powers of two up to the plan's max batch (at least 1..32). mode="static" runs the same
+        plumbing on CPU (tests)."""
+        from gpu_service.model.cuda_graphs import BUCKETS, Graphs
+        from gpu_service.model.fast_decode import MIN_ROWS
+
+        if not on or (mode == "cuda" and self.device.type != "cuda"):
+            self.model.graphs = None
+            return
+        if buckets is None:
+            top = max(self.plan.options.max_batch if self.plan is not None else 0, BUCKETS[-1])
+            buckets = tuple(sorted(set(BUCKETS) | {1 << i for i in range(top.bit_length()) if (1 << i) <= top}))
+        self.model.graphs = Graphs(buckets, mode, min_rows=MIN_ROWS if mode == "static" else 1)
 
     DECODE_PATHS = ("fast", "plain")
 

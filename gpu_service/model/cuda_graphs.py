@@ -1,0 +1,171 @@
+"""CUDA graphs of the fused decode segments, per batch-size bucket (issue 20).
+
+`fast_decode.block_steps` runs each layer of an all-decode step as segments (pre, mid, shared,
+post) around two eager parts: the attention core (variable key length: it stays outside) and the
+expert hand-off. With a `Graphs` on the model, each segment of each layer is captured once per
+(device, micro-batch slot, bucket) as a CUDA graph over static input/output buffers and replayed
+afterwards; a step whose batch is above the largest bucket, a prefill or a mixed step runs eager.
+
+Static buffers: a segment's inputs are copied into its static inputs before a replay unless the
+argument *is* a static buffer of the same set already (the previous segment's output, the step's
+RoPE table, a weight view): then nothing is copied. Static inputs and outputs are shared by all
+layers of a set (one buffer per segment name, argument and shape): each graph ends by copying its
+results into the set's output buffers of its segment, which the layer consumes before the next
+layer's segment of that name runs (the expert hand-off copies h / ids / w to the host at once).
+So a set holds one layer's buffers, and its graphs' temporaries come from one memory pool, reused
+from graph to graph: they replay in the order they were captured (layer by layer), the condition
+for sharing a pool. The two ping-pong micro-batches have separate sets.
+
+Capture is lazy: the first step at a bucket runs each segment once on a side stream (warm-up),
+captures it and replays it, so that step is slow and every later one replays.
+
+On CPU (tests) `mode="static"` runs the same plumbing with the segment called eagerly on the
+static buffers and its results copied into static outputs: what the graphs would compute, bit for
+bit, since a captured graph replays exactly the kernels of the eager call on the same buffers.
+The bytes of the pools are an item of the memory plan (`gpu_service.plan.bytes.graph_pool_bytes`).
+"""
+from __future__ import annotations
+
+import torch
+
+BUCKETS = (1, 2, 4, 8, 16, 32)
+MODES = ("cuda", "static")
+
+
+def _tuple(out) -> tuple:
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _sig(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype
+
+
+class _Entry:
+    __slots__ = ("inputs", "outputs", "graph", "fn")
+
+    def __init__(self, inputs, outputs, graph, fn):
+        self.inputs, self.outputs, self.graph, self.fn = inputs, outputs, graph, fn
+
+
+class GraphSet:
+    """The graphs of one (device, micro-batch slot, bucket): `rows` = the bucket (padded rows)."""
+
+    def __init__(self, device: torch.device, rows: int, mode: str):
+        self.device, self.rows, self.mode = device, rows, mode
+        self.pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
+        self.entries: dict[tuple[int, str], _Entry] = {}
+        self.static: set[tuple] = set()  # signatures of tensors used as they are (no copy)
+        self.buffers: dict[tuple, torch.Tensor] = {}  # static inputs / outputs shared by the layers
+        self._cs: torch.Tensor | None = None
+        self.replays = 0
+
+    def persist(self, *ts: torch.Tensor) -> None:
+        """Tensors that stay where they are between steps (weight views): passed without a copy."""
+        for t in ts:
+            self.static.add(_sig(t))
+
+    def rope_table(self, cs: torch.Tensor) -> torch.Tensor:
+        """The step's RoPE table in the set's static buffer (copied once per step, read by every layer)."""
+        if self._cs is None or self._cs.shape != cs.shape:
+            self._cs = cs.clone()
+            self.static.add(_sig(self._cs))
+        else:
+            self._cs.copy_(cs)
+        return self._cs
+
+    def run(self, layer: int, name: str, fn, *args) -> tuple:
+        """fn(*args) as a replay of its graph (captured at the first call); returns its outputs
+        (the set's shared output buffers of `name`: valid until the next call of `name`)."""
+        e = self.entries.get((layer, name))
+        if e is None:
+            e = self.entries[(layer, name)] = self._capture(name, fn, args)
+            return e.outputs
+        for s, a in zip(e.inputs, args):
+            if s is not None and s.data_ptr() != a.data_ptr():
+                s.copy_(a)
+        self.replays += 1
+        if e.graph is not None:
+            e.graph.replay()
+        else:  # static mode: the same call on the same buffers
+            e.fn(*e.inputs)
+        return e.outputs
+
+    def _shared(self, key: tuple, like: torch.Tensor) -> torch.Tensor:
+        """A buffer shared by every layer's segment of one name (a layer's segment fills it and
+        the layer reads it before the next layer's segment runs): bytes per set, not per layer."""
+        key = key + (tuple(like.shape), like.dtype)
+        b = self.buffers.get(key)
+        if b is None:
+            b = self.buffers[key] = torch.empty_like(like)
+            self.static.add(_sig(b))
+        return b
+
+    def _capture(self, name: str, fn, args) -> _Entry:
+        inputs = []
+        for j, a in enumerate(args):
+            if a is None or _sig(a) in self.static:
+                inputs.append(a)
+            else:
+                b = self._shared((name, "in", j), a)
+                b.copy_(a)
+                inputs.append(b)
+        if self.mode == "cuda":
+            cur = torch.cuda.current_stream(self.device)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(cur)
+            with torch.cuda.stream(side):
+                probe = _tuple(fn(*inputs))  # warm-up off the capture (lazy init, cuBLAS workspaces)
+            cur.wait_stream(side)
+        else:
+            probe = _tuple(fn(*inputs))
+        outs = tuple(self._shared((name, "out", j), o) for j, o in enumerate(probe))
+        del probe
+
+        def body(*xs):
+            for b, o in zip(outs, _tuple(fn(*xs))):
+                b.copy_(o)
+
+        graph = None
+        if self.mode == "cuda":
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                body(*inputs)
+            graph.replay()
+        else:
+            body(*inputs)
+        return _Entry(inputs, outs, graph, body)
+
+
+class Graphs:
+    """The model's graph sets, by (device, micro-batch slot, bucket)."""
+
+    def __init__(self, buckets: tuple[int, ...] = BUCKETS, mode: str = "cuda", min_rows: int = 1):
+        if mode not in MODES:
+            raise ValueError(f"CUDA-graph mode {mode!r}: expected one of {MODES}")
+        if mode == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("CUDA graphs need a CUDA device: run with --no-cuda-graphs (or mode='static' in tests)")
+        self.buckets = tuple(sorted(b for b in buckets if b >= min_rows)) or (min_rows,)
+        self.mode = mode
+        self.sets: dict[tuple, GraphSet] = {}
+        self.eager_steps = 0  # all-decode steps above the largest bucket
+
+    def bucket(self, B: int) -> int | None:
+        return next((b for b in self.buckets if b >= B), None)
+
+    def get(self, device: torch.device, slot: int, B: int) -> GraphSet | None:
+        """The set for B rows on `device` (its rows: the bucket), None above the largest bucket
+        or on a device the mode does not apply to (eager there)."""
+        if (device.type == "cuda") != (self.mode == "cuda"):
+            return None
+        b = self.bucket(B)
+        if b is None:
+            self.eager_steps += 1
+            return None
+        key = (device, slot, b)
+        s = self.sets.get(key)
+        if s is None:
+            s = self.sets[key] = GraphSet(device, b, self.mode)
+        return s
+
+    def captured(self) -> int:
+        return sum(len(s.entries) for s in self.sets.values())
