@@ -111,6 +111,28 @@ def test_graphs_eager_above_the_largest_bucket():
     assert got[0] == ref[0] and graphs.captured() == 0 and graphs.eager_steps == 4
 
 
+def test_a_failed_capture_falls_back_to_eager(monkeypatch, caplog):
+    """A capture error (here: every capture raises) never fails a step with on_error='eager':
+    the segment runs eagerly, graphs turn off with a warning naming the error, tokens unchanged."""
+    from gpu_service.model import cuda_graphs
+
+    cfg, model, experts = _setup("deepseek_v3")
+    graphs = Graphs(mode="static", min_rows=fd.MIN_ROWS, on_error="eager")
+
+    def boom(self, name, fn, args):
+        raise RuntimeError(f"operation not permitted when stream is capturing ({name})")
+    monkeypatch.setattr(cuda_graphs.GraphSet, "_capture", boom)
+    ref = _greedy(model, cfg, experts, PROMPTS[:3], 6)
+    with caplog.at_level("WARNING", logger="moesplit.cuda_graphs"):
+        got = _greedy(model, cfg, experts, PROMPTS[:3], 6, graphs=graphs)
+    assert got[0] == ref[0]
+    assert all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
+    assert graphs.disabled and "operation not permitted" in graphs.disabled and graphs.captured() == 0
+    assert any("CUDA graphs off" in r.getMessage() for r in caplog.records)
+    with pytest.raises(RuntimeError, match="operation not permitted"):  # mode static raises by default
+        _greedy(model, cfg, experts, PROMPTS[:1], 2, graphs=Graphs(mode="static", min_rows=fd.MIN_ROWS))
+
+
 def test_cuda_graph_mode_without_cuda_names_the_flag():
     if torch.cuda.is_available():
         pytest.skip("CUDA is here")

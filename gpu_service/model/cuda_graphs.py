@@ -23,10 +23,19 @@ On CPU (tests) `mode="static"` runs the same plumbing with the segment called ea
 static buffers and its results copied into static outputs: what the graphs would compute, bit for
 bit, since a captured graph replays exactly the kernels of the eager call on the same buffers.
 The bytes of the pools are an item of the memory plan (`gpu_service.plan.bytes.graph_pool_bytes`).
+
+A capture that fails (an op that cannot be captured on some torch / driver, a capture-time error)
+never fails the request: with `on_error="eager"` (the default for mode "cuda") the segment runs
+eagerly, graphs are turned off for the rest of the process with a warning that names the error
+(`Graphs.disabled`), and every later step runs eager. Mode "static" raises (tests must see bugs).
 """
 from __future__ import annotations
 
+import logging
+
 import torch
+
+log = logging.getLogger("moesplit.cuda_graphs")
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
 MODES = ("cuda", "static")
@@ -50,8 +59,8 @@ class _Entry:
 class GraphSet:
     """The graphs of one (device, micro-batch slot, bucket): `rows` = the bucket (padded rows)."""
 
-    def __init__(self, device: torch.device, rows: int, mode: str):
-        self.device, self.rows, self.mode = device, rows, mode
+    def __init__(self, device: torch.device, rows: int, mode: str, owner: "Graphs | None" = None):
+        self.device, self.rows, self.mode, self.owner = device, rows, mode, owner
         self.pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
         self.entries: dict[tuple[int, str], _Entry] = {}
         self.static: set[tuple] = set()  # signatures of tensors used as they are (no copy)
@@ -76,9 +85,19 @@ class GraphSet:
     def run(self, layer: int, name: str, fn, *args) -> tuple:
         """fn(*args) as a replay of its graph (captured at the first call); returns its outputs
         (the set's shared output buffers of `name`: valid until the next call of `name`)."""
+        if self.owner is not None and self.owner.disabled is not None:
+            return _tuple(fn(*args))  # graphs were turned off during this step: eager from here on
         e = self.entries.get((layer, name))
         if e is None:
-            e = self.entries[(layer, name)] = self._capture(name, fn, args)
+            try:
+                e = self._capture(name, fn, args)
+            except Exception as err:  # noqa: BLE001 - any capture failure: eager, never a failed request
+                if self.owner is None or self.owner.on_error != "eager":
+                    raise
+                self.owner.disable(f"capturing layer {layer}'s {name!r} segment at {self.rows} rows failed: "
+                                   f"{type(err).__name__}: {err}")
+                return _tuple(fn(*args))
+            self.entries[(layer, name)] = e
             return e.outputs
         for s, a in zip(e.inputs, args):
             if s is not None and s.data_ptr() != a.data_ptr():
@@ -139,9 +158,14 @@ class GraphSet:
 class Graphs:
     """The model's graph sets, by (device, micro-batch slot, bucket)."""
 
-    def __init__(self, buckets: tuple[int, ...] = BUCKETS, mode: str = "cuda", min_rows: int = 1):
+    def __init__(self, buckets: tuple[int, ...] = BUCKETS, mode: str = "cuda", min_rows: int = 1,
+                 on_error: str | None = None):
         if mode not in MODES:
             raise ValueError(f"CUDA-graph mode {mode!r}: expected one of {MODES}")
+        self.on_error = on_error or ("eager" if mode == "cuda" else "raise")
+        if self.on_error not in ("eager", "raise"):
+            raise ValueError(f"on_error {on_error!r}: expected 'eager' or 'raise'")
+        self.disabled: str | None = None  # why graphs were turned off at run time (None: on)
         if mode == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("CUDA graphs need a CUDA device: run with --no-cuda-graphs (or mode='static' in tests)")
         self.buckets = tuple(sorted(b for b in buckets if b >= min_rows)) or (min_rows,)
@@ -149,13 +173,22 @@ class Graphs:
         self.sets: dict[tuple, GraphSet] = {}
         self.eager_steps = 0  # all-decode steps above the largest bucket
 
+    def disable(self, why: str) -> None:
+        """Turn graphs off for the rest of the process (every later step eager), with a warning."""
+        if self.disabled is None:
+            self.disabled = why
+            log.warning("CUDA graphs off, decode runs eager: %s (start with --no-cuda-graphs to skip the attempt)", why)
+            if self.mode == "cuda":
+                torch.cuda.synchronize()
+        self.sets.clear()  # the captured graphs and their pools go
+
     def bucket(self, B: int) -> int | None:
         return next((b for b in self.buckets if b >= B), None)
 
     def get(self, device: torch.device, slot: int, B: int) -> GraphSet | None:
         """The set for B rows on `device` (its rows: the bucket), None above the largest bucket
         or on a device the mode does not apply to (eager there)."""
-        if (device.type == "cuda") != (self.mode == "cuda"):
+        if (device.type == "cuda") != (self.mode == "cuda") or self.disabled is not None:
             return None
         b = self.bucket(B)
         if b is None:
@@ -164,7 +197,7 @@ class Graphs:
         key = (device, slot, b)
         s = self.sets.get(key)
         if s is None:
-            s = self.sets[key] = GraphSet(device, b, self.mode)
+            s = self.sets[key] = GraphSet(device, b, self.mode, self)
         return s
 
     def captured(self) -> int:
