@@ -49,11 +49,32 @@ def linear_times(devices, shapes=((7168, 2048), (4096, 7168)), tokens=(1, 512)):
     return rows
 
 
+def decode_batch(runner, prompts, steps):
+    """Greedy decode of several sequences through ModelRunner.step on CUDA: (tokens per step,
+    seconds per step, synchronised). Also used by tests/test_gpu.py."""
+    from gpu_service.model.kv import Chunk
+
+    seqs = [runner.new_seq() for _ in prompts]
+    try:
+        logits = runner.step(sum(prompts, []), [Chunk(s, 0, len(p)) for s, p in zip(seqs, prompts)])
+        toks, times = [], []
+        for _ in range(steps):
+            nxt = logits.argmax(-1).tolist()
+            toks.append(nxt)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            logits = runner.step(nxt, [Chunk(s, s.length, 1) for s in seqs])
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return toks, times
+    finally:
+        for s in seqs:
+            s.free()
+
+
 def graphs_vs_eager(reader, experts, batches=(1, 8), steps=32):
     """Decode steps on CUDA (bf16) with the decode segments as CUDA graphs (default) and eager
     (--no-cuda-graphs): equal greedy tokens, median ms per step of each (issue 20)."""
-    from gpu_service.model.kv import Chunk
-
     rows = []
     V = reader.config.vocab_size
     for B in batches:
@@ -62,17 +83,7 @@ def graphs_vs_eager(reader, experts, batches=(1, 8), steps=32):
         for graphs in (False, True):
             r = ModelRunner(reader, experts, device=torch.device("cuda"), dtype=torch.bfloat16, kv_tokens=2048,
                             cuda_graphs=graphs)
-            seqs = [r.new_seq() for _ in prompts]
-            logits = r.step(sum(prompts, []), [Chunk(s, 0, len(p)) for s, p in zip(seqs, prompts)])
-            toks, times = [], []
-            for _ in range(steps):
-                nxt = logits.argmax(-1).tolist()
-                toks.append(nxt)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                logits = r.step(nxt, [Chunk(s, s.length, 1) for s in seqs])
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
+            toks, times = decode_batch(r, prompts, steps)
             got[graphs] = (toks, sorted(times[2:])[len(times[2:]) // 2] * 1e3)
             del r
         rows.append({"batch": B, "tokens_equal": got[True][0] == got[False][0],

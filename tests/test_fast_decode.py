@@ -17,28 +17,10 @@ from gpu_service.model import fast_decode as fd
 from gpu_service.model.cuda_graphs import Graphs
 from gpu_service.model.deepseek import MoE
 from gpu_service.model.kv import Chunk, KVPool, SeqKV
-from tests.test_paged_attention import _setup, PAGE
+from tests.test_paged_attention import _setup, greedy_decode as _greedy, PAGE
 
 PROMPTS = [[5, 9, 17, 33, 2, 8, 100, 7, 41, 3, 3, 19, 250, 11, 6, 90, 12], [400, 21, 22], list(range(30, 39)),
            [7] * 12, [1, 2, 3, 4, 5], [9, 9], [300], [8] * 20, [44] * 3]
-
-
-def _greedy(model, cfg, experts, prompts, steps, *, batched=True, fused=True, graphs=None):
-    model.batched_attention, model.fused_decode, model.graphs = batched, fused, graphs
-    try:
-        pool = KVPool(cfg, 128, PAGE, torch.float32, [torch.device("cpu")] * cfg.num_hidden_layers)
-        seqs = [SeqKV(pool) for _ in prompts]
-        logits = model(torch.tensor(sum(prompts, [])), [Chunk(s, 0, len(p)) for s, p in zip(seqs, prompts)],
-                       pool, experts)
-        toks, lg = [], []
-        for _ in range(steps):
-            nxt = logits.argmax(-1).tolist()
-            toks.append(nxt)
-            logits = model(torch.tensor(nxt), [Chunk(s, s.length, 1) for s in seqs], pool, experts)
-            lg.append(logits)
-        return toks, lg
-    finally:
-        model.batched_attention, model.fused_decode, model.graphs = True, True, None
 
 
 def test_fused_decode_32_steps_equal_unfused_and_plain():

@@ -126,34 +126,12 @@ def test_bf16_cuda_close_to_fp32_cpu(ckpt):
     assert rel < 0.05 and agree >= 0.9
 
 
-def _decode_batch(runner, prompts, steps):
-    """Greedy decode of several sequences through ModelRunner.step; returns (tokens, s per step)."""
-    import time
-
-    from gpu_service.model.kv import Chunk
-
-    seqs = [runner.new_seq() for _ in prompts]
-    try:
-        logits = runner.step(sum(prompts, []), [Chunk(s, 0, len(p)) for s, p in zip(seqs, prompts)])
-        toks, times = [], []
-        for _ in range(steps):
-            nxt = logits.argmax(-1).tolist()
-            toks.append(nxt)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            logits = runner.step(nxt, [Chunk(s, s.length, 1) for s in seqs])
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        return toks, times
-    finally:
-        for s in seqs:
-            s.free()
-
-
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_cuda_graphs_equal_eager(ckpt, batch):
     """Decode segments replayed as CUDA graphs (the default) give the eager tokens, bf16; prints
     the median time per decode step of both (the graphs' first step at a bucket captures)."""
+    from bench.bench_gpu import decode_batch  # the loop make gpu-check's benchmark times
+
     _, reader, experts = ckpt
     prompts = [[(11 * i + 7 * j + 1) % reader.config.vocab_size for j in range(5 + 3 * i)] for i in range(batch)]
     out = {}
@@ -161,7 +139,7 @@ def test_cuda_graphs_equal_eager(ckpt, batch):
         r = ModelRunner(reader, experts, device=torch.device("cuda"), dtype=torch.bfloat16, kv_tokens=1024,
                         cuda_graphs=graphs)
         assert (r.model.graphs is not None) == graphs
-        toks, times = _decode_batch(r, prompts, 24)
+        toks, times = decode_batch(r, prompts, 24)
         out[graphs] = (toks, sorted(times[2:])[len(times[2:]) // 2])
         if graphs:
             assert r.model.graphs.captured() > 0

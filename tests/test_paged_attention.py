@@ -142,30 +142,34 @@ def test_each_sequence_bit_identical_to_alone(arch):
     assert torch.equal(attend(perm), together[perm])
 
 
+def greedy_decode(model, cfg, experts, prompts, steps, *, batched=True, fused=True, graphs=None):
+    """Greedy decode of `prompts` together for `steps` steps on a fresh pool, with the model's
+    decode path set as asked (batched attention, fused step, CUDA-graph set) and restored after:
+    (tokens per step, logits per step)."""
+    model.batched_attention, model.fused_decode, model.graphs = batched, fused, graphs
+    try:
+        pool = KVPool(cfg, 128, PAGE, torch.float32, [torch.device("cpu")] * cfg.num_hidden_layers)
+        seqs = [SeqKV(pool) for _ in prompts]
+        logits = model(torch.tensor(sum(prompts, [])), [Chunk(s, 0, len(p)) for s, p in zip(seqs, prompts)],
+                       pool, experts)
+        toks, lg = [], []
+        for _ in range(steps):
+            nxt = logits.argmax(-1).tolist()
+            toks.append(nxt)
+            logits = model(torch.tensor(nxt), [Chunk(s, s.length, 1) for s in seqs], pool, experts)
+            lg.append(logits)
+        return toks, lg
+    finally:
+        model.batched_attention, model.fused_decode, model.graphs = True, True, None
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_32_decode_steps_optimised_equal_plain(arch):
     cfg, model, experts = _setup(arch)
     prompts = [[5, 9, 17, 33, 2, 8, 100, 7, 41, 3, 3, 19, 250, 11, 6, 90, 12], [400, 21, 22], list(range(30, 39))]
 
-    def greedy(batched):
-        model.batched_attention = batched
-        try:
-            pool = KVPool(cfg, 64, PAGE, torch.float32, [torch.device("cpu")] * cfg.num_hidden_layers)
-            seqs = [SeqKV(pool) for _ in prompts]
-            logits = model(torch.tensor(sum(prompts, [])), [Chunk(s, 0, len(p)) for s, p in zip(seqs, prompts)],
-                           pool, experts)
-            toks, lg = [], []
-            for _ in range(32):
-                nxt = logits.argmax(-1).tolist()
-                toks.append(nxt)
-                logits = model(torch.tensor(nxt), [Chunk(s, s.length, 1) for s in seqs], pool, experts)
-                lg.append(logits)
-            return toks, lg
-        finally:
-            model.batched_attention = True
-
-    t_plain, l_plain = greedy(False)
-    t_fast, l_fast = greedy(True)
+    t_plain, l_plain = greedy_decode(model, cfg, experts, prompts, 32, batched=False)
+    t_fast, l_fast = greedy_decode(model, cfg, experts, prompts, 32)
     assert t_fast == t_plain
     assert max(float((a - b).abs().max()) for a, b in zip(l_plain, l_fast)) < 1e-5
 
