@@ -222,8 +222,8 @@ def _stream(port: int, max_tokens: int, seed: int, rec: list) -> None:
 def serve_streams(streams: tuple[int, ...], rounds: int, max_tokens: int, decode_path: str) -> dict:
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=ROOT)
-    if decode_path == "plain":
-        env["MOESPLIT_DECODE_PATH"] = "plain"
+    if decode_path != "fast":
+        env["MOESPLIT_DECODE_PATH"] = decode_path
     else:
         env.pop("MOESPLIT_DECODE_PATH", None)
     log = tempfile.NamedTemporaryFile(prefix="bench-serve-", suffix=".log", delete=False)
@@ -283,20 +283,24 @@ def plot(res: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     R = res["fixed_cost"]["results"]
-    keys = sorted({k.replace("/plain", "").replace("/fast", "") for k in R})
+    paths = [p for p in ("plain", "fused", "fast") if any(f"/{p}/" in k for k in R)]
+    keys = sorted({k.split("/")[0] + "/" + k.split("/")[2] for k in R})
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     xs = np.arange(len(keys))
-    for j, p in enumerate(("plain", "fast")):
+    bw = 0.8 / max(1, len(paths))
+    for j, p in enumerate(paths):
         vals = [R.get(k.replace("/", f"/{p}/", 1), {}).get("per_moe_layer_us", 0) for k in keys]
-        axes[0].bar(xs + (j - 0.5) * 0.4, vals, 0.4, label=p)
+        axes[0].bar(xs + (j - (len(paths) - 1) / 2) * bw, vals, bw, label=p)
     axes[0].set_xticks(xs, keys)
     axes[0].set_ylabel("µs per MoE layer (median)")
     axes[0].set_title("decode step fixed cost per MoE layer")
     axes[0].legend()
     sv = res.get("serve_decode_tokens_per_s", {})
+    bw = 0.8 / max(1, len(sv))
     for j, p in enumerate(sv):
         n = [1, 8, 32]
-        axes[1].bar(np.arange(3) + (j - 0.5) * 0.4, [sv[p].get(k, sv[p].get(str(k), 0)) for k in n], 0.4, label=p)
+        axes[1].bar(np.arange(3) + (j - (len(sv) - 1) / 2) * bw, [sv[p].get(k, sv[p].get(str(k), 0)) for k in n], bw,
+                    label=p)
         axes[1].set_xticks(np.arange(3), [f"{k} streams" for k in n])
     axes[1].set_ylabel("aggregate decode tokens/s")
     axes[1].set_title("moesplit serve, tiny bf16, 2 shards")
@@ -310,7 +314,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds and steps (a smoke run)")
     ap.add_argument("--skip-serve", action="store_true", help="part 1 only")
-    ap.add_argument("--paths", default="plain,fast", help="decode paths to compare (plain: the reference)")
+    ap.add_argument("--paths", default="plain,fused,fast",
+                    help="decode paths to compare (plain: the reference; fused: the torch fused step; fast: the default)")
     ap.add_argument("--transports", default="null,shm,tcp")
     args = ap.parse_args()
     import torch

@@ -17,7 +17,12 @@ from gpu_service.model import fast_decode as fd
 from gpu_service.model.cuda_graphs import Graphs
 from gpu_service.model.deepseek import MoE
 from gpu_service.model.kv import Chunk, KVPool, SeqKV
-from tests.test_paged_attention import _setup, greedy_decode as _greedy, PAGE
+from tests.test_paged_attention import _setup, greedy_decode, PAGE
+
+def _greedy(*a, **kw):
+    """The torch fused path (this file's subject), not the native C layers that CPU float32 runs."""
+    return greedy_decode(*a, native=False, **kw)
+
 
 PROMPTS = [[5, 9, 17, 33, 2, 8, 100, 7, 41, 3, 3, 19, 250, 11, 6, 90, 12], [400, 21, 22], list(range(30, 39)),
            [7] * 12, [1, 2, 3, 4, 5], [9, 9], [300], [8] * 20, [44] * 3]
@@ -59,13 +64,13 @@ def test_fused_decode_bit_identical_alone_or_batched(ping_pong):
             seqs[i].length -= 1
         return out
 
-    model.ping_pong = ping_pong
+    model.ping_pong, model.native_decode = ping_pong, False
     try:
         together = step(list(range(len(seqs))))
         for i in range(len(seqs)):
             assert torch.equal(step([i])[0], together[i]), f"sequence {i}'s logits depend on its neighbours"
     finally:
-        model.ping_pong = True
+        model.ping_pong, model.native_decode = True, True
 
 
 @pytest.mark.parametrize("n", [1, 3, 5, 9])

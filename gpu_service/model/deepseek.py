@@ -25,7 +25,7 @@ from checkpoint.config import ModelConfig
 from gpu_service.model.qlinear import make_quantized, weight_of
 from gpu_service.model.indexer import Indexer
 from gpu_service.model.kv import Chunk, KVPool
-from gpu_service.model import fast_decode, paged_attention
+from gpu_service.model import fast_decode, native_decode, paged_attention
 
 
 class ExpertsFn(Protocol):
@@ -399,6 +399,7 @@ class DeepseekV3(nn.Module):
         self.ping_pong = True  # two micro-batches overlap attention with remote experts
         self.batched_attention = True  # False: MLA's per-sequence reference path
         self.fused_decode = True  # all-decode steps through fast_decode's segments (batched path only)
+        self.native_decode = True  # ... or, on CPU float32, through native_decode's C layers
         self.graphs = None  # a cuda_graphs.Graphs: decode segments replayed per batch-size bucket
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -414,7 +415,8 @@ class DeepseekV3(nn.Module):
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, chunks: list[Chunk], pool: KVPool,
                 experts: ExpertsFn, slot: int = 0):
         """Generator over all layers for one micro-batch (`slot`); yields while its experts are
-        remote. An all-decode step runs the fused decode segments (gpu_service/model/fast_decode.py)."""
+        remote. An all-decode step runs the native C layers on CPU float32 (native_decode.py), else the
+        fused decode segments (gpu_service/model/fast_decode.py)."""
         cos_sin: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         views: dict[torch.device, list[Chunk]] = {}  # per device: the chunks, or a StepView with metadata
         fast: dict[torch.device, fast_decode.DecodeStep | None] = {}
@@ -427,11 +429,17 @@ class DeepseekV3(nn.Module):
                 views[dev] = paged_attention.step_view(chunks, pool, dev) if self.batched_attention else chunks
                 meta = getattr(views[dev], "paged", None)
                 fast[dev] = None
-                if fast_decode.eligible(self, meta):
+                if native_decode.eligible(self, meta, dev, x.dtype):
+                    fast[dev] = native_decode.NativeStep(self, meta, *cos_sin[dev], B)
+                elif fast_decode.eligible(self, meta):
                     graphs = self.graphs.get(dev, slot, B) if self.graphs is not None else None
                     Bp = graphs.rows if graphs is not None else fast_decode.padded_rows(B, dev)
                     fast[dev] = fast_decode.DecodeStep(meta, *cos_sin[dev], B, Bp, graphs)
             st = fast[dev]
+            if isinstance(st, native_decode.NativeStep):
+                x = yield from native_decode.block_steps(st.blocks[i], x[:B] if x.shape[0] != B
+                                                         else x, st, pool.kv[i], experts)
+                continue
             if st is not None:
                 if x.shape[0] != st.Bp:
                     x = torch.cat([x[:B], x.new_zeros(st.Bp - B, x.shape[1])]) if st.Bp > B else x[:B]

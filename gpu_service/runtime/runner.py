@@ -163,16 +163,19 @@ class ModelRunner:
             buckets = tuple(sorted(set(BUCKETS) | {1 << i for i in range(top.bit_length()) if (1 << i) <= top}))
         self.model.graphs = Graphs(buckets, mode, min_rows=MIN_ROWS if mode == "static" else 1)
 
-    DECODE_PATHS = ("fast", "plain")
+    DECODE_PATHS = ("fast", "fused", "plain")
 
     def set_decode_path(self, path: str) -> None:
         """'fast' (default): batched paged attention over step metadata built once per step
-        (gpu_service.model.paged_attention); 'plain': MLA's per-sequence reference path
-        (MOESPLIT_DECODE_PATH=plain selects it at start-up, for comparisons)."""
+        (gpu_service.model.paged_attention), all-decode steps as native C layers on CPU float32
+        (gpu_service.model.native_decode) or else the torch fused segments (fast_decode);
+        'fused': the torch fused segments also on CPU; 'plain': MLA's per-sequence reference path
+        (MOESPLIT_DECODE_PATH=fused / plain selects one at start-up, for comparisons)."""
         if path not in self.DECODE_PATHS:
             raise ValueError(f"decode path {path!r}: expected one of {self.DECODE_PATHS}")
         self.decode_path = path
-        self.model.batched_attention = path == "fast"
+        self.model.batched_attention = path != "plain"
+        self.model.native_decode = path == "fast"
 
     def new_seq(self) -> SeqKV:
         return SeqKV(self.pool)
