@@ -110,8 +110,8 @@ class _FusedLayerLabels:
         self.mod, self.orig = fast_decode, fast_decode.block_steps
         orig = self.orig
 
-        def block_steps(fb, x, st, kv, experts, layer):
-            gen, label = orig(fb, x, st, kv, experts, layer), f"gpu{placement.layer_gpu[layer]}"
+        def block_steps(fb, x, st, kv, experts, layer, *rest):
+            gen, label = orig(fb, x, st, kv, experts, layer, *rest), f"gpu{placement.layer_gpu[layer]}"
             while True:  # the label again after each yield (the other micro-batch ran meanwhile)
                 tracker.label = label
                 try:

@@ -1,5 +1,5 @@
 """The fused decode step (gpu_service.model.fast_decode) and its CUDA-graph plumbing
-(gpu_service.model.cuda_graphs) on CPU, fp32, DeepSeek-V3 tiny model:
+(gpu_service.model.cuda_graphs) on CPU, fp32, DeepSeek-V3 and V3.2 (lightning indexer) tiny models:
 
 - 32 greedy decode steps of 3 sequences: fused == the unfused batched path == the plain reference
   (tokens equal, logits within 1e-5);
@@ -17,7 +17,7 @@ from gpu_service.model import fast_decode as fd
 from gpu_service.model.cuda_graphs import Graphs
 from gpu_service.model.deepseek import MoE
 from gpu_service.model.kv import Chunk, KVPool, SeqKV
-from tests.test_paged_attention import _setup, greedy_decode, PAGE
+from tests.test_paged_attention import _setup, ARCHS, greedy_decode, PAGE
 
 def _greedy(*a, **kw):
     """The torch fused path (this file's subject), not the native C layers that CPU float32 runs."""
@@ -28,8 +28,9 @@ PROMPTS = [[5, 9, 17, 33, 2, 8, 100, 7, 41, 3, 3, 19, 250, 11, 6, 90, 12], [400,
            [7] * 12, [1, 2, 3, 4, 5], [9, 9], [300], [8] * 20, [44] * 3]
 
 
-def test_fused_decode_32_steps_equal_unfused_and_plain():
-    cfg, model, experts = _setup("deepseek_v3")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_decode_32_steps_equal_unfused_and_plain(arch):
+    cfg, model, experts = _setup(arch)
     plain = _greedy(model, cfg, experts, PROMPTS[:3], 32, batched=False)
     unfused = _greedy(model, cfg, experts, PROMPTS[:3], 32, fused=False)
     fused = _greedy(model, cfg, experts, PROMPTS[:3], 32)
@@ -44,19 +45,21 @@ def _row_independent_experts(layer, h, ids, w):
     return lambda: out
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("ping_pong", [True, False])
-def test_fused_decode_bit_identical_alone_or_batched(ping_pong):
-    cfg, model, _ = _setup("deepseek_v3")
+def test_fused_decode_bit_identical_alone_or_batched(ping_pong, arch):
+    cfg, model, _ = _setup(arch)
     prompts = PROMPTS[:5] + [list(range(60, 130))]
     pool = KVPool(cfg, 128, PAGE, torch.float32, [torch.device("cpu")] * cfg.num_hidden_layers)
     seqs = [SeqKV(pool) for _ in prompts]
     for s, p in zip(seqs, prompts):  # each prefilled alone: the same cache either way
         model(torch.tensor(p), [Chunk(s, 0, len(p))], pool, _row_independent_experts)
-    snap = [t.clone() for t in pool.kv]
+    caches = pool.kv + (pool.index_k or [])  # V3.2: the index keys too
+    snap = [t.clone() for t in caches]
     toks = [3, 44, 55, 66, 77, 88]
 
     def step(idx):
-        for t, c in zip(pool.kv, snap):
+        for t, c in zip(caches, snap):
             t.copy_(c)
         out = model(torch.tensor([toks[i] for i in idx]), [Chunk(seqs[i], seqs[i].length, 1) for i in idx], pool,
                     _row_independent_experts)
@@ -73,9 +76,10 @@ def test_fused_decode_bit_identical_alone_or_batched(ping_pong):
         model.ping_pong, model.native_decode = True, True
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("n", [1, 3, 5, 9])
-def test_static_graph_segments_equal_fused_path(n):
-    cfg, model, experts = _setup("deepseek_v3")
+def test_static_graph_segments_equal_fused_path(n, arch):
+    cfg, model, experts = _setup(arch)
     graphs = Graphs(mode="static", min_rows=fd.MIN_ROWS)
     ref = _greedy(model, cfg, experts, PROMPTS[:n], 10)
     got = _greedy(model, cfg, experts, PROMPTS[:n], 10, graphs=graphs)

@@ -126,13 +126,25 @@ def test_bf16_cuda_close_to_fp32_cpu(ckpt):
     assert rel < 0.05 and agree >= 0.9
 
 
+@pytest.fixture(scope="module")
+def ckpt_v32(tmp_path_factory):
+    """A V3.2 checkpoint whose prompts outgrow index_topk (the indexer selects)."""
+    d = make_tiny(str(tmp_path_factory.mktemp("gpu") / "v32"), fmt="fp8", seed=3, arch="deepseek_v32",
+                  overrides={**OVERRIDES, "index_topk": 8})
+    reader = CheckpointReader(d)
+    _, backend, _ = load_shard(d, None, None, "numpy")
+    return d, reader, LocalExperts(backend)
+
+
+@pytest.mark.parametrize("arch", ["v3", "v32"])
 @pytest.mark.parametrize("batch", [1, 3, 8])
-def test_cuda_graphs_equal_eager(ckpt, batch):
-    """Decode segments replayed as CUDA graphs (the default) give the eager tokens, bf16; prints
-    the median time per decode step of both (the graphs' first step at a bucket captures)."""
+def test_cuda_graphs_equal_eager(request, arch, batch):
+    """Decode segments replayed as CUDA graphs (the default) give the eager tokens, bf16, V3 and
+    V3.2 (its indexer's query, weights and keys in the graphed segment); prints the median time
+    per decode step of both (the graphs' first step at a bucket captures)."""
     from bench.bench_gpu import decode_batch  # the loop make gpu-check's benchmark times
 
-    _, reader, experts = ckpt
+    _, reader, experts = request.getfixturevalue("ckpt" if arch == "v3" else "ckpt_v32")
     prompts = [[(11 * i + 7 * j + 1) % reader.config.vocab_size for j in range(5 + 3 * i)] for i in range(batch)]
     out = {}
     for graphs in (False, True):
@@ -144,5 +156,5 @@ def test_cuda_graphs_equal_eager(ckpt, batch):
         if graphs:
             assert r.model.graphs.captured() > 0
         del r
-    print(f"batch {batch}: decode step eager {out[False][1] * 1e3:.2f} ms, CUDA graphs {out[True][1] * 1e3:.2f} ms")
+    print(f"{arch} batch {batch}: decode step eager {out[False][1] * 1e3:.2f} ms, CUDA graphs {out[True][1] * 1e3:.2f} ms")
     assert out[True][0] == out[False][0]

@@ -444,7 +444,7 @@ class DeepseekV3(nn.Module):
                 if x.shape[0] != st.Bp:
                     x = torch.cat([x[:B], x.new_zeros(st.Bp - B, x.shape[1])]) if st.Bp > B else x[:B]
                 x = yield from fast_decode.block_steps(fast_decode.fast_block(self, i, x.dtype), x, st, pool.kv[i],
-                                                       experts, i)
+                                                       experts, i, pool.index_k[i] if pool.index_k is not None else None)
                 continue
             if x.shape[0] != B:
                 x = x[:B]

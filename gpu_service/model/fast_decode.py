@@ -1,14 +1,15 @@
 """The fused decode step: one MoE/dense layer of an all-decode step in few torch ops (issue 20).
 
-A decode step (every chunk one token, DeepSeek-V3 attention: no V3.2 indexer) runs each layer as
-four segments around two eager parts:
+A decode step (every chunk one token; DeepSeek-V3, or V3.2 with its lightning indexer) runs each
+layer as four segments around two eager parts:
 
     pre     input norm, q_a_proj ++ kv_a_proj_with_mqa as one matmul (weights concatenated at
             load, the modules' weights are views of it: no extra bytes), q_a norm, q_b_proj, RoPE of
             the query and the new key (one index_select + mul + add each, the cos/sin table built
             once per step), the absorbed query q_nope W_UK  ->  qcat [Bp, nh, r + rope], new cache
-            rows [Bp, r + rope]
-    (attention core, eager: write the new rows at the step's slots, batched paged attention)
+            rows [Bp, r + rope]; V3.2 also the indexer's roped queries, head weights and new index keys
+    (attention core, eager: write the new rows at the step's slots (V3.2: and the index keys, then
+    each query's top-index_topk keys selected), batched paged attention)
     mid     W_UV, o_proj, residual, post-attention norm, router  ->  x, h, ids, w
     (expert hand-off, eager: the shards start on h / ids / w)
     shared  the shared expert (gate ++ up as one matmul) or the dense MLP, while the shards work
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_service.model import paged_attention
+from gpu_service.model.indexer import rope_half_split
 from gpu_service.model.qlinear import weight_of
 
 MIN_ROWS = paged_attention.MIN_ROWS
@@ -185,6 +187,12 @@ class FastBlock:
             self.router_wt = g.weight.float().t()
             self.router_bias = g.e_score_correction_bias.float()
             self.k = cfg.num_experts_per_tok
+        self.ix = mla.indexer  # DeepSeek-V3.2: the lightning indexer's query, head weights and new key in `pre`
+        if self.ix is not None:
+            ix = self.ix
+            self.ix_q, self.ix_k, self.ix_w = _Lin(ix.wq_b), _Lin(ix.wk), _Lin(ix.weights_proj)
+            self.ix_wdtype = ix.weights_proj.weight.dtype if hasattr(ix.weights_proj, "weight") else torch.float32
+            self.ix_scale = torch.tensor(ix.nh ** -0.5, dtype=torch.float32, device=dev)
         self.key = self.fingerprint(blk)
 
     @staticmethod
@@ -220,7 +228,9 @@ class FastBlock:
 
     # ---- segments (pure functions of tensors: CUDA-graph capturable) ---------------------------
     def pre(self, x: torch.Tensor, cs: torch.Tensor, w_uk: torch.Tensor):
-        """x [Bp, H], cs [Bp, 2 rope] -> qcat [Bp, nh, r + rope], new cache rows [Bp, r + rope]."""
+        """x [Bp, H], cs [Bp, 2 rope] -> qcat [Bp, nh, r + rope], new cache rows [Bp, r + rope]
+        (V3.2, then: the indexer's roped queries [Bp, nh_i, hd_i] f32, head weights [Bp, nh_i] f32
+        times nh_i^-0.5, the new index keys [Bp, hd_i]; as Indexer.keys / select_decode)."""
         Bp = x.shape[0]
         xn = self.in_norm(x)
         if self.a is not None:
@@ -228,13 +238,24 @@ class FastBlock:
             q0, ckv = a[:, : self.n_first], a
         else:
             q0, ckv = self.first(xn), self.kva(xn)
-        q = self.qb(self.q_norm(q0)) if self.qb is not None else q0  # [Bp, nh * (nope + rope)]
+        qr = self.q_norm(q0) if self.qb is not None else None  # q_resid [Bp, q_lora_rank]
+        q = self.qb(qr) if self.qb is not None else q0  # [Bp, nh * (nope + rope)]
         src = ckv if self.pe_in_a else torch.cat([q, ckv], dim=1)
         m = src.index_select(1, self.pe_idx).view(Bp, self.nh + 1, 2 * self.rdim).mul_(cs[:, None, :])
         pe = m[..., : self.rdim] + m[..., self.rdim:]  # [Bp, nh + 1, rope]: the heads' q_pe, then k_pe
         c = self.kv_norm(ckv[:, self.kv_off: self.kv_off + self.r])
         q_abs = torch.bmm(q.view(Bp, self.nh, self.nope + self.rdim)[..., : self.nope].transpose(0, 1), w_uk)
-        return torch.cat([q_abs.transpose(0, 1), pe[:, : self.nh]], dim=-1), torch.cat([c, pe[:, self.nh]], dim=-1)
+        out = torch.cat([q_abs.transpose(0, 1), pe[:, : self.nh]], dim=-1), torch.cat([c, pe[:, self.nh]], dim=-1)
+        if self.ix is None:
+            return out
+        ix, rd, h = self.ix, self.rdim, self.rdim // 2
+        cos, sin = cs[:, :h], cs[:, 3 * h:]  # the table is [c, c, -s, s]
+        iq = self.ix_q(qr).view(Bp, ix.nh, ix.hd)
+        iq = torch.cat([rope_half_split(iq[..., :rd], cos, sin), iq[..., rd:]], dim=-1).float()
+        iw = self.ix_w(xn.to(self.ix_wdtype)).float() * self.ix_scale
+        k = F.layer_norm(self.ix_k(xn), (ix.hd,), ix.k_norm.weight, ix.k_norm.bias, ix.k_norm.eps)
+        ik = torch.cat([rope_half_split(k[:, None, :rd], cos, sin)[:, 0], k[:, rd:]], dim=-1)
+        return out + (iq, iw, ik)
 
     def mid(self, x: torch.Tensor, o_lat: torch.Tensor, w_uv: torch.Tensor):
         """o_lat [Bp, nh, r] -> x after attention, h = post-attention norm, (MoE) ids, w."""
@@ -316,9 +337,9 @@ def padded_rows(B: int, device: torch.device) -> int:
 
 
 def eligible(model, meta) -> bool:
-    """An all-decode step of a V3 (not V3.2) model on the batched path."""
+    """An all-decode step (DeepSeek-V3 or V3.2) on the batched path."""
     return (getattr(model, "fused_decode", True) and meta is not None and meta.dec_rows is None
-            and not meta.prefill and meta.key_slots is not None and not model.cfg.is_v32)
+            and not meta.prefill and meta.key_slots is not None)
 
 
 def fast_block(model, i: int, dtype: torch.dtype) -> FastBlock:
@@ -331,34 +352,44 @@ def fast_block(model, i: int, dtype: torch.dtype) -> FastBlock:
     return fb
 
 
-def attention_core(fb: FastBlock, qcat: torch.Tensor, new: torch.Tensor, kv: torch.Tensor, st: DecodeStep):
-    """Eager: write the step's new cache rows, attend (one query per sequence) -> o_lat [Bp, nh, r]."""
+def attention_core(fb: FastBlock, qcat: torch.Tensor, new: torch.Tensor, kv: torch.Tensor, st: DecodeStep,
+                   ix_out: tuple = (), ik: torch.Tensor | None = None):
+    """Eager: write the step's new cache rows, attend (one query per sequence) -> o_lat [Bp, nh, r].
+    V3.2 (ix_out = pre's indexer outputs, ik the layer's index-key cache): the new index keys are
+    written and each query attends to its top-index_topk keys only (paged_attention.select_decode_qw)."""
     meta, B, Bp, r = st.meta, st.B, st.Bp, fb.r
     new = new[:B] if Bp > B else new
     kv.index_copy_(0, meta.write_slots, new if new.dtype == kv.dtype else new.to(kv.dtype))
+    keep = None
+    if fb.ix is not None:
+        iq, iw, ikn = (t[:B] for t in ix_out) if Bp > B else ix_out
+        ik.index_copy_(0, meta.write_slots, ikn if ikn.dtype == ik.dtype else ikn.to(ik.dtype))
+        keep = paged_attention.select_decode_qw(fb.ix, iq, iw, ik, meta)
     q = qcat[:B] if Bp > B else qcat
     if meta.fi_indices is not None and kv.device.type == "cuda":
-        o_lat = paged_attention._flashinfer_decode(fb.mla, q[..., :r], q[..., r:], kv, meta, None)
+        o_lat = paged_attention._flashinfer_decode(fb.mla, q[..., :r], q[..., r:], kv, meta, keep)
     else:
         buf = st.o_lat_buffer(q.shape[1], r, q.dtype, q.device) if Bp > B else None  # pad rows stay 0
-        o = paged_attention.torch_attend(q, kv, meta, None, fb.scaling, r, None if buf is None else buf[:B], fb.ninf)
+        o = paged_attention.torch_attend(q, kv, meta, keep, fb.scaling, r, None if buf is None else buf[:B], fb.ninf)
         return o if buf is None else buf
     if Bp > B:
         o_lat = torch.cat([o_lat, o_lat.new_zeros((Bp - B,) + tuple(o_lat.shape[1:]))])
     return o_lat
 
 
-def block_steps(fb: FastBlock, x: torch.Tensor, st: DecodeStep, kv: torch.Tensor, experts, layer: int):
-    """Generator like Block.steps over padded rows x [Bp, H]: yields once while the experts work."""
+def block_steps(fb: FastBlock, x: torch.Tensor, st: DecodeStep, kv: torch.Tensor, experts, layer: int,
+                ik: torch.Tensor | None = None):
+    """Generator like Block.steps over padded rows x [Bp, H]: yields once while the experts work
+    (ik: the layer's V3.2 index-key cache)."""
     g = st.graphs
     w_uk, w_uv = fb.wkv() if g is None else fb.wkv_static()
     if g is not None:
         g.persist(w_uk, w_uv)
     if g is None:
-        qcat, new = fb.pre(x, st.cs, w_uk)
+        qcat, new, *ix_out = fb.pre(x, st.cs, w_uk)
     else:
-        qcat, new = g.run(layer, "pre", fb.pre, x, st.cs, w_uk)
-    o_lat = attention_core(fb, qcat, new, kv, st)
+        qcat, new, *ix_out = g.run(layer, "pre", fb.pre, x, st.cs, w_uk)
+    o_lat = attention_core(fb, qcat, new, kv, st, tuple(ix_out), ik)
     if g is None:
         outs = fb.mid(x, o_lat, w_uv)
     else:

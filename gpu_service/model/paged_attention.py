@@ -210,11 +210,28 @@ def select_decode(indexer, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Te
     q = indexer.wq_b(q_resid).view(B, indexer.nh, indexer.hd)
     q = torch.cat([rope_half_split(q[..., : indexer.rdim], cos, sin), q[..., indexer.rdim:]], dim=-1)
     w = indexer.weights_proj(x.to(indexer.weights_proj.weight.dtype)).float() * indexer.nh ** -0.5  # [B, nh]
-    keys = ik[meta.key_slots].float()  # [B, Smax, hd]
-    scores = torch.relu(torch.bmm(q.float(), keys.transpose(1, 2)) * indexer.softmax_scale)  # [B, nh, Smax]
-    index = torch.bmm(w[:, None, :], scores)[:, 0].masked_fill_(meta.invalid[:, 0], float("-inf"))  # [B, Smax]
-    top = index.topk(min(indexer.topk, index.shape[1]), dim=-1).indices
-    return torch.zeros_like(meta.invalid[:, 0]).scatter_(1, top, True) & ~meta.invalid[:, 0]
+    return select_decode_qw(indexer, q, w, ik, meta)
+
+
+def select_decode_qw(indexer, q: torch.Tensor, w: torch.Tensor, ik: torch.Tensor, meta: PagedMeta) -> torch.Tensor | None:
+    """select_decode from the indexer's roped queries q [B, nh, hd] and head weights w [B, nh]
+    (already times nh^-0.5): what the fused decode step computes in its graph-captured segment.
+    Like torch_attend, at most max(pool slots + B * MIN_KEYS, Smax) keys are gathered at once (row
+    groups otherwise: the plan's decode workspace); a row's selection does not depend on its group."""
+    if max(meta.lengths) <= indexer.topk:
+        return None
+    B, Smax = meta.key_slots.shape
+    per = max(1, (ik.shape[0] + B * MIN_KEYS) // Smax)
+    keep = torch.zeros_like(meta.invalid[:, 0])  # [B, Smax] bool
+    for b0 in range(0, B, per):
+        b1 = min(B, b0 + per)
+        keys = ik.index_select(0, meta.key_slots[b0:b1].reshape(-1)).view(b1 - b0, Smax, ik.shape[1]).float()
+        scores = torch.relu(torch.bmm(q[b0:b1].float(), keys.transpose(1, 2)) * indexer.softmax_scale)  # [b, nh, Smax]
+        del keys
+        index = torch.bmm(w[b0:b1, None, :], scores)[:, 0].masked_fill_(meta.invalid[b0:b1, 0], float("-inf"))
+        del scores
+        keep[b0:b1].scatter_(1, index.topk(min(indexer.topk, Smax), dim=-1).indices, True)
+    return keep.logical_and_(~meta.invalid[:, 0])
 
 
 # ---- CUDA: FlashInfer's MLA paged kernel (optional; not exercised on CPU-only machines) ----------

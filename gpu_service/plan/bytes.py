@@ -346,6 +346,9 @@ def decode_workspace_bytes(cfg: ModelConfig, o: Options, *, mlp_width: int) -> i
     twin = 0 if eb == 4 else eb
     attn = eb * cfg.kv_cache_dim * K + (2 * eb + 8 + twin) * nh * K  # gather; scores, fp32 copy, softmax
     meta = 9 * B * K  # the step's padded slots (int64) and their mask, for the whole batch
+    if cfg.is_v32:  # the indexer's selection (row groups of at most K keys) before attention, then its mask
+        ih, hd = cfg.index_n_heads, cfg.index_head_dim
+        attn = max(attn, (eb + 4) * hd * K + 8 * ih * K + 8 * K) + B * K  # keys, f32 keys, scores, index; keep
     A = (cfg.q_lora_rank or 0) + cfg.kv_cache_dim + nh * (cfg.qk_head_dim + 2 * rope + r)
     rows = eb * B * (4 * H + max(A, 3 * mlp_width) + nh * r) + 8 * B * 2 * rope  # segments + step buffers
     return attn + meta + rows
@@ -362,6 +365,10 @@ def graph_pool_bytes(cfg: ModelConfig, o: Options, *, layers: int, mlp_width: in
     row_static = eb * (nh * (r + rope) + nh * r + (r + rope) + 6 * H) + 12 * k + 8 * rope
     A = (cfg.q_lora_rank or 0) + cfg.kv_cache_dim + nh * (cfg.qk_head_dim + 2 * rope + r)
     row_tmp = eb * (A + 3 * mlp_width + 2 * H) + 8 * E
+    if cfg.is_v32:  # pre's indexer outputs (roped f32 queries, head weights, new index key) and temporaries
+        ih, hd = cfg.index_n_heads, cfg.index_head_dim
+        row_static += 4 * ih * hd + 4 * ih + eb * hd
+        row_tmp += (eb + 8) * ih * hd + 4 * ih + 3 * eb * hd
     wkv = eb * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim) * r if kv_b_dequantised(cfg, o) else 0
     return GRAPH_SLOTS * sum(graph_buckets(o.max_batch)) * (row_static + row_tmp) + wkv
 
