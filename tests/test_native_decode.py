@@ -2,11 +2,12 @@
 DeepSeek-V3 model, CPU float32 (what `moesplit serve` runs on CPU by default):
 
 - 32 greedy decode steps of 3 sequences: native == the plain per-sequence reference and == the torch
-  fused step (tokens equal, logits within 1e-5), and every layer of every step ran natively;
+  fused step (tokens equal, logits within 1e-5), and every layer of every step ran natively, for
+  DeepSeek-V3 and V3.2 (the lightning indexer's top-k selection in C);
 - a sequence's logits are bit-identical alone or in any batch, with and without ping-pong;
 - variants (no q_lora, one expert group, unnormalised top-k, half-split RoPE) equal the reference;
 - the router's group-limited top-k equals deepseek.Router on 256 random rows (ids and weights);
-- what the C code cannot run (int8 attention, V3.2, a large layer with torch threads) takes the torch
+- what the C code cannot run (int8 attention, a large layer with torch threads) takes the torch
   path, and the runner's 'fused' decode path turns the native one off.
 """
 import pytest
@@ -15,7 +16,7 @@ import torch
 from gpu_service.model import native_decode as nd
 from gpu_service.model.kv import Chunk, KVPool, SeqKV
 from tests.test_fast_decode import PROMPTS, _row_independent_experts
-from tests.test_paged_attention import _setup, greedy_decode, PAGE
+from tests.test_paged_attention import _setup, ARCHS, greedy_decode, PAGE
 
 pytestmark = pytest.mark.skipif(not nd.available(), reason="gpu_service.model._native_decode is not built (make build)")
 
@@ -40,8 +41,10 @@ def count_native(monkeypatch):
     return calls
 
 
-def test_native_decode_32_steps_equal_plain_and_fused(count_native):
-    cfg, model, experts = _setup("deepseek_v3")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_native_decode_32_steps_equal_plain_and_fused(arch, count_native):
+    """V3.2 (index_topk 6): most steps select keys (the prompts and the steps outgrow 6)."""
+    cfg, model, experts = _setup(arch)
     plain = greedy_decode(model, cfg, experts, PROMPTS[:3], 32, batched=False)
     fused = greedy_decode(model, cfg, experts, PROMPTS[:3], 32, native=False)
     assert count_native["n"] == 0
@@ -54,19 +57,21 @@ def test_native_decode_32_steps_equal_plain_and_fused(count_native):
         assert err < 1e-5, f"native decode logits differ by {err}"
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("ping_pong", [True, False])
-def test_native_decode_bit_identical_alone_or_batched(ping_pong, count_native):
-    cfg, model, _ = _setup("deepseek_v3")
+def test_native_decode_bit_identical_alone_or_batched(ping_pong, arch, count_native):
+    cfg, model, _ = _setup(arch)
     prompts = PROMPTS[:5] + [list(range(60, 130))]  # the last one spans several pages
     pool = KVPool(cfg, 128, PAGE, torch.float32, [torch.device("cpu")] * cfg.num_hidden_layers)
     seqs = [SeqKV(pool) for _ in prompts]
     for s, p in zip(seqs, prompts):
         model(torch.tensor(p), [Chunk(s, 0, len(p))], pool, _row_independent_experts)
-    snap = [t.clone() for t in pool.kv]
+    caches = pool.kv + (pool.index_k or [])
+    snap = [t.clone() for t in caches]
     toks = [3, 44, 55, 66, 77, 88]
 
     def step(idx):
-        for t, c in zip(pool.kv, snap):
+        for t, c in zip(caches, snap):
             t.copy_(c)
         out = model(torch.tensor([toks[i] for i in idx]), [Chunk(seqs[i], seqs[i].length, 1) for i in idx], pool,
                     _row_independent_experts)
@@ -88,12 +93,12 @@ def test_native_decode_bit_identical_alone_or_batched(ping_pong, count_native):
     assert count_native["n"] > 0
 
 
-def _model(over: dict):
+def _model(over: dict, arch: str = "deepseek_v3"):
     from checkpoint.config import ModelConfig
     from gpu_service.local.tiny import build_hf_model, tiny_config
     from gpu_service.model.deepseek import build_model
 
-    d = tiny_config("deepseek_v3", "bf16", over)
+    d = tiny_config(arch, "bf16", over)
     sd = {k: v.float() for k, v in build_hf_model(d, 0).state_dict().items()}
     cfg = ModelConfig.from_dict(d)
     return cfg, sd, build_model
@@ -108,6 +113,21 @@ def test_native_decode_variants_equal_plain(over, count_native):
     plain = greedy_decode(model, cfg, _row_experts, PROMPTS[:3], 8, batched=False)
     native = greedy_decode(model, cfg, _row_experts, PROMPTS[:3], 8)
     assert count_native["n"] == 8 * 2 * cfg.num_hidden_layers
+    assert native[0] == plain[0]
+    assert max(float((a - b).abs().max()) for a, b in zip(plain[1], native[1])) < 1e-5
+
+
+@pytest.mark.parametrize("topk", [5, 64])
+def test_v32_selection_over_long_contexts_equals_plain(topk, count_native):
+    """Contexts of 70-136 keys (many pages) and index_topk 5 / 64: the C top-k selection and
+    attention over the selected keys give the plain path's tokens and logits."""
+    over = {"index_n_heads": 8, "index_head_dim": 32, "index_topk": topk}
+    cfg, sd, build_model = _model(over, "deepseek_v32")
+    model, _ = build_model(cfg, lambda n: sd[n].numpy(), torch.float32, lambda n: torch.device("cpu"))
+    prompts = [[(7 * i + 3 * j) % 500 + 4 for j in range(n)] for i, n in enumerate((70, 100, 130))]
+    plain = greedy_decode(model, cfg, _row_experts, prompts, 6, batched=False)
+    native = greedy_decode(model, cfg, _row_experts, prompts, 6)
+    assert count_native["n"] == 6 * 2 * cfg.num_hidden_layers
     assert native[0] == plain[0]
     assert max(float((a - b).abs().max()) for a, b in zip(plain[1], native[1])) < 1e-5
 
@@ -132,7 +152,7 @@ def test_router_equals_the_reference_router():
                     scratch.data_ptr())
     x1, h = torch.empty(B, H), torch.empty(B, H)
     ids, w = torch.empty(B, cfg.num_experts_per_tok, dtype=torch.int64), torch.empty(B, cfg.num_experts_per_tok)
-    nb.c.attn(st, kv.data_ptr(), x.data_ptr(), x1.data_ptr(), h.data_ptr(), ids.data_ptr(), w.data_ptr())
+    nb.c.attn(st, kv.data_ptr(), 0, x.data_ptr(), x1.data_ptr(), h.data_ptr(), ids.data_ptr(), w.data_ptr())
     with torch.inference_mode():
         rid, rw = moe.gate(h)
     got = {(b, int(e)): float(v) for b in range(B) for e, v in zip(ids[b], w[b])}
@@ -166,9 +186,10 @@ def test_what_native_cannot_run_takes_the_torch_path(monkeypatch, count_native):
         torch.set_num_threads(threads)
 
 
-def test_v32_is_not_native():
+def test_v32_runs_natively():
     cfg, model, experts = _setup("deepseek_v32")
-    assert nd.native_blocks(model) is None
+    blocks = nd.native_blocks(model)
+    assert blocks is not None and all(b.keep for b in blocks)
 
 
 def test_runner_fused_path_turns_native_off(tmp_path):

@@ -28,6 +28,13 @@ cdef extern from "native_decode.h" nogil:
         const float *w_gate
         const float *w_up
         const float *w_down
+        int ih, ihd, itopk
+        float ieps, iscale, iwscale
+        const float *w_iq
+        const float *w_ik
+        const float *ik_norm_w
+        const float *ik_norm_b
+        const float *w_iw
     ctypedef struct NdStep:
         int B
         long smax
@@ -38,7 +45,7 @@ cdef extern from "native_decode.h" nogil:
         const float *sin
         float *scratch
     size_t nd_scratch_floats(const NdLayer *L, int B, long smax)
-    void nd_attn(const NdLayer *L, const NdStep *S, float *kv, const float *x, float *x1, float *h,
+    void nd_attn(const NdLayer *L, const NdStep *S, float *kv, float *ik, const float *x, float *x1, float *h,
                  int64_t *ids, float *w)
     void nd_mlp(const NdLayer *L, int B, const float *h, float *out, float *scratch)
     void nd_add(long n, const float *x, const float *a, const float *b, float *out)
@@ -69,14 +76,21 @@ cdef class Layer:
                                                  fp(ptrs["w_kvb"]), fp(ptrs["w_o"]))
         L.w_router, L.router_bias = fp(ptrs["w_router"]), fp(ptrs["router_bias"])
         L.w_gate, L.w_up, L.w_down = fp(ptrs["w_gate"]), fp(ptrs["w_up"]), fp(ptrs["w_down"])
+        L.ih, L.ihd, L.itopk = dims.get("ih", 0), dims.get("ihd", 0), dims.get("itopk", 0)
+        L.ieps, L.iscale, L.iwscale = dims.get("ieps", 0.0), dims.get("iscale", 0.0), dims.get("iwscale", 0.0)
+        L.w_iq, L.w_ik, L.w_iw = fp(ptrs.get("w_iq", 0)), fp(ptrs.get("w_ik", 0)), fp(ptrs.get("w_iw", 0))
+        L.ik_norm_w, L.ik_norm_b = fp(ptrs.get("ik_norm_w", 0)), fp(ptrs.get("ik_norm_b", 0))
 
     def scratch_floats(self, int B, long smax):
         """Scratch floats a step of B rows at `smax` key columns needs (nd_attn and nd_mlp)."""
         return nd_scratch_floats(&self.L, B, smax)
 
-    def attn(self, Step st, size_t kv, size_t x, size_t x1, size_t h, size_t ids, size_t w):
+    def attn(self, Step st, size_t kv, size_t ik, size_t x, size_t x1, size_t h, size_t ids, size_t w):
+        if self.L.ih and not ik:
+            raise ValueError("a V3.2 layer needs its index-key cache")
         with nogil:
-            nd_attn(&self.L, &st.S, <float *>kv, fp(x), <float *>x1, <float *>h, <int64_t *>ids, <float *>w)
+            nd_attn(&self.L, &st.S, <float *>kv, <float *>ik, fp(x), <float *>x1, <float *>h, <int64_t *>ids,
+                    <float *>w)
 
     def mlp(self, int B, size_t h, size_t out, size_t scratch):
         with nogil:

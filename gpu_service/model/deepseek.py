@@ -437,8 +437,9 @@ class DeepseekV3(nn.Module):
                     fast[dev] = fast_decode.DecodeStep(meta, *cos_sin[dev], B, Bp, graphs)
             st = fast[dev]
             if isinstance(st, native_decode.NativeStep):
-                x = yield from native_decode.block_steps(st.blocks[i], x[:B] if x.shape[0] != B
-                                                         else x, st, pool.kv[i], experts)
+                x = yield from native_decode.block_steps(st.blocks[i], x[:B] if x.shape[0] != B else x, st,
+                                                         pool.kv[i], experts,
+                                                         pool.index_k[i] if pool.index_k is not None else None)
                 continue
             if st is not None:
                 if x.shape[0] != st.Bp:

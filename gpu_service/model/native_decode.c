@@ -77,7 +77,7 @@ INL int argmax_allowed(const float *v, const unsigned char *allowed, int n) {
 }
 
 /* per-row scratch layout (floats) */
-typedef struct { long xn, qa, kva, qn, q, qcat, olat, ov, rs, rc, gs, n; } Lay;
+typedef struct { long xn, qa, kva, qn, q, qcat, olat, ov, rs, rc, gs, iq, iw, ikn, n; } Lay;
 
 static Lay layout(const NdLayer *L) {
     Lay o;
@@ -94,7 +94,10 @@ static Lay layout(const NdLayer *L) {
     o.rs = o.ov + (long)L->nh * L->vd;
     o.rc = o.rs + L->E;
     o.gs = o.rc + L->E;
-    o.n = o.gs + L->n_group + 2 * (long)L->E;  /* group scores, allowed / chosen flags (as floats' room) */
+    o.iq = o.gs + L->n_group + 2 * (long)L->E;  /* group scores, allowed / chosen flags (as floats' room) */
+    o.iw = o.iq + (long)L->ih * L->ihd;
+    o.ikn = o.iw + L->ih;
+    o.n = o.ikn + L->ihd;
     o.n = (o.n + 15) & ~15L;
     return o;
 }
@@ -105,7 +108,8 @@ static long row_floats(const NdLayer *L) {
 }
 
 size_t nd_scratch_floats(const NdLayer *L, int B, long smax) {
-    return (size_t)(B * row_floats(L) + (long)L->nh * smax);  /* rows, then one score block [nh, smax] */
+    /* rows, then one score block [nh, smax]; V3.2: index scores, a copy, the selected positions */
+    return (size_t)(B * row_floats(L) + (long)L->nh * smax + (L->ih ? 4 * smax + 1 : 0));
 }
 
 INL void route(const NdLayer *L, const float *h, float *sc, float *ch, float *gs, unsigned char *flags,
@@ -150,14 +154,62 @@ INL void route(const NdLayer *L, const float *h, float *sc, float *ch, float *gs
     }
 }
 
+INL void layernorm(const float *x, const float *w, const float *b, int n, float eps, float *y) {
+    float mean = 0.0f, var = 0.0f;
+    for (int i = 0; i < n; i++) mean += x[i];
+    mean /= (float)n;
+    for (int i = 0; i < n; i++) var += (x[i] - mean) * (x[i] - mean);
+    float inv = 1.0f / sqrtf(var / (float)n + eps);
+    for (int i = 0; i < n; i++) y[i] = (x[i] - mean) * inv * w[i] + b[i];
+}
+
+/* the k-th largest of a[0..n) (0-based k < n), reordering a (quickselect, fixed pivots) */
+static float kth_largest(float *a, long n, long k) {
+    long lo = 0, hi = n - 1;
+    while (lo < hi) {
+        float p = a[lo + (hi - lo) / 2];
+        long i = lo, j = hi;
+        while (i <= j) {
+            while (a[i] > p) i++;
+            while (a[j] < p) j--;
+            if (i <= j) {
+                float t = a[i]; a[i] = a[j]; a[j] = t;
+                i++; j--;
+            }
+        }
+        if (k <= j) hi = j;
+        else if (k >= i) lo = i;
+        else return a[k];
+    }
+    return a[k];
+}
+
+/* positions [0, n) of the topk best index scores, in position order (ties: the earlier ones) */
+static long select_topk(const float *index, long n, long topk, float *tmp, int64_t *sel) {
+    memcpy(tmp, index, sizeof(float) * n);
+    float thr = kth_largest(tmp, n, topk - 1);
+    long above = 0, m = 0;
+    for (long t = 0; t < n; t++) above += index[t] > thr;
+    long ties = topk - above;
+    for (long t = 0; t < n; t++) {
+        if (index[t] > thr) sel[m++] = t;
+        else if (index[t] == thr && ties > 0) { sel[m++] = t; ties--; }
+    }
+    return m;
+}
+
 ND_CLONES
-void nd_attn(const NdLayer *L, const NdStep *S, float *kv, const float *x, float *x1, float *h,
+void nd_attn(const NdLayer *L, const NdStep *S, float *kv, float *ik, const float *x, float *x1, float *h,
              int64_t *ids, float *w) {
     const int B = S->B, H = L->H, nh = L->nh, nope = L->nope, rd = L->rd, r = L->r, vd = L->vd;
     const int kvw = r + rd, qh = nope + rd, qdim = nh * qh, qa = L->qlr ? L->qlr : qdim, hr = rd / 2;
     const Lay o = layout(L);
     const long ld = row_floats(L);
     float *s0 = S->scratch, *sc = S->scratch + B * ld;  /* sc: the row being attended's scores */
+    float *idx = sc + (long)nh * S->smax, *itmp = idx + S->smax;  /* V3.2: index scores, a copy */
+    /* the selected positions (2 floats' room each, 8-byte aligned) */
+    int64_t *sel = (int64_t *)(S->scratch + ((B * ld + ((long)nh + 2) * S->smax + 1) & ~1L));
+    const int ihd = L->ihd, ih = L->ih;
     for (int b = 0; b < B; b++) rmsnorm(x + (long)b * H, L->in_norm, H, L->eps_in, s0 + b * ld + o.xn);
     matvec(L->w_q, qa, H, s0 + o.xn, ld, s0 + o.qa, ld, B);
     matvec(L->w_kva, kvw, H, s0 + o.xn, ld, s0 + o.kva, ld, B);
@@ -166,6 +218,25 @@ void nd_attn(const NdLayer *L, const NdStep *S, float *kv, const float *x, float
         for (int b = 0; b < B; b++) rmsnorm(s0 + b * ld + o.qa, L->q_norm, L->qlr, L->eps_q, s0 + b * ld + o.qn);
         matvec(L->w_qb, qdim, L->qlr, s0 + o.qn, ld, s0 + o.q, ld, B);
         qoff = o.q;
+    }
+    if (ih) {  /* the indexer: query from q_resid, head weights and the new key from the normed input */
+        matvec(L->w_iq, ih * ihd, L->qlr, s0 + o.qn, ld, s0 + o.iq, ld, B);
+        matvec(L->w_iw, ih, H, s0 + o.xn, ld, s0 + o.iw, ld, B);
+        matvec(L->w_ik, ihd, H, s0 + o.xn, ld, s0 + o.ikn, ld, B);
+        for (int b = 0; b < B; b++) {
+            float *s = s0 + b * ld, tmp[ihd > 0 ? ihd : 1];
+            const float *c = S->cos + (long)b * hr, *sn = S->sin + (long)b * hr;
+            for (int j = 0; j < ih; j++) {
+                float *qj = s + o.iq + (long)j * ihd;
+                memcpy(tmp, qj, sizeof(float) * rd);
+                rope(tmp, c, sn, rd, 0, qj);  /* half-split RoPE on the first rd dims */
+                s[o.iw + j] = s[o.iw + j] * L->iwscale;
+            }
+            float *krow = ik + S->write_slots[b] * ihd;
+            layernorm(s + o.ikn, L->ik_norm_w, L->ik_norm_b, ihd, L->ieps, krow);
+            memcpy(tmp, krow, sizeof(float) * rd);
+            rope(tmp, c, sn, rd, 0, krow);
+        }
     }
     for (int b = 0; b < B; b++) {  /* new cache row; RoPE'd q_pe and absorbed q_nope per head */
         float *s = s0 + b * ld;
@@ -184,9 +255,23 @@ void nd_attn(const NdLayer *L, const NdStep *S, float *kv, const float *x, float
     for (int b = 0; b < B; b++) {  /* attention over the row's own keys */
         float *s = s0 + b * ld, *ol = s + o.olat;
         const int64_t *slots = S->key_slots + b * S->smax;
-        const long n = S->lengths[b];
+        long n = S->lengths[b];
+        const int64_t *pos = NULL;  /* V3.2 with more than itopk keys: the selected positions */
+        if (ih && n > L->itopk) {
+            for (long t = 0; t < n; t++) {
+                const float *kt = ik + slots[t] * ihd;
+                float v = 0.0f;
+                for (int j = 0; j < ih; j++) {
+                    float d = dot(s + o.iq + (long)j * ihd, kt, ihd) * L->iscale;
+                    v += s[o.iw + j] * (d > 0.0f ? d : 0.0f);
+                }
+                idx[t] = v == v ? v : -INFINITY;  /* NaN never selected over a number */
+            }
+            n = select_topk(idx, n, L->itopk, itmp, sel);
+            pos = sel;
+        }
         for (long t = 0; t < n; t++) {
-            const float *kr = kv + slots[t] * kvw;
+            const float *kr = kv + slots[pos ? pos[t] : t] * kvw;
             for (int hd = 0; hd < nh; hd++) sc[hd * S->smax + t] = dot(s + o.qcat + (long)hd * kvw, kr, kvw) * L->scaling;
         }
         for (int hd = 0; hd < nh; hd++) {
@@ -201,7 +286,7 @@ void nd_attn(const NdLayer *L, const NdStep *S, float *kv, const float *x, float
         }
         memset(ol, 0, sizeof(float) * nh * r);
         for (long t = 0; t < n; t++) {
-            const float *kr = kv + slots[t] * kvw;
+            const float *kr = kv + slots[pos ? pos[t] : t] * kvw;
             for (int hd = 0; hd < nh; hd++) axpy(ol + (long)hd * r, sc[hd * S->smax + t], kr, r);
         }
         for (int hd = 0; hd < nh; hd++)  /* W_UV */

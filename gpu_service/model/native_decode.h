@@ -5,6 +5,7 @@
  * layer (everything but the routed experts) in plain C loops over the step's rows:
  *
  *   nd_attn  input norm, q_a / q_b (or q), kv_a, the q_a and kv_a norms, RoPE, the absorbed query,
+ *            (V3.2) the lightning indexer's new key, query and head weights and its top-k selection,
  *            the step's new cache rows written at their slots, attention over each sequence's
  *            paged slots (its own length: no padding enters a row's arithmetic), W_UV, o_proj,
  *            residual, post-attention norm, and (MoE) the router's group-limited top-k.
@@ -38,6 +39,14 @@ typedef struct {
     /* shared expert / dense MLP (NULL w_gate: none) */
     int inter;
     const float *w_gate, *w_up, *w_down;  /* [inter, H], [inter, H], [H, inter] */
+    /* DeepSeek-V3.2 lightning indexer (ih 0: none): heads, head dim, top-k; k_norm eps,
+     * softmax_scale (ihd^-0.5), head-weight scale (ih^-0.5) */
+    int ih, ihd, itopk;
+    float ieps, iscale, iwscale;
+    const float *w_iq;            /* wq_b [ih ihd, qlr] */
+    const float *w_ik;            /* wk [ihd, H] */
+    const float *ik_norm_w, *ik_norm_b;  /* k_norm (LayerNorm) [ihd] */
+    const float *w_iw;            /* weights_proj [ih, H] */
 } NdLayer;
 
 typedef struct {
@@ -52,8 +61,10 @@ typedef struct {
 
 size_t nd_scratch_floats(const NdLayer *L, int B, long smax);
 /* x [B, H] -> x1 = x + attention [B, H], h = post norm [B, H]; MoE: ids [B, k], w [B, k]
- * (best selection score first: sigmoid + correction bias; ties to the lower expert id). kv [slots, r + rd] is written at write_slots. */
-void nd_attn(const NdLayer *L, const NdStep *S, float *kv, const float *x, float *x1, float *h,
+ * (best selection score first: sigmoid + correction bias; ties to the lower expert id). kv [slots, r + rd] is written at write_slots.
+ * V3.2: ik [slots, ihd] (the index keys) is written too, and a query with more than itopk keys
+ * attends to its itopk best by index score (ties to the earlier position). */
+void nd_attn(const NdLayer *L, const NdStep *S, float *kv, float *ik, const float *x, float *x1, float *h,
              int64_t *ids, float *w);
 /* out [B, H] = down(silu(gate h) * up h); scratch: the step's (nd_mlp uses B rows of it) */
 void nd_mlp(const NdLayer *L, int B, const float *h, float *out, float *scratch);

@@ -14,8 +14,10 @@ Every row is computed alone in one fixed order, so a sequence's result is bit-id
 in any batch (no row padding needed) and on every replica of the same build. The values equal the
 torch paths' up to float32 rounding (other summation orders; tests/test_native_decode.py).
 
-Used when: the step is all-decode on a CPU device, the compute dtype is float32, the model is V3
-(not V3.2), every linear of the layer is a plain float32 nn.Linear without bias, and either torch
+V3.2: the lightning indexer's new key, query and head weights are computed in nd_attn too, and a
+query with more than index_topk keys attends to its index_topk best (ties: the earlier position).
+
+Used when: the step is all-decode on a CPU device, the compute dtype is float32, every linear of the layer is a plain float32 nn.Linear without bias, and either torch
 runs one thread or the layer's weights are small (<= NATIVE_MAX_LAYER_BYTES): the C code runs on
 one thread, so a large model on a many-core CPU keeps torch's threaded GEMMs. `ModelRunner`'s decode
 path 'fused' (MOESPLIT_DECODE_PATH=fused) selects the torch fused step instead, for comparisons.
@@ -65,7 +67,7 @@ def build_block(blk) -> NativeBlock | None:
     """The layer's NativeBlock, or None where a weight is not a plain float32 CPU tensor."""
     mla = blk.self_attn
     cfg = mla.cfg
-    if _c is None or cfg.is_v32:
+    if _c is None or (cfg.is_v32 and not cfg.q_lora_rank):
         return None
     ql = cfg.q_lora_rank or 0
     lin = {"w_q": _w(mla.q_a_proj if ql else mla.q_proj), "w_kva": _w(mla.kv_a_proj_with_mqa),
@@ -106,6 +108,17 @@ def build_block(blk) -> NativeBlock | None:
         dims["inter"] = gw.shape[0]
         ptrs.update(w_gate=gw.data_ptr(), w_up=uw.data_ptr(), w_down=dw.data_ptr())
         keep += [gw, uw, dw]
+    ix = mla.indexer
+    if ix is not None:  # DeepSeek-V3.2's lightning indexer
+        iq, ikw, iw = _w(ix.wq_b), _w(ix.wk), _w(ix.weights_proj)
+        kn_w, kn_b = _norm_w(ix.k_norm), ix.k_norm.bias
+        if iq is None or ikw is None or iw is None or kn_w is None or kn_b is None or kn_b.dtype != torch.float32:
+            return None
+        dims.update(ih=ix.nh, ihd=ix.hd, itopk=ix.topk, ieps=float(ix.k_norm.eps), iscale=float(ix.softmax_scale),
+                    iwscale=float(ix.nh ** -0.5))
+        ptrs.update(w_iq=iq.data_ptr(), w_ik=ikw.data_ptr(), w_iw=iw.data_ptr(), ik_norm_w=kn_w.data_ptr(),
+                    ik_norm_b=kn_b.data_ptr())
+        keep += [iq, ikw, iw, kn_w, kn_b]
     if sum(t.numel() * 4 for t in keep) > NATIVE_MAX_LAYER_BYTES and torch.get_num_threads() > 1:
         return None  # one C thread against torch's threaded GEMMs on a large layer: keep torch
     return NativeBlock(blk, _c.Layer(dims, ptrs, keep), keep, moe, mlp is not None, cfg.hidden_size,
@@ -134,10 +147,10 @@ def native_blocks(model) -> list[NativeBlock] | None:
 
 
 def eligible(model, meta, dev: torch.device, dtype: torch.dtype) -> bool:
-    """An all-decode V3 step on CPU float32 whose every layer runs natively."""
+    """An all-decode step on CPU float32 whose every layer runs natively."""
     return (_c is not None and getattr(model, "native_decode", True) and dev.type == "cpu" and dtype == torch.float32
             and meta is not None and meta.dec_rows is None and not meta.prefill and meta.key_slots is not None
-            and not model.cfg.is_v32 and native_blocks(model) is not None)
+            and native_blocks(model) is not None)
 
 
 class NativeStep:
@@ -170,21 +183,25 @@ def _add(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None) -> torch.Tens
     return out
 
 
-def block_steps(nb: NativeBlock, x: torch.Tensor, st: NativeStep, kv: torch.Tensor, experts):
-    """Generator like Block.steps over x [B, H] float32: yields once while the experts work."""
+def block_steps(nb: NativeBlock, x: torch.Tensor, st: NativeStep, kv: torch.Tensor, experts,
+                ik: torch.Tensor | None = None):
+    """Generator like Block.steps over x [B, H] float32: yields once while the experts work
+    (ik: the layer's V3.2 index-key cache)."""
     if not x.is_contiguous():
         x = x.contiguous()
-    if kv.dtype != torch.float32 or not kv.is_contiguous():
-        raise ValueError(f"native decode: the KV cache is {kv.dtype}, expected a contiguous float32 cache")
+    for t in (kv,) if ik is None else (kv, ik):
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"native decode: a cache is {t.dtype}, expected a contiguous float32 cache")
+    ikp = 0 if ik is None else ik.data_ptr()
     B, H = st.B, nb.H
     x1, h = torch.empty(B, H), torch.empty(B, H)
     if nb.moe is None:  # dense layer
-        nb.c.attn(st.c, kv.data_ptr(), x.data_ptr(), x1.data_ptr(), h.data_ptr(), 0, 0)
+        nb.c.attn(st.c, kv.data_ptr(), ikp, x.data_ptr(), x1.data_ptr(), h.data_ptr(), 0, 0)
         m = torch.empty(B, H)
         nb.c.mlp(B, h.data_ptr(), m.data_ptr(), st.sp)
         return _add(x1, m, None)
     ids, w = torch.empty(B, nb.k, dtype=torch.int64), torch.empty(B, nb.k)
-    nb.c.attn(st.c, kv.data_ptr(), x.data_ptr(), x1.data_ptr(), h.data_ptr(), ids.data_ptr(), w.data_ptr())
+    nb.c.attn(st.c, kv.data_ptr(), ikp, x.data_ptr(), x1.data_ptr(), h.data_ptr(), ids.data_ptr(), w.data_ptr())
     moe = nb.moe
     wait = experts(moe.layer, h, ids, w if moe.experts is None else moe.remote_weights(ids, w))
     yield
