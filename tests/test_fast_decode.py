@@ -45,10 +45,9 @@ def _row_independent_experts(layer, h, ids, w):
     return lambda: out
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("ping_pong", [True, False])
-def test_fused_decode_bit_identical_alone_or_batched(ping_pong, arch):
-    cfg, model, _ = _setup(arch)
+def decode_step_from_prefilled(cfg, model):
+    """Six sequences (the last spans several pages), each prefilled alone; returns (step, n):
+    step(idx) restores the caches and decodes sequences idx once together -> their logits."""
     prompts = PROMPTS[:5] + [list(range(60, 130))]
     pool = KVPool(cfg, 128, PAGE, torch.float32, [torch.device("cpu")] * cfg.num_hidden_layers)
     seqs = [SeqKV(pool) for _ in prompts]
@@ -67,10 +66,18 @@ def test_fused_decode_bit_identical_alone_or_batched(ping_pong, arch):
             seqs[i].length -= 1
         return out
 
+    return step, len(seqs)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("ping_pong", [True, False])
+def test_fused_decode_bit_identical_alone_or_batched(ping_pong, arch):
+    cfg, model, _ = _setup(arch)
+    step, n = decode_step_from_prefilled(cfg, model)
     model.ping_pong, model.native_decode = ping_pong, False
     try:
-        together = step(list(range(len(seqs))))
-        for i in range(len(seqs)):
+        together = step(list(range(n)))
+        for i in range(n):
             assert torch.equal(step([i])[0], together[i]), f"sequence {i}'s logits depend on its neighbours"
     finally:
         model.ping_pong, model.native_decode = True, True

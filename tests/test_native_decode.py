@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from gpu_service.model import native_decode as nd
-from gpu_service.model.kv import Chunk, KVPool, SeqKV
-from tests.test_fast_decode import PROMPTS, _row_independent_experts
+from gpu_service.model.kv import KVPool
+from tests.test_fast_decode import decode_step_from_prefilled, PROMPTS, _row_independent_experts
 from tests.test_paged_attention import _setup, ARCHS, greedy_decode, PAGE
 
 pytestmark = pytest.mark.skipif(not nd.available(), reason="gpu_service.model._native_decode is not built (make build)")
@@ -61,28 +61,11 @@ def test_native_decode_32_steps_equal_plain_and_fused(arch, count_native):
 @pytest.mark.parametrize("ping_pong", [True, False])
 def test_native_decode_bit_identical_alone_or_batched(ping_pong, arch, count_native):
     cfg, model, _ = _setup(arch)
-    prompts = PROMPTS[:5] + [list(range(60, 130))]  # the last one spans several pages
-    pool = KVPool(cfg, 128, PAGE, torch.float32, [torch.device("cpu")] * cfg.num_hidden_layers)
-    seqs = [SeqKV(pool) for _ in prompts]
-    for s, p in zip(seqs, prompts):
-        model(torch.tensor(p), [Chunk(s, 0, len(p))], pool, _row_independent_experts)
-    caches = pool.kv + (pool.index_k or [])
-    snap = [t.clone() for t in caches]
-    toks = [3, 44, 55, 66, 77, 88]
-
-    def step(idx):
-        for t, c in zip(caches, snap):
-            t.copy_(c)
-        out = model(torch.tensor([toks[i] for i in idx]), [Chunk(seqs[i], seqs[i].length, 1) for i in idx], pool,
-                    _row_independent_experts)
-        for i in idx:
-            seqs[i].length -= 1
-        return out
-
+    step, n = decode_step_from_prefilled(cfg, model)
     model.ping_pong = ping_pong
     try:
-        together = step(list(range(len(seqs))))
-        for i in range(len(seqs)):
+        together = step(list(range(n)))
+        for i in range(n):
             assert torch.equal(step([i])[0], together[i]), f"sequence {i}'s logits depend on its neighbours"
         for order in ([5, 0, 3], [2, 1]):
             got = step(order)

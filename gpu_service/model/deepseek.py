@@ -429,8 +429,9 @@ class DeepseekV3(nn.Module):
                 views[dev] = paged_attention.step_view(chunks, pool, dev) if self.batched_attention else chunks
                 meta = getattr(views[dev], "paged", None)
                 fast[dev] = None
-                if native_decode.eligible(self, meta, dev, x.dtype):
-                    fast[dev] = native_decode.NativeStep(self, meta, *cos_sin[dev], B)
+                blocks = native_decode.eligible(self, meta, dev, x.dtype)
+                if blocks is not None:
+                    fast[dev] = native_decode.NativeStep(blocks, meta, *cos_sin[dev], B)
                 elif fast_decode.eligible(self, meta):
                     graphs = self.graphs.get(dev, slot, B) if self.graphs is not None else None
                     Bp = graphs.rows if graphs is not None else fast_decode.padded_rows(B, dev)

@@ -59,8 +59,8 @@ def _norm_w(norm) -> torch.Tensor | None:
 class NativeBlock:
     """One layer's C handle (weight pointers resolved once; the tensors stay owned by the model)."""
 
-    def __init__(self, blk, layer_c, keep: list, moe, has_mlp: bool, H: int, k: int):
-        self.blk, self.c, self.keep, self.moe, self.has_mlp, self.H, self.k = blk, layer_c, keep, moe, has_mlp, H, k
+    def __init__(self, layer_c, keep: list, moe, has_mlp: bool, H: int, k: int):
+        self.c, self.keep, self.moe, self.has_mlp, self.H, self.k = layer_c, keep, moe, has_mlp, H, k
 
 
 def build_block(blk) -> NativeBlock | None:
@@ -121,7 +121,7 @@ def build_block(blk) -> NativeBlock | None:
         keep += [iq, ikw, iw, kn_w, kn_b]
     if sum(t.numel() * 4 for t in keep) > NATIVE_MAX_LAYER_BYTES and torch.get_num_threads() > 1:
         return None  # one C thread against torch's threaded GEMMs on a large layer: keep torch
-    return NativeBlock(blk, _c.Layer(dims, ptrs, keep), keep, moe, mlp is not None, cfg.hidden_size,
+    return NativeBlock(_c.Layer(dims, ptrs, keep), keep, moe, mlp is not None, cfg.hidden_size,
                        cfg.num_experts_per_tok if moe is not None else 0)
 
 
@@ -146,18 +146,20 @@ def native_blocks(model) -> list[NativeBlock] | None:
     return cache["blocks"]
 
 
-def eligible(model, meta, dev: torch.device, dtype: torch.dtype) -> bool:
-    """An all-decode step on CPU float32 whose every layer runs natively."""
-    return (_c is not None and getattr(model, "native_decode", True) and dev.type == "cpu" and dtype == torch.float32
-            and meta is not None and meta.dec_rows is None and not meta.prefill and meta.key_slots is not None
-            and native_blocks(model) is not None)
+def eligible(model, meta, dev: torch.device, dtype: torch.dtype) -> list[NativeBlock] | None:
+    """The layers' NativeBlocks for an all-decode step on CPU float32 whose every layer runs
+    natively, else None."""
+    if (_c is None or not getattr(model, "native_decode", True) or dev.type != "cpu" or dtype != torch.float32
+            or meta is None or meta.dec_rows is not None or meta.prefill or meta.key_slots is None):
+        return None
+    return native_blocks(model)
 
 
 class NativeStep:
     """One step's metadata for the C layers: slots, lengths, the RoPE rows, scratch."""
 
-    def __init__(self, model, meta, cos: torch.Tensor, sin: torch.Tensor, B: int):
-        self.B, self.Bp = B, B  # no row padding: rows are computed alone
+    def __init__(self, blocks: list[NativeBlock], meta, cos: torch.Tensor, sin: torch.Tensor, B: int):
+        self.B, self.blocks = B, blocks  # no row padding: rows are computed alone
         ks = meta.key_slots.contiguous()
         self.lengths = torch.tensor(meta.lengths, dtype=torch.int64)
         if ks.dtype != torch.int64 or ks.shape[0] != B or int(self.lengths.max()) > ks.shape[1]:
@@ -165,7 +167,6 @@ class NativeStep:
                              f"lengths up to {int(self.lengths.max())}")
         self.ws = meta.write_slots.contiguous()
         self.ks, self.cos, self.sin = ks, cos.float().contiguous(), sin.float().contiguous()
-        self.blocks = blocks = native_blocks(model)
         self.scratch = torch.empty(max(b.c.scratch_floats(B, ks.shape[1]) for b in blocks), dtype=torch.float32)
         self.c = _c.Step(B, ks.shape[1], self.ws.data_ptr(), ks.data_ptr(), self.lengths.data_ptr(),
                          self.cos.data_ptr(), self.sin.data_ptr(), self.scratch.data_ptr())
