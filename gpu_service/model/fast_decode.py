@@ -36,7 +36,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_service.model import paged_attention
-from gpu_service.model.indexer import rope_half_split
 from gpu_service.model.qlinear import weight_of
 
 MIN_ROWS = paged_attention.MIN_ROWS
@@ -188,11 +187,6 @@ class FastBlock:
             self.router_bias = g.e_score_correction_bias.float()
             self.k = cfg.num_experts_per_tok
         self.ix = mla.indexer  # DeepSeek-V3.2: the lightning indexer's query, head weights and new key in `pre`
-        if self.ix is not None:
-            ix = self.ix
-            self.ix_q, self.ix_k, self.ix_w = _Lin(ix.wq_b), _Lin(ix.wk), _Lin(ix.weights_proj)
-            self.ix_wdtype = ix.weights_proj.weight.dtype if hasattr(ix.weights_proj, "weight") else torch.float32
-            self.ix_scale = torch.tensor(ix.nh ** -0.5, dtype=torch.float32, device=dev)
         self.key = self.fingerprint(blk)
 
     @staticmethod
@@ -230,7 +224,7 @@ class FastBlock:
     def pre(self, x: torch.Tensor, cs: torch.Tensor, w_uk: torch.Tensor):
         """x [Bp, H], cs [Bp, 2 rope] -> qcat [Bp, nh, r + rope], new cache rows [Bp, r + rope]
         (V3.2, then: the indexer's roped queries [Bp, nh_i, hd_i] f32, head weights [Bp, nh_i] f32
-        times nh_i^-0.5, the new index keys [Bp, hd_i]; as Indexer.keys / select_decode)."""
+        times nh_i^-0.5 (Indexer.query), the new index keys [Bp, hd_i] (Indexer.keys))."""
         Bp = x.shape[0]
         xn = self.in_norm(x)
         if self.a is not None:
@@ -248,14 +242,10 @@ class FastBlock:
         out = torch.cat([q_abs.transpose(0, 1), pe[:, : self.nh]], dim=-1), torch.cat([c, pe[:, self.nh]], dim=-1)
         if self.ix is None:
             return out
-        ix, rd, h = self.ix, self.rdim, self.rdim // 2
+        h = self.rdim // 2
         cos, sin = cs[:, :h], cs[:, 3 * h:]  # the table is [c, c, -s, s]
-        iq = self.ix_q(qr).view(Bp, ix.nh, ix.hd)
-        iq = torch.cat([rope_half_split(iq[..., :rd], cos, sin), iq[..., rd:]], dim=-1).float()
-        iw = self.ix_w(xn.to(self.ix_wdtype)).float() * self.ix_scale
-        k = F.layer_norm(self.ix_k(xn), (ix.hd,), ix.k_norm.weight, ix.k_norm.bias, ix.k_norm.eps)
-        ik = torch.cat([rope_half_split(k[:, None, :rd], cos, sin)[:, 0], k[:, rd:]], dim=-1)
-        return out + (iq, iw, ik)
+        iq, iw = self.ix.query(xn, qr, cos, sin)
+        return out + (iq.float(), iw, self.ix.keys(xn, cos, sin))
 
     def mid(self, x: torch.Tensor, o_lat: torch.Tensor, w_uv: torch.Tensor):
         """o_lat [Bp, nh, r] -> x after attention, h = post-attention norm, (MoE) ids, w."""

@@ -60,6 +60,15 @@ class Indexer(nn.Module):
         k_rot = rope_half_split(k[:, None, : self.rdim], cos, sin)[:, 0]
         return torch.cat([k_rot, k[:, self.rdim:]], dim=-1)
 
+    def query(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The roped index queries [n, nh, hd] and head weights [n, nh] f32 (times nh^-0.5) of n
+        queries (x [n, H], q_resid [n, q_lora_rank], cos/sin [n, rope / 2])."""
+        n = x.shape[0]
+        q = self.wq_b(q_resid).view(n, self.nh, self.hd)
+        q = torch.cat([rope_half_split(q[..., : self.rdim], cos, sin), q[..., self.rdim:]], dim=-1)
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.nh ** -0.5
+        return q, w
+
     def select(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                index_keys: torch.Tensor, start: int) -> torch.Tensor | None:
         """Which cached positions each query may attend to.
@@ -71,9 +80,7 @@ class Indexer(nn.Module):
         n, S = x.shape[0], index_keys.shape[0]
         if self.topk >= S:
             return None
-        q = self.wq_b(q_resid).view(n, self.nh, self.hd)
-        q = torch.cat([rope_half_split(q[..., : self.rdim], cos, sin), q[..., self.rdim:]], dim=-1)  # [n, nh, hd]
-        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.nh ** -0.5  # [n, nh]
+        q, w = self.query(x, q_resid, cos, sin)  # [n, nh, hd], [n, nh]
         k32 = index_keys.float().t()  # [hd, S]
         index = torch.empty(n, S, dtype=torch.float32, device=x.device)
         step = max(1, SCORE_ELEMS // (self.nh * S))  # queries per block: bounds the [b, nh, S] scores

@@ -202,15 +202,9 @@ def select_decode(indexer, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Te
     """V3.2 lightning-indexer selection for the decode queries (one per sequence), batched over
     the padded slots: keep [B, Smax] bool (valid AND among the top-`index_topk`), or None when
     every sequence has at most index_topk keys (dense)."""
-    from gpu_service.model.indexer import rope_half_split
-
     if max(meta.lengths) <= indexer.topk:
         return None
-    B = x.shape[0]
-    q = indexer.wq_b(q_resid).view(B, indexer.nh, indexer.hd)
-    q = torch.cat([rope_half_split(q[..., : indexer.rdim], cos, sin), q[..., indexer.rdim:]], dim=-1)
-    w = indexer.weights_proj(x.to(indexer.weights_proj.weight.dtype)).float() * indexer.nh ** -0.5  # [B, nh]
-    return select_decode_qw(indexer, q, w, ik, meta)
+    return select_decode_qw(indexer, *indexer.query(x, q_resid, cos, sin), ik, meta)
 
 
 def select_decode_qw(indexer, q: torch.Tensor, w: torch.Tensor, ik: torch.Tensor, meta: PagedMeta) -> torch.Tensor | None:
