@@ -9,7 +9,7 @@ import platform
 from setuptools import Extension, setup
 
 KDIR = "cpu_expert_service/kernels"
-ISA_FILES = ["moe_core.c", "moe_avx2.c", "moe_avx512.c", "moe_amx.c"]
+ISA_FILES = ["moe_core.c", "moe_avx2.c", "moe_avx512.c", "moe_amx.c", "moe_shm.c"]
 
 ext_modules = []
 if platform.machine().lower() in ("x86_64", "amd64"):
@@ -17,7 +17,7 @@ if platform.machine().lower() in ("x86_64", "amd64"):
         "cpu_expert_service.kernels._moe",
         sources=[f"{KDIR}/_moe.pyx"] + [f"{KDIR}/{f}" for f in ISA_FILES],
         include_dirs=[KDIR],
-        depends=[f"{KDIR}/moe.h", f"{KDIR}/amx_emu.h", f"{KDIR}/simde_x86.h"],
+        depends=[f"{KDIR}/moe.h", f"{KDIR}/moe_shm.h", f"{KDIR}/amx_emu.h", f"{KDIR}/simde_x86.h"],
         extra_compile_args=["-O3", "-std=gnu11", "-pthread", "-fno-math-errno", "-Wno-unused-function"],
         extra_link_args=["-pthread"],
     )
@@ -28,9 +28,9 @@ if platform.machine().lower() in ("x86_64", "amd64"):
 MDIR = "gpu_service/model"
 ext_modules.append(Extension(
     "gpu_service.model._native_decode",
-    sources=[f"{MDIR}/_native_decode.pyx", f"{MDIR}/native_decode.c"],
+    sources=[f"{MDIR}/_native_decode.pyx", f"{MDIR}/native_decode.c", f"{MDIR}/native_remote.c"],
     include_dirs=[MDIR],
-    depends=[f"{MDIR}/native_decode.h"],
+    depends=[f"{MDIR}/native_decode.h", f"{MDIR}/native_remote.h"],
     extra_compile_args=["-O3", "-std=gnu11", "-ffp-contract=off", "-fno-math-errno", "-Wno-psabi"],
 ))
 

@@ -21,6 +21,7 @@ behind the previous one on its stream is seen waiting), and the backend is wrapp
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -54,6 +55,18 @@ class _Counts:
         self.acts = np.zeros((len(self.layers), n_experts), dtype=np.int64)
         self.held = np.zeros(n_experts, dtype=bool)
         self.lock = threading.Lock()
+        self.native: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def native_arrays(self, n_layer_ids: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+        """(tokens [layer id], activations [layer id, E] or None, held [E] uint8) that the shards' C
+        doorbell loops (kernels/moe_shm.c) add into atomically; collect() adds them in."""
+        with self.lock:
+            if self.native is None or self.native[0].shape[0] < n_layer_ids:
+                n = max(n_layer_ids, max(self.layers, default=0) + 1)
+                self.native = (np.zeros(n, dtype=np.int64), np.zeros((n, self.n_experts), dtype=np.int64),
+                               self.held.astype(np.uint8))
+            tokens, acts, held = self.native
+        return tokens, acts if self.count_activations else None, held
 
     def add(self, layer: int, ids: np.ndarray) -> None:
         i = self.row.get(layer)
@@ -75,6 +88,10 @@ class _Counts:
     def collect(self):
         with self.lock:
             tokens, acts = self.tokens.copy(), self.acts.copy()
+            if self.native is not None:  # what the C loops counted (indexed by layer id)
+                ids = np.asarray(self.layers, dtype=np.int64)
+                tokens += self.native[0][ids]
+                acts += self.native[1][ids]
         c = CounterMetricFamily(PREFIX + "expert_tokens", "Token rows computed by this shard, by layer.",
                                 labels=["layer"])
         for layer, n in zip(self.layers, tokens):
@@ -185,6 +202,10 @@ class ShardMetrics:
         self.kernel = Histogram(p + "expert_kernel_seconds", "Backend compute time of one request, by layer.",
                                 ["layer"], buckets=KERNEL_BUCKETS, registry=registry)
         self._kernel_children: dict[int, object] = {}
+        self._native_lock = threading.Lock()
+        self._native_loops: list = []
+        self._drainer: threading.Thread | None = None
+        self._dropped_logged = 0
         self.queue_wait = Histogram(p + "expert_queue_wait_seconds",
                                     "Time from a request's arrival on its stream to the start of its compute.",
                                     buckets=WAIT_BUCKETS, registry=registry)
@@ -201,6 +222,44 @@ class ShardMetrics:
                   str(backend.weight_format)).set(1)
         if process:
             ProcessCollector(registry=registry)
+
+    # ---- the shards' C doorbell loops (cpu_expert_service.shm_transport.native_loop)
+    DRAIN_S = 0.1
+
+    def attach_native(self, loop) -> None:
+        """Feed a C loop's per-call records (queue wait, kernel time) into the histograms, every
+        DRAIN_S seconds on one thread, and once more when it ends (detach_native)."""
+        with self._native_lock:
+            self._native_loops.append(loop)
+            if self._drainer is None:
+                self._drainer = threading.Thread(target=self._drain_forever, name="shm-metrics", daemon=True)
+                self._drainer.start()
+
+    def detach_native(self, loop) -> None:
+        with self._native_lock:
+            if loop in self._native_loops:
+                self._native_loops.remove(loop)
+            self._drain(loop)
+
+    def _drain_forever(self) -> None:
+        while True:
+            time.sleep(self.DRAIN_S)
+            with self._native_lock:
+                for loop in self._native_loops:
+                    self._drain(loop)
+
+    def _drain(self, loop) -> None:
+        recs, dropped = loop.drain()  # [n, 4]: layer, T, queue wait ns, kernel ns
+        for layer, _t, wait_ns, kernel_ns in recs.tolist():
+            self.queue_wait.observe(wait_ns * 1e-9)
+            child = self._kernel_children.get(layer)
+            if child is None:
+                child = self._kernel_children[layer] = self.kernel.labels(str(layer))
+            child.observe(kernel_ns * 1e-9)
+        if dropped > self._dropped_logged:
+            self._dropped_logged = dropped
+            logging.getLogger("moesplit.metrics").warning(
+                "%d shared-memory call records were dropped before the metrics drained them", dropped)
 
     def wrap(self, backend) -> MeteredBackend:
         return MeteredBackend(backend, self)

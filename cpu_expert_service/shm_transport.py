@@ -14,6 +14,8 @@ import sys
 import threading
 import time
 
+import numpy as np
+
 from wire.shm import (
     _inside, allowed_peer_uids, CALL, check_region, DOORBELL, DTYPES, enabled, FLOAT_CODES, HEADER_BYTES,
     INT_CODES, INTERNAL, INVALID_ARGUMENT, Layout, MSG_OFFSET, OK, OP_FORWARD, PEER_UID_ENV, peer_uid, recv_spin,
@@ -98,8 +100,43 @@ def attach(servicer, path: str, token: bytes, socket_path: str, shm_dir: str | N
     return name
 
 
+NATIVE_ENV = "MOESPLIT_SHM_NATIVE"  # "0": serve every doorbell in Python (comparisons, debugging)
+RING = 1 << 16  # metric records between two drains (cpu_expert_service.metrics drains every 0.1 s)
+
+
+def native_loop(servicer, mm, lay: Layout, sock: socket.socket, spin_s: float):
+    """The C doorbell loop (kernels/moe_shm.c) for this client where the backend is the kernels
+    (metered or not) and nothing overrides the servicer's checks; else None (Python serves)."""
+    if os.environ.get(NATIVE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    from cpu_expert_service.metrics import MeteredBackend
+    try:
+        from cpu_expert_service.kernel_backend import KernelExperts
+        from cpu_expert_service.kernels import _moe
+    except ImportError:  # no kernels on this machine: the numpy backend, served in Python
+        return None
+    be, metrics = servicer.backend, None
+    if type(be) is MeteredBackend:
+        be, metrics = be._backend, be._metrics
+    if type(be) is not KernelExperts or "check_and_forward" in vars(servicer):
+        return None
+    whole = np.frombuffer(mm, dtype=np.uint8)  # the mapping's address; kept alive with the loop
+    layout = (lay.n_slots, lay.max_tokens, lay.max_k, HEADER_BYTES, lay.slot_bytes, lay.hidden_off, lay.ids_off,
+              lay.w_off, lay.out_off)
+    cfg = servicer.cfg
+    counts = metrics.counts.native_arrays(max(servicer.layers, default=0) + 1) if metrics is not None else None
+    loop = _moe.ShmServe(be._engine, whole.ctypes.data, sock.fileno(), layout, cfg.hidden_size, cfg.n_routed_experts,
+                         servicer.max_tokens, servicer.layers, spin_s, *(counts or (None, None, None)),
+                         ring=RING if metrics is not None else 0)
+    if metrics is not None:
+        metrics.attach_native(loop)
+    return loop, whole, metrics, _moe
+
+
 def _serve(servicer, mm, lay: Layout, sock: socket.socket) -> None:
-    """One client's fast path: doorbell in, slot validated and computed, doorbell out."""
+    """One client's fast path: doorbell in, slot validated and computed, doorbell out. With the
+    kernels backend the loop runs in C (native_loop) and hands Python only the calls it does not
+    take as plain valid calls (errors, odd dtypes): those are served here as before."""
     from cpu_expert_service.metrics import mark_arrival
     # the servicer's own module: the shard runs as `python -m cpu_expert_service.server` (__main__)
     RequestError = sys.modules[type(servicer).__module__].RequestError
@@ -107,14 +144,31 @@ def _serve(servicer, mm, lay: Layout, sock: socket.socket) -> None:
     H = lay.hidden_size
     recv, send, pack, unpack = sock.recv, sock.send, DOORBELL.pack, DOORBELL.unpack
     spin_s = spin_seconds()
+    native = native_loop(servicer, mm, lay, sock, spin_s)
     try:
         while True:
-            msg = recv_spin(sock, spin_s) if spin_s else None
-            if msg is None:
-                msg = recv(DOORBELL.size)
+            t_start = None
+            if native is not None:
+                loop, _, _, M = native
+                rc = loop.serve()
+                if rc != M.SHM_PYTHON:
+                    if rc == M.SHM_BAD_DOORBELL:
+                        log.warning("shm fast path: bad doorbell (slot %d); closing it", loop.pending[0])
+                    elif rc == M.SHM_NOMEM:
+                        log.error("shard %s: shm fast path: out of memory in the kernels; closing it",
+                                  servicer.shard_id)
+                    break
+                slot, seq, arrived_ns = loop.pending
+                t_start = time.perf_counter() - max(0.0, (M.now_ns() - arrived_ns) * 1e-9)
+                msg = pack(OP_FORWARD, slot, seq)
+            else:
+                msg = recv_spin(sock, spin_s) if spin_s else None
+                if msg is None:
+                    msg = recv(DOORBELL.size)
             if len(msg) != DOORBELL.size:
                 break  # EOF (client gone) or garbage: end this fast path
-            t_start = time.perf_counter()
+            if t_start is None:
+                t_start = time.perf_counter()
             mark_arrival(t_start)  # metrics: queue wait counts from the doorbell (cpu_expert_service.metrics)
             op, slot, seq = unpack(msg)
             if op != OP_FORWARD or slot >= lay.n_slots:
@@ -147,6 +201,9 @@ def _serve(servicer, mm, lay: Layout, sock: socket.socket) -> None:
     except OSError:
         pass  # client went away
     finally:
+        if native is not None and native[2] is not None:
+            native[2].detach_native(native[0])
+        native = loop = None
         sock.close()
         try:
             mm.close()

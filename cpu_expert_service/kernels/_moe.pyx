@@ -265,3 +265,144 @@ cdef class Engine:
         cdef _Layer L = self.layers[layer]
         cdef MoeExpert *e = L.get(expert)
         return 0 if e == NULL else moe_expert_bytes(e)
+
+
+# ---- moe_shm.h: one client's shared-memory doorbell loop, without the GIL
+from libc.stdint cimport uint32_t, uint64_t
+
+cdef extern from "moe_shm.h" nogil:
+    int MOE_SHM_CLOSED, MOE_SHM_BAD_DOORBELL, MOE_SHM_PYTHON, MOE_SHM_NOMEM
+    ctypedef struct MoeShmRec:
+        int32_t layer, T
+        int64_t wait_ns, kernel_ns
+    ctypedef struct MoeShm:
+        unsigned char *base
+        int fd, n_slots, max_tokens, max_k
+        long header_bytes, slot_bytes, hidden_off, ids_off, w_off, out_off
+        int H, E, shard_max_tokens, fmt, n_layers
+        MoeExpert *const *const *experts
+        const int *cap
+        const int *inter
+        double spin_s
+        float *x
+        float *w
+        float *out
+        int64_t *ids
+        int64_t *tokens
+        int64_t *acts
+        const unsigned char *held
+        MoeShmRec *ring
+        uint64_t ring_cap, head, tail, dropped
+        uint32_t slot
+        uint64_t seq
+        int64_t arrived_ns
+    int64_t moe_shm_now_ns()
+    uint64_t moe_shm_head(const MoeShm *s)
+    void moe_shm_set_tail(MoeShm *s, uint64_t t)
+    uint64_t moe_shm_dropped(const MoeShm *s)
+    int moe_shm_serve(MoeShm *s, MoePool *pool, const MoeKernels *kern)
+
+SHM_CLOSED, SHM_BAD_DOORBELL, SHM_PYTHON, SHM_NOMEM = 0, 1, 2, 3
+
+
+def now_ns():
+    """CLOCK_MONOTONIC in ns, the clock of ShmServe's arrival stamps."""
+    return moe_shm_now_ns()
+
+
+cdef class ShmServe:
+    """One client's doorbell loop (moe_shm_serve) over this engine's experts. base: the mapping's
+    address (kept mapped by the caller); layout: wire.shm.Layout's (n_slots, max_tokens, max_k,
+    header_bytes, slot_bytes, hidden_off, ids_off, w_off, out_off); layers: the layer ids the shard
+    serves; tokens [n_layers] / acts [n_layers, E] int64 / held [E] uint8: metric counts (None: not
+    counted); ring: records the drainer takes (0: none)."""
+    cdef MoeShm S
+    cdef Engine eng
+    cdef MoeExpert ***tab
+    cdef int *capv
+    cdef int *interv
+    cdef object keep
+
+    def __init__(self, Engine eng, size_t base, int fd, tuple layout, int H, int E, int shard_max_tokens, layers,
+                 double spin_s, tokens=None, acts=None, held=None, int ring=0):
+        cdef _Layer L
+        cdef int n, i
+        cdef int64_t[::1] tv
+        cdef int64_t[:, ::1] av
+        cdef const unsigned char[::1] hv
+        self.eng = eng
+        S = &self.S
+        (S.n_slots, S.max_tokens, S.max_k, S.header_bytes, S.slot_bytes, S.hidden_off, S.ids_off, S.w_off,
+         S.out_off) = layout
+        S.base, S.fd, S.H, S.E, S.shard_max_tokens, S.fmt, S.spin_s = <unsigned char *>base, fd, H, E, \
+            shard_max_tokens, eng.fmt, spin_s
+        served = sorted(l for l in layers if l in eng.layers and l >= 0)
+        n = (max(served) + 1) if served else 0
+        S.n_layers = n
+        self.tab = <MoeExpert ***>calloc(max(1, n), sizeof(MoeExpert **))
+        self.capv = <int *>calloc(max(1, n), sizeof(int))
+        self.interv = <int *>calloc(max(1, n), sizeof(int))
+        S.x = <float *>calloc(S.max_tokens * H, sizeof(float))
+        S.out = <float *>calloc(S.max_tokens * H, sizeof(float))
+        S.w = <float *>calloc(S.max_tokens * S.max_k, sizeof(float))
+        S.ids = <int64_t *>calloc(S.max_tokens * S.max_k, sizeof(int64_t))
+        if ring:
+            if ring & (ring - 1):
+                raise ValueError("ring must be a power of two")
+            S.ring = <MoeShmRec *>calloc(ring, sizeof(MoeShmRec))
+            S.ring_cap = ring
+        if not (self.tab and self.capv and self.interv and S.x and S.out and S.w and S.ids) or (ring and not S.ring):
+            raise MemoryError()
+        for i in served:
+            L = eng.layers[i]
+            if L.H != H:
+                continue  # (a mismatch: Python refuses those calls with its message)
+            self.tab[i], self.capv[i], self.interv[i] = L.by_id, L.cap, L.I
+        S.experts, S.cap, S.inter = <MoeExpert *const *const *>self.tab, self.capv, self.interv
+        self.keep = (tokens, acts, held)
+        if tokens is not None:
+            tv = tokens
+            if tv.shape[0] < n:
+                raise ValueError("tokens: one counter per layer id")
+            S.tokens = &tv[0]
+            if acts is not None:
+                av = acts
+                hv = held
+                if av.shape[0] < n or av.shape[1] != E or hv.shape[0] != E:
+                    raise ValueError("acts [layers, E] and held [E]")
+                S.acts, S.held = &av[0, 0], &hv[0]
+
+    def __dealloc__(self):
+        free(self.tab)
+        free(self.capv)
+        free(self.interv)
+        free(self.S.x)
+        free(self.S.out)
+        free(self.S.w)
+        free(self.S.ids)
+        free(self.S.ring)
+
+    def serve(self):
+        """Serve until the client goes or a call needs Python: SHM_CLOSED, SHM_BAD_DOORBELL,
+        SHM_PYTHON (then `pending` is (slot, seq, arrived_ns)) or SHM_NOMEM."""
+        cdef int rc
+        with nogil:
+            rc = moe_shm_serve(&self.S, self.eng.pool, &self.eng.kern)
+        return rc
+
+    @property
+    def pending(self):
+        return self.S.slot, self.S.seq, self.S.arrived_ns
+
+    def drain(self):
+        """The records since the last drain: int64 [n, 4] (layer, T, queue wait ns, kernel ns), and
+        how many were dropped so far (the ring was full)."""
+        cdef uint64_t head = moe_shm_head(&self.S), tail = self.S.tail, i
+        cdef MoeShmRec *r
+        out = np.empty((head - tail, 4), dtype=np.int64)
+        cdef int64_t[:, ::1] ov = out
+        for i in range(head - tail):
+            r = &self.S.ring[(tail + i) & (self.S.ring_cap - 1)]
+            ov[i, 0], ov[i, 1], ov[i, 2], ov[i, 3] = r.layer, r.T, r.wait_ns, r.kernel_ns
+        moe_shm_set_tail(&self.S, head)
+        return out, moe_shm_dropped(&self.S)

@@ -113,3 +113,155 @@ def add(long n, size_t x, size_t a, size_t b, size_t out):
     """out = (a + b) + x, or x + a when b is 0 (n floats)."""
     with nogil:
         nd_add(n, fp(x), fp(a), fp(b), <float *>out)
+
+
+# ---- native_remote.h: the whole step with its expert hand-offs over shared memory
+from libc.stdint cimport int32_t, uint64_t
+from libc.stdlib cimport calloc, free
+
+cdef extern from "native_remote.h" nogil:
+    ctypedef struct NrPath:
+        unsigned char *base
+        long slot_base[2]
+        long hidden_off, ids_off, w_off, out_off
+        int fd
+        int slot[2]
+        int wire
+        const unsigned char *held
+    ctypedef struct NrCall:
+        int32_t layer, path, mb, rows, status, slot
+        uint64_t seq
+        int64_t sent_ns, rtt_ns
+        uint64_t compute_us, server_us
+    ctypedef struct NrRun:
+        int n_layers, H, k
+        const NdLayer *const *layers
+        const int *moe_layer
+        float *const *kv
+        float *const *ik
+        int n_mb
+        const NdStep *steps[2]
+        float *x[2]
+        void *buf[2]
+        int n_paths
+        NrPath *paths
+        double timeout_s, spin_s
+        uint64_t seq0
+        NrCall *calls
+        int n_calls
+        int fail_path
+        char fail_msg[4033]
+    size_t nr_buf_bytes(int B, int H, int k)
+    int nr_has_f16()
+    int nr_run(NrRun *r)
+
+
+def buf_bytes(int B, int H, int k):
+    """Scratch bytes one micro-batch of B rows needs in RemoteRun (nr_buf_bytes)."""
+    return nr_buf_bytes(B, H, k)
+
+
+def has_f16():
+    return bool(nr_has_f16())
+
+
+cdef class RemoteRun:
+    """One step of every layer with its expert hand-offs (nr_run). layers: the Layer of each model
+    layer; moe_layer: the id sent to the shards (-1: dense); kv / ik: cache pointers (ik 0: none);
+    steps / x / bufs: per micro-batch (1 or 2); paths: per shard group (base, slot_base0, slot_base1,
+    hidden_off, ids_off, w_off, out_off, fd, slot0, slot1, wire code, held mask pointer or 0)."""
+    cdef NrRun R
+    cdef const NdLayer **lp
+    cdef int *moe
+    cdef float **kvp
+    cdef float **ikp
+    cdef NrPath *pp
+    cdef NrCall *cp
+    cdef readonly object keep
+
+    def __init__(self, list layers, list moe_layer, list kv, list ik, int H, int k, list steps, list x, list bufs,
+                 list paths, double timeout_s, double spin_s, uint64_t seq0):
+        cdef int n = len(layers), i, j
+        cdef Layer L
+        cdef Step S
+        if not (len(moe_layer) == len(kv) == len(ik) == n) or not 1 <= len(steps) == len(x) == len(bufs) <= 2:
+            raise ValueError("RemoteRun: inconsistent lengths")
+        self.keep = (layers, steps)
+        self.lp = <const NdLayer **>calloc(n, sizeof(NdLayer *))
+        self.moe = <int *>calloc(n, sizeof(int))
+        self.kvp = <float **>calloc(n, sizeof(float *))
+        self.ikp = <float **>calloc(n, sizeof(float *))
+        self.pp = <NrPath *>calloc(max(1, len(paths)), sizeof(NrPath))
+        self.cp = <NrCall *>calloc(max(1, n * len(paths) * len(steps)), sizeof(NrCall))
+        if not (self.lp and self.moe and self.kvp and self.ikp and self.pp and self.cp):
+            raise MemoryError()
+        for i in range(n):
+            L = layers[i]
+            self.lp[i] = &L.L
+            self.moe[i] = moe_layer[i]
+            self.kvp[i] = <float *><size_t>kv[i]
+            self.ikp[i] = <float *><size_t>ik[i]
+            if L.L.ih and not ik[i]:
+                raise ValueError("a V3.2 layer needs its index-key cache")
+        for j, t in enumerate(paths):
+            p = &self.pp[j]
+            p.base = <unsigned char *><size_t>t[0]
+            p.slot_base[0], p.slot_base[1] = t[1], t[2]
+            p.hidden_off, p.ids_off, p.w_off, p.out_off = t[3], t[4], t[5], t[6]
+            p.fd, p.slot[0], p.slot[1], p.wire = t[7], t[8], t[9], t[10]
+            p.held = <const unsigned char *><size_t>t[11]
+        R = &self.R
+        R.n_layers, R.H, R.k = n, H, k
+        R.layers, R.moe_layer, R.kv, R.ik = self.lp, self.moe, self.kvp, self.ikp
+        R.n_mb = len(steps)
+        for i in range(R.n_mb):
+            S = steps[i]
+            R.steps[i] = &S.S
+            R.x[i] = <float *><size_t>x[i]
+            R.buf[i] = <void *><size_t>bufs[i]
+        R.n_paths, R.paths = len(paths), self.pp
+        R.timeout_s, R.spin_s, R.seq0 = timeout_s, spin_s, seq0
+        R.calls, R.n_calls, R.fail_path = self.cp, 0, -1
+
+    def __dealloc__(self):
+        free(self.lp)
+        free(self.moe)
+        free(self.kvp)
+        free(self.ikp)
+        free(self.pp)
+        free(self.cp)
+
+    def run(self):
+        """0: done; else the failure (1 broken doorbell, 2 deadline, 3 refused, 4 signal)."""
+        cdef int rc
+        with nogil:
+            rc = nr_run(&self.R)
+        return rc
+
+    @property
+    def fail_path(self):
+        return self.R.fail_path
+
+    @property
+    def fail_msg(self):
+        return (<bytes>self.R.fail_msg).decode("utf-8", "replace")
+
+    def calls(self):
+        """[(layer, path, mb, rows, status (-1: no answer yet), slot, seq, sent_ns, rtt_ns, compute_us,
+        server_us)] in the order sent."""
+        cdef int i
+        cdef NrCall *c
+        out = []
+        for i in range(self.R.n_calls):
+            c = &self.cp[i]
+            out.append((c.layer, c.path, c.mb, c.rows, c.status, c.slot, c.seq, c.sent_ns, c.rtt_ns,
+                        c.compute_us, c.server_us))
+        return out
+
+    def path_calls(self):
+        """Calls sent per path."""
+        cdef int i
+        out = [0] * self.R.n_paths
+        for i in range(self.R.n_calls):
+            out[self.cp[i].path] += 1
+        return out

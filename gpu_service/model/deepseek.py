@@ -400,6 +400,7 @@ class DeepseekV3(nn.Module):
         self.batched_attention = True  # False: MLA's per-sequence reference path
         self.fused_decode = True  # all-decode steps through fast_decode's segments (batched path only)
         self.native_decode = True  # ... or, on CPU float32, through native_decode's C layers
+        self.native_remote = True  # ... whole steps in C where the shards' shared-memory paths are idle
         self.graphs = None  # a cuda_graphs.Graphs: decode segments replayed per batch-size bucket
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -466,9 +467,13 @@ class DeepseekV3(nn.Module):
             c.seq.reserve(c.start + c.n)
         groups = split_micro_batches(chunks) if self.ping_pong else [chunks]
         bounds = torch.tensor([0] + [sum(c.n for c in g) for g in groups]).cumsum(0).tolist()
-        gens = [self._layers(x[a:b], positions[a:b], g, pool, experts, slot)
-                for slot, (g, a, b) in enumerate(zip(groups, bounds[:-1], bounds[1:]))]
-        x = torch.cat(_round_robin(gens)) if len(gens) > 1 else _run(gens[0])
+        # all-decode on CPU float32 with idle shared-memory fast paths: every layer and hand-off in C
+        out = native_decode.remote_step(self, groups, bounds, x, positions, pool, experts)
+        if out is None:
+            gens = [self._layers(x[a:b], positions[a:b], g, pool, experts, slot)
+                    for slot, (g, a, b) in enumerate(zip(groups, bounds[:-1], bounds[1:]))]
+            out = torch.cat(_round_robin(gens)) if len(gens) > 1 else _run(gens[0])
+        x = out
         for c in chunks:
             c.seq.length = max(c.seq.length, c.start + c.n)
         x = x.to(self.lm_head.weight.device)

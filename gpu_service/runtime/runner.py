@@ -79,6 +79,13 @@ class RemoteExperts:
 
         return wait
 
+    def native_handoff(self, rows: list[int], k: int, has_f16: bool):
+        """One idle shared-memory fast path per shard group, claimed for a native step of micro-batches
+        of `rows` rows (gpu_service.experts.native_handoff), or None."""
+        from gpu_service.experts.native_handoff import claim
+
+        return claim(self.client, rows, k, has_f16)
+
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
     """A numpy view of a CPU tensor; bfloat16 as ml_dtypes.bfloat16 (numpy has no bf16 of its own)."""
