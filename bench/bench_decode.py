@@ -141,11 +141,11 @@ def fixed_cost(rounds: int, steps: int, transports: tuple[str, ...], paths: tupl
             d = tiny(L)
             reader = CheckpointReader(d)
             ex = {"null": NullExperts()}
-            if set(transports) - {"null", "shm1"}:
+            if set(transports) - {"null", "shm1", "shmpy"}:
                 sh = start_shards(d, 2, backend="auto", timeout_s=300)
                 stacks.append(sh)
                 for t in transports:
-                    if t not in ("null", "shm1"):
+                    if t not in ("null", "shm1", "shmpy"):
                         c = ExpertsClient(sh.addresses, reader.config, transport=t, timeout_s=60).connect()
                         clients.append(c)
                         ex[t] = RemoteExperts(c)
@@ -155,6 +155,16 @@ def fixed_cost(rounds: int, steps: int, transports: tuple[str, ...], paths: tupl
                 c = ExpertsClient(sh.addresses, reader.config, transport="shm", timeout_s=60).connect()
                 clients.append(c)
                 ex["shm1"] = RemoteExperts(c)
+            if "shmpy" in transports:  # 2 shards serving their doorbells in Python (MOESPLIT_SHM_NATIVE=0)
+                os.environ["MOESPLIT_SHM_NATIVE"] = "0"
+                try:
+                    sh = start_shards(d, 2, backend="auto", timeout_s=300)
+                finally:
+                    del os.environ["MOESPLIT_SHM_NATIVE"]
+                stacks.append(sh)
+                c = ExpertsClient(sh.addresses, reader.config, transport="shm", timeout_s=60).connect()
+                clients.append(c)
+                ex["shmpy"] = RemoteExperts(c)
             experts[L] = ex
             runners[L] = ModelRunner(reader, ex["null"], device=torch.device("cpu"), dtype=torch.float32,
                                      kv_tokens=64 * (HISTORY + steps + 64), page_size=16)
@@ -181,7 +191,10 @@ def fixed_cost(rounds: int, steps: int, transports: tuple[str, ...], paths: tupl
                         "per_moe_layer_us": round(float(np.median(per_layer)) * 1e6, 1),
                         "per_moe_layer_us_rounds": [round(float(x) * 1e6, 1) for x in per_layer]}
         prof = profile(runners[27], experts[27]["null"], paths[-1])
-        return {"results": out, "profile": prof}
+        res = {"results": out, "profile": prof}
+        if "shm" in transports:  # the whole step in C: what Python is left per step
+            res["profile_shm"] = profile(runners[27], experts[27]["shm"], paths[-1], what="shm (2 shards)")
+        return res
     finally:
         for c in clients:
             c.close()
@@ -189,7 +202,7 @@ def fixed_cost(rounds: int, steps: int, transports: tuple[str, ...], paths: tupl
             s.stop()
 
 
-def profile(runner, null, path: str, steps: int = 30) -> dict:
+def profile(runner, null, path: str, steps: int = 30, what: str = "null") -> dict:
     """Top torch ops (self CPU time) and Python frames (tottime) of 27-layer decode steps at batch 1."""
     import torch
     from torch.profiler import ProfilerActivity, profile as tprofile
@@ -212,7 +225,7 @@ def profile(runner, null, path: str, steps: int = 30) -> dict:
                    "calls_per_step": round(v[1] / (steps + 1), 1), "tottime_us_per_step": round(v[2] / (steps + 1) * 1e6, 1)}
                   for (f, ln, fn), v in frames]
     del torch
-    return {"what": f"27 layers, batch 1, null experts, {path} path; per step (incl. the prefill step, /steps+1)",
+    return {"what": f"27 layers, batch 1, {what} experts, {path} path; per step (incl. the prefill step, /steps+1)",
             "top_torch_ops": top_ops, "top_python_frames": top_frames}
 
 
@@ -301,7 +314,7 @@ def plot(res: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     R = res["fixed_cost"]["results"]
-    paths = [p for p in ("plain", "fused", "fast") if any(f"/{p}/" in k for k in R)]
+    paths = [p for p in ("plain", "fused", "layers", "fast") if any(f"/{p}/" in k for k in R)]
     keys = sorted({k.split("/")[0] + "/" + k.split("/")[2] for k in R})
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     xs = np.arange(len(keys))
@@ -332,9 +345,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds and steps (a smoke run)")
     ap.add_argument("--skip-serve", action="store_true", help="part 1 only")
-    ap.add_argument("--paths", default="plain,fused,fast",
-                    help="decode paths to compare (plain: the reference; fused: the torch fused step; fast: the default)")
-    ap.add_argument("--transports", default="null,shm,shm1,tcp")
+    ap.add_argument("--paths", default="plain,fused,layers,fast",
+                    help="decode paths to compare (plain: the reference; fused: the torch fused step; layers: the "
+                         "native C layers with the expert hand-offs in Python; fast: the default)")
+    ap.add_argument("--transports", default="null,shm,shmpy,shm1,tcp")
     args = ap.parse_args()
     import torch
 

@@ -96,7 +96,8 @@ def attach(servicer, path: str, token: bytes, socket_path: str, shm_dir: str | N
         for fd in fds:
             os.close(fd)  # the mapping keeps the memory
     name = f"shm-{os.path.basename(socket_path)}"
-    threading.Thread(target=_serve, args=(servicer, mm, lay, sock), name=name, daemon=True).start()
+    native = os.environ.get(NATIVE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    threading.Thread(target=_serve, args=(servicer, mm, lay, sock, native), name=name, daemon=True).start()
     return name
 
 
@@ -107,8 +108,6 @@ RING = 1 << 16  # metric records between two drains (cpu_expert_service.metrics 
 def native_loop(servicer, mm, lay: Layout, sock: socket.socket, spin_s: float):
     """The C doorbell loop (kernels/moe_shm.c) for this client where the backend is the kernels
     (metered or not) and nothing overrides the servicer's checks; else None (Python serves)."""
-    if os.environ.get(NATIVE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        return None
     from cpu_expert_service.metrics import MeteredBackend
     try:
         from cpu_expert_service.kernel_backend import KernelExperts
@@ -133,7 +132,7 @@ def native_loop(servicer, mm, lay: Layout, sock: socket.socket, spin_s: float):
     return loop, whole, metrics, _moe
 
 
-def _serve(servicer, mm, lay: Layout, sock: socket.socket) -> None:
+def _serve(servicer, mm, lay: Layout, sock: socket.socket, native: bool = True) -> None:
     """One client's fast path: doorbell in, slot validated and computed, doorbell out. With the
     kernels backend the loop runs in C (native_loop) and hands Python only the calls it does not
     take as plain valid calls (errors, odd dtypes): those are served here as before."""
@@ -144,7 +143,7 @@ def _serve(servicer, mm, lay: Layout, sock: socket.socket) -> None:
     H = lay.hidden_size
     recv, send, pack, unpack = sock.recv, sock.send, DOORBELL.pack, DOORBELL.unpack
     spin_s = spin_seconds()
-    native = native_loop(servicer, mm, lay, sock, spin_s)
+    native = native_loop(servicer, mm, lay, sock, spin_s) if native else None
     try:
         while True:
             t_start = None

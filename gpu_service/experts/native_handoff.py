@@ -64,6 +64,8 @@ class Handoff:
         """After the run: report the calls, give the slots back (or leave the ones still out pending)
         and settle a failure (see the module docstring). Always called, also when the run raised."""
         client, H, k = self.client, self.client.cfg.hidden_size, self.client.cfg.num_experts_per_tok
+        if rc == 0 and calls:
+            client.native_steps += 1
         observer = client.observer
         out: dict[int, list] = {}
         for (layer, p, mb, rows, status, slot, seq, sent_ns, rtt_ns, _c, _s) in calls:

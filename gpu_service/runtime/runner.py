@@ -170,19 +170,22 @@ class ModelRunner:
             buckets = tuple(sorted(set(BUCKETS) | {1 << i for i in range(top.bit_length()) if (1 << i) <= top}))
         self.model.graphs = Graphs(buckets, mode, min_rows=MIN_ROWS if mode == "static" else 1)
 
-    DECODE_PATHS = ("fast", "fused", "plain")
+    DECODE_PATHS = ("fast", "layers", "fused", "plain")
 
     def set_decode_path(self, path: str) -> None:
         """'fast' (default): batched paged attention over step metadata built once per step
         (gpu_service.model.paged_attention), all-decode steps as native C layers on CPU float32
-        (gpu_service.model.native_decode) or else the torch fused segments (fast_decode);
-        'fused': the torch fused segments also on CPU; 'plain': MLA's per-sequence reference path
-        (MOESPLIT_DECODE_PATH=fused / plain selects one at start-up, for comparisons)."""
+        (gpu_service.model.native_decode), where the shards' shared-memory paths are idle the whole
+        step with its expert hand-offs in C (native_remote.c), or else the torch fused segments
+        (fast_decode); 'layers': the native C layers with the hand-offs in Python; 'fused': the
+        torch fused segments also on CPU; 'plain': MLA's per-sequence reference path
+        (MOESPLIT_DECODE_PATH=layers / fused / plain selects one at start-up, for comparisons)."""
         if path not in self.DECODE_PATHS:
             raise ValueError(f"decode path {path!r}: expected one of {self.DECODE_PATHS}")
         self.decode_path = path
         self.model.batched_attention = path != "plain"
-        self.model.native_decode = path == "fast"
+        self.model.native_decode = path in ("fast", "layers")
+        self.model.native_remote = path == "fast"
 
     def new_seq(self) -> SeqKV:
         return SeqKV(self.pool)
