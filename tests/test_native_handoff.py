@@ -24,6 +24,19 @@ from wire import shm as P
 pytest.importorskip("cpu_expert_service.kernels._moe")
 
 
+def test_c_sides_agree_with_the_wire_format():
+    """Both C ends hard-code wire.shm's call header and doorbell (see its docstring)."""
+    from cpu_expert_service.kernels import _moe
+    from gpu_service.model import _native_decode
+
+    want = {"doorbell_bytes": P.DOORBELL.size, "op_forward": P.OP_FORWARD, "result_offset": P.RESULT_OFFSET,
+            "msg_offset": P.MSG_OFFSET}
+    assert _native_decode.WIRE == want
+    assert _moe.SHM_WIRE == {k: v for k, v in want.items() if k != "msg_offset"}
+    assert P.CALL.format == "<iIIIIIIQQI" and P.RESULT.format == "<QQI" and P.DOORBELL.format == "<IIQ"
+    assert P.CALL.size - P.RESULT.size == P.RESULT_OFFSET  # RESULT is CALL's tail
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from gpu_service.local.tiny import make_tiny

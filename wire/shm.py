@@ -35,6 +35,10 @@ exactly as for a gRPC `LayerRequest` (`ExpertServicer.check_and_forward`), write
 the error message) into the slot and answers (status, slot, seq) with a gRPC status code: 0 OK,
 3 INVALID_ARGUMENT, 13 INTERNAL. A refused call does not end the fast path.
 
+Both ends may run this protocol in C: the shard's doorbell loop (cpu_expert_service/kernels/moe_shm.c,
+with the kernels backend) and the GPU side's whole decode step (gpu_service/model/native_remote.c),
+which hard-code CALL, RESULT_OFFSET, MSG_OFFSET and the doorbell's layout: change them together.
+
 Disable on the shard with `--shm-dir ''` or MOESPLIT_SHM=0 (AttachShm then refuses and the client
 stays on gRPC).
 

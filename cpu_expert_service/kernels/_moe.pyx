@@ -272,6 +272,7 @@ from libc.stdint cimport uint32_t, uint64_t
 
 cdef extern from "moe_shm.h" nogil:
     int MOE_SHM_CLOSED, MOE_SHM_BAD_DOORBELL, MOE_SHM_PYTHON, MOE_SHM_NOMEM
+    int MOE_SHM_DOORBELL, MOE_SHM_OP_FORWARD, MOE_SHM_RESULT_OFFSET
     ctypedef struct MoeShmRec:
         int32_t layer, T
         int64_t wait_ns, kernel_ns
@@ -302,7 +303,10 @@ cdef extern from "moe_shm.h" nogil:
     uint64_t moe_shm_dropped(const MoeShm *s)
     int moe_shm_serve(MoeShm *s, MoePool *pool, const MoeKernels *kern)
 
-SHM_CLOSED, SHM_BAD_DOORBELL, SHM_PYTHON, SHM_NOMEM = 0, 1, 2, 3
+SHM_CLOSED, SHM_BAD_DOORBELL, SHM_PYTHON, SHM_NOMEM = MOE_SHM_CLOSED, MOE_SHM_BAD_DOORBELL, MOE_SHM_PYTHON, MOE_SHM_NOMEM
+# wire.shm's constants as moe_shm.h has them (tests compare them)
+SHM_WIRE = {"doorbell_bytes": MOE_SHM_DOORBELL, "op_forward": MOE_SHM_OP_FORWARD,
+            "result_offset": MOE_SHM_RESULT_OFFSET}
 
 
 def now_ns():

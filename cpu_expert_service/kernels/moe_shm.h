@@ -15,7 +15,7 @@
 #define MOESPLIT_MOE_SHM_H
 #include "moe.h"
 
-/* wire/shm.py (checked against it by the binding's caller) */
+/* wire/shm.py's constants (tests/test_native_handoff.py compares them with it) */
 #define MOE_SHM_DOORBELL 16
 #define MOE_SHM_OP_FORWARD 1
 #define MOE_SHM_RESULT_OFFSET 28

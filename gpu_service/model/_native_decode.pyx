@@ -120,6 +120,7 @@ from libc.stdint cimport int32_t, uint64_t
 from libc.stdlib cimport calloc, free
 
 cdef extern from "native_remote.h" nogil:
+    int NR_DOORBELL_BYTES, NR_OP_FORWARD, NR_RESULT_OFFSET, NR_MSG_OFFSET
     ctypedef struct NrPath:
         unsigned char *base
         long slot_base[2]
@@ -154,6 +155,11 @@ cdef extern from "native_remote.h" nogil:
     size_t nr_buf_bytes(int B, int H, int k)
     int nr_has_f16()
     int nr_run(NrRun *r)
+
+
+# wire.shm's constants as native_remote.h has them (tests compare them)
+WIRE = {"doorbell_bytes": NR_DOORBELL_BYTES, "op_forward": NR_OP_FORWARD, "result_offset": NR_RESULT_OFFSET,
+        "msg_offset": NR_MSG_OFFSET}
 
 
 def buf_bytes(int B, int H, int k):

@@ -17,6 +17,10 @@ torch paths' up to float32 rounding (other summation orders; tests/test_native_d
 V3.2: the lightning indexer's new key, query and head weights are computed in nd_attn too, and a
 query with more than index_topk keys attends to its index_topk best (ties: the earlier position).
 
+With remote shards on the same host whose shared-memory paths are idle, `remote_step` runs the whole
+step, hand-offs included, in one C call (native_remote.c; gpu_service.experts.native_handoff claims
+the paths and settles failures, after which the step runs again here in Python).
+
 Used when: the step is all-decode on a CPU device, the compute dtype is float32, every linear of the layer is a plain float32 nn.Linear without bias, and either torch
 runs one thread or the layer's weights are small (<= NATIVE_MAX_LAYER_BYTES): the C code runs on
 one thread, so a large model on a many-core CPU keeps torch's threaded GEMMs. `ModelRunner`'s decode

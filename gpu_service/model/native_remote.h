@@ -21,7 +21,7 @@
 #define NATIVE_REMOTE_H
 #include "native_decode.h"
 
-/* wire/shm.py's constants (checked against it at import by native_decode.py) */
+/* wire/shm.py's constants (tests/test_native_handoff.py compares them with it) */
 #define NR_DOORBELL_BYTES 16   /* <IIQ: op | status, slot, seq */
 #define NR_OP_FORWARD 1
 #define NR_RESULT_OFFSET 28    /* compute_us Q, server_us Q, msg_len I */
