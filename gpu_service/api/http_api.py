@@ -310,6 +310,10 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
 
     def _stream(hs, chunk_fn, include_usage: bool, obj: str, rid: str, n: int = 1):
         async def merged():  # (choice index, Output) as any choice produces them
+            if len(hs) == 1:  # one choice: its own outputs, no pump task and queue hop per token
+                async for out in hs[0]:
+                    yield 0, out
+                return
             q: asyncio.Queue = asyncio.Queue()
 
             async def pump(i, h):

@@ -9,6 +9,7 @@ import asyncio
 import collections
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -146,16 +147,52 @@ class RequestHandle:
             self._cond.notify_all()
             waiter, self._waiter = self._waiter, None
         if waiter is not None:
-            loop, fut = waiter
-            try:
-                loop.call_soon_threadsafe(_resolve, fut)
-            except RuntimeError:  # the consumer's loop is closed: nobody is listening
-                pass
+            _wake_loop(*waiter)
 
 
 def _resolve(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+class _LoopWakes:
+    """Futures of one event loop to resolve, handed over in one call_soon_threadsafe: a decode step
+    that pushes a token to each of 32 streams wakes the loop once, not 32 times (each wake-up is a
+    write to the loop's self-pipe and a pass of its selector)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.lock, self.futs, self.scheduled = loop, threading.Lock(), [], False
+
+    def add(self, fut: asyncio.Future) -> None:
+        with self.lock:
+            self.futs.append(fut)
+            if self.scheduled:
+                return
+            self.scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._run)
+        except RuntimeError:  # the consumer's loop is closed: nobody is listening
+            with self.lock:
+                self.futs.clear()
+                self.scheduled = False
+
+    def _run(self) -> None:
+        with self.lock:
+            futs, self.futs, self.scheduled = self.futs, [], False
+        for fut in futs:
+            _resolve(fut)
+
+
+_wakes: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopWakes]" = weakref.WeakKeyDictionary()
+_wakes_lock = threading.Lock()
+
+
+def _wake_loop(loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> None:
+    w = _wakes.get(loop)
+    if w is None:
+        with _wakes_lock:
+            w = _wakes.setdefault(loop, _LoopWakes(loop))
+    w.add(fut)
 
 
 @dataclass
