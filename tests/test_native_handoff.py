@@ -344,3 +344,25 @@ def test_native_step_fails_over_from_a_stopped_replica(model_dir, cfg):
     finally:
         c.close()
         sh.stop()
+
+
+def test_native_step_v32_equals_python_handoff(tmp_path_factory):
+    """DeepSeek-V3.2 (index_topk 8 < the 16-token history: the indexer selects) through the native step."""
+    from checkpoint.config import load_config
+    from gpu_service.local.tiny import make_tiny
+    from gpu_service.runtime.runner import RemoteExperts
+
+    d = make_tiny(str(tmp_path_factory.mktemp("nh32") / "tiny-v32"), "bf16", seed=2, arch="deepseek_v32")
+    cfg = load_config(d)
+    srv, port = _server(d)
+    c = _client(f"127.0.0.1:{port}", cfg, "bfloat16")
+    try:
+        runner = _runner(d, RemoteExperts(c))
+        for B in (1, 3):
+            n0 = c.native_steps
+            fast = _decode(runner, "fast", B, 16)
+            assert c.native_steps - n0 == 16
+            assert torch.equal(fast, _decode(runner, "layers", B, 16))
+    finally:
+        c.close()
+        srv.stop(0)
