@@ -240,6 +240,8 @@ def remote_step(model, groups: list, bounds: list[int], x: torch.Tensor, positio
     rows = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
     if any(kv.device.type != "cpu" for kv in pool.kv) or any(c.n != 1 for g in groups for c in g):
         return None  # (a prefill chunk: not an all-decode step)
+    if native_blocks(model) is None:  # (cached per model) e.g. FP8 attention weights: nothing to claim for
+        return None
     ho = claim(rows, k, _c.has_f16())
     if ho is None:
         return None
