@@ -366,3 +366,27 @@ def test_native_step_v32_equals_python_handoff(tmp_path_factory):
     finally:
         c.close()
         srv.stop(0)
+
+
+def test_observer_many_equals_one_call_each():
+    """The native step reports its calls in one batch (ExpertsObserver.observe_many): the same
+    samples as one __call__ per call."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from gpu_service.metrics import ExpertsObserver
+
+    rng = np.random.default_rng(0)
+    calls = [(int(rng.integers(1, 4)), f"s{int(rng.integers(2))}", float(rng.random() * 1e-3), int(rng.integers(100)),
+              int(rng.integers(100)), bool(rng.random() > 0.2)) for _ in range(50)]
+    one, many = CollectorRegistry(), CollectorRegistry()
+    o1, o2 = ExpertsObserver(one), ExpertsObserver(many)
+    for c in calls:
+        o1(*c)
+    o2.observe_many(calls[:20])
+    o2.observe_many(calls[20:])
+
+    def samples(reg):  # (the *_created timestamps differ)
+        return sorted(ln for ln in generate_latest(reg).decode().splitlines() if "_created" not in ln)
+
+    assert samples(one) == samples(many)
+    assert any(ln.startswith("moesplit_expert_requests_total") for ln in samples(one))

@@ -68,17 +68,25 @@ class Handoff:
             client.native_steps += 1
         observer = client.observer
         out: dict[int, list] = {}
+        seen: list[tuple] = []
         for (layer, p, mb, rows, status, slot, seq, sent_ns, rtt_ns, _c, _s) in calls:
             fp = self.claims[p][2]
             if status == -1:
                 out.setdefault(p, []).append((seq, slot, sent_ns * 1e-9 + self.timeout_s, rows))
             elif observer is not None:
                 ok = status == P.OK
-                sent = rows * (H * _WIRE_BYTES[fp.hc] + k * 12)
-                try:
-                    observer(layer, fp.address, rtt_ns * 1e-9, sent, rows * H * 4 if ok else 0, ok)
-                except Exception:  # noqa: BLE001 - metrics never break a forward
-                    pass
+                seen.append((layer, fp.address, rtt_ns * 1e-9, rows * (H * _WIRE_BYTES[fp.hc] + k * 12),
+                             rows * H * 4 if ok else 0, ok))
+        if seen:
+            try:
+                many = getattr(observer, "observe_many", None)
+                if many is not None:
+                    many(seen)
+                else:
+                    for c in seen:
+                        observer(*c)
+            except Exception:  # noqa: BLE001 - metrics never break a forward
+                pass
         for p, (r, _, fp, slots, _) in enumerate(self.claims):
             fp.calls += path_calls[p] if p < len(path_calls) else 0
             late = out.get(p, [])

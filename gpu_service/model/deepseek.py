@@ -462,7 +462,8 @@ class DeepseekV3(nn.Module):
         last token (or [T, V] with all_logits). Writes the chunks' KV and advances seq.length."""
         emb_dev = self.model.embed_tokens.weight.device
         x = self.model.embed_tokens(input_ids.to(emb_dev))  # [T, H]
-        positions = torch.cat([torch.arange(c.start, c.start + c.n) for c in chunks])
+        positions = (torch.tensor([c.start for c in chunks]) if all(c.n == 1 for c in chunks)  # decode: one op
+                     else torch.cat([torch.arange(c.start, c.start + c.n) for c in chunks]))
         for c in chunks:
             c.seq.reserve(c.start + c.n)
         groups = split_micro_batches(chunks) if self.ping_pong else [chunks]

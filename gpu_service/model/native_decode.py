@@ -155,9 +155,13 @@ def eligible(model, meta, dev: torch.device, dtype: torch.dtype) -> list[NativeB
     """The layers' NativeBlocks for an all-decode step on CPU float32 whose every layer runs
     natively, else None."""
     if (_c is None or not getattr(model, "native_decode", True) or dev.type != "cpu" or dtype != torch.float32
-            or meta is None or meta.dec_rows is not None or meta.prefill or meta.key_slots is None):
+            or not _all_decode(meta)):
         return None
     return native_blocks(model)
+
+
+def _all_decode(meta) -> bool:
+    return meta is not None and meta.dec_rows is None and not meta.prefill and meta.key_slots is not None
 
 
 class NativeStep:
@@ -240,8 +244,9 @@ def remote_step(model, groups: list, bounds: list[int], x: torch.Tensor, positio
     rows = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
     if any(kv.device.type != "cpu" for kv in pool.kv) or any(c.n != 1 for g in groups for c in g):
         return None  # (a prefill chunk: not an all-decode step)
-    if native_blocks(model) is None:  # (cached per model) e.g. FP8 attention weights: nothing to claim for
-        return None
+    blocks = native_blocks(model)  # (cached per model)
+    if blocks is None or any(nb.moe is not None and nb.moe.experts is not None for nb in blocks):
+        return None  # e.g. FP8 attention weights; GPU-resident hot experts (the Python path adds them)
     ho = claim(rows, k, _c.has_f16())
     if ho is None:
         return None
@@ -250,11 +255,9 @@ def remote_step(model, groups: list, bounds: list[int], x: torch.Tensor, positio
         steps = []
         for g, a, b in zip(groups, bounds[:-1], bounds[1:]):
             meta = paged_attention.build_meta(g, pool, x.device)
-            blocks = eligible(model, meta, x.device, x.dtype)
-            if blocks is None or any(nb.moe is not None and nb.moe.experts is not None for nb in blocks):
-                return None  # (GPU-resident hot experts: the Python path adds them)
+            if not _all_decode(meta):
+                return None
             steps.append(NativeStep(blocks, meta, *model.rope.cos_sin(positions[a:b], x.dtype), b - a))
-        blocks = steps[0].blocks
         xs = [x[a:b].contiguous().clone() for a, b in zip(bounds[:-1], bounds[1:])]
         bufs = [torch.empty(_c.buf_bytes(n, H, k), dtype=torch.uint8) for n in rows]
         for t in (*pool.kv, *(pool.index_k or ())):
