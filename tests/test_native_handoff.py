@@ -225,11 +225,13 @@ def _runner(model_dir, experts):
                        kv_tokens=2048, page_size=16)
 
 
-def _decode(runner, path, B, steps, seed=0, after_prefill=None):
-    """Logits [steps, B, V] of greedy decoding after a prefill of 16 tokens per sequence."""
+def _decode(runner, path, B, steps, seed=0, after_prefill=None, handoff=True):
+    """Logits [steps, B, V] of greedy decoding after a prefill of 16 tokens per sequence; handoff:
+    the expert hand-offs in C where they can be (False: the client's Python)."""
     from gpu_service.model.kv import Chunk
 
     runner.set_decode_path(path)
+    runner.model.native_handoff = handoff
     rng = np.random.default_rng(seed)
     seqs = [runner.new_seq() for _ in range(B)]
     try:
@@ -260,19 +262,22 @@ def two_shards(model_dir):
 
 @pytest.mark.parametrize("wire", ["float32", "bfloat16"])
 def test_native_step_equals_python_handoff(model_dir, cfg, two_shards, wire):
+    """fast: the whole step in C; layers / fused: the C layers or the torch fused step (what CUDA runs)
+    with each layer call's hand-off in C. Each equals its path with the Python hand-off, bit for bit."""
     from gpu_service.runtime.runner import RemoteExperts
 
     c = _client(two_shards, cfg, wire)
     try:
         runner = _runner(model_dir, RemoteExperts(c))
         for B in (1, 3):  # 3: two ping-pong micro-batches
-            n0 = c.native_steps
-            fast = _decode(runner, "fast", B, 32)
-            assert c.native_steps - n0 == 32  # every decode step ran in C (the prefill did not)
-            n1 = c.native_steps
-            layers = _decode(runner, "layers", B, 32)
-            assert c.native_steps == n1
-            assert torch.equal(fast, layers), float((fast - layers).abs().max())
+            py = {p: _decode(runner, p, B, 16, handoff=False) for p in ("layers", "fused")}
+            for path, base, counter in (("fast", "layers", "native_steps"), ("layers", "layers", "native_call_steps"),
+                                        ("fused", "fused", "native_call_steps")):
+                n0 = (c.native_steps, c.native_call_steps)
+                got = _decode(runner, path, B, 16)
+                ran = {"native_steps": c.native_steps - n0[0], "native_call_steps": c.native_call_steps - n0[1]}
+                assert ran == {k: 16 if k == counter else 0 for k in ran}, (path, ran)  # every decode step, in C
+                assert torch.equal(got, py[base]), (path, B, float((got - py[base]).abs().max()))
         # against the reference path: the same tokens; logits close (the kernels round their inputs to bf16,
         # so a 1e-6 difference upstream can move a logit by ~1e-3)
         plain, fast = _decode(runner, "plain", 1, 32), _decode(runner, "fast", 1, 32)
@@ -282,10 +287,11 @@ def test_native_step_equals_python_handoff(model_dir, cfg, two_shards, wire):
         c.close()
 
 
-def test_native_step_refusal_raises_like_the_python_path(model_dir, cfg, shard, monkeypatch):
-    """Inf in a norm weight makes the hidden states the shards get non-finite: the shard refuses the
-    call, the native step hands it back, the Python re-run raises the shard's own error; with the
-    weight restored the steps run in C again, with the tokens of before."""
+@pytest.mark.parametrize("path", ["fast", "fused"])
+def test_native_step_refusal_raises_like_the_python_path(model_dir, cfg, shard, monkeypatch, path):
+    """Inf embeddings make the hidden states the shards get non-finite: the shard refuses the call,
+    the C hand-off hands it back, the Python re-run raises the shard's own error; with the weights
+    restored the steps run in C again, with the tokens of before."""
     from gpu_service.experts import native_handoff
     from gpu_service.experts.errors import ShardError
     from gpu_service.runtime.runner import RemoteExperts
@@ -293,9 +299,9 @@ def test_native_step_refusal_raises_like_the_python_path(model_dir, cfg, shard, 
     c = _client(shard[1], cfg)
     try:
         runner = _runner(model_dir, RemoteExperts(c))
-        want = _decode(runner, "fast", 2, 4)
-        wt = runner.model.model.layers[cfg.moe_layers[0]].post_attention_layernorm.weight
-        keep = float(wt[3])
+        want = _decode(runner, path, 2, 4)
+        wt = runner.model.model.embed_tokens.weight
+        keep = wt.clone()
         ends = []
         finish = native_handoff.Handoff.finish
 
@@ -306,19 +312,23 @@ def test_native_step_refusal_raises_like_the_python_path(model_dir, cfg, shard, 
         monkeypatch.setattr(native_handoff.Handoff, "finish", spy)
         try:
             with pytest.raises(ShardError, match="NaN or Inf"):
-                _decode(runner, "fast", 2, 2, after_prefill=lambda: wt.__setitem__(3, float("inf")))
+                _decode(runner, path, 2, 2, after_prefill=lambda: wt.fill_(float("inf")))
         finally:
-            wt[3] = keep
+            wt.copy_(keep)
         assert ends == [native_handoff.REFUSED]  # the decode step's C run stopped at the refusal
         assert all(fp.usable and not fp.claimed for fp, _ in c.fast.paths.values())  # a refusal does not end it
-        n0 = c.native_steps
-        assert torch.equal(_decode(runner, "fast", 2, 4), want)
-        assert c.native_steps - n0 == 4
+        n0 = c.native_steps + c.native_call_steps
+        assert torch.equal(_decode(runner, path, 2, 4), want)
+        # the other micro-batch's call was still out at the refusal: its late answer keeps its slot
+        # pending until the next Python step receives it, so the first step may take the Python path
+        assert c.native_steps + c.native_call_steps - n0 >= 3
+        assert not any(fp.pending for fp, _ in c.fast.paths.values())
     finally:
         c.close()
 
 
-def test_native_step_fails_over_from_a_stopped_replica(model_dir, cfg):
+@pytest.mark.parametrize("path", ["fast", "layers"])
+def test_native_step_fails_over_from_a_stopped_replica(model_dir, cfg, path):
     """SIGSTOP one of two replicas: the native step that waits on it hits the deadline, the replica
     is marked down and the step re-run in Python on the other replica; tokens unchanged."""
     from gpu_service.local.stack import start_shards
@@ -328,11 +338,11 @@ def test_native_step_fails_over_from_a_stopped_replica(model_dir, cfg):
     c = _client(sh.addresses, cfg, timeout_s=1.0)
     try:
         runner = _runner(model_dir, RemoteExperts(c))
-        want = _decode(runner, "fast", 1, 8)
+        want = _decode(runner, path, 1, 8)
         os.kill(sh.procs[0].pid, signal.SIGSTOP)
         try:
             t0 = time.monotonic()
-            got = _decode(runner, "fast", 1, 8)
+            got = _decode(runner, path, 1, 8)
             took = time.monotonic() - t0
             stopped = next(r for r in c.replicas if r.address == sh.addresses[0])
             assert not stopped.healthy  # marked down by the native step's deadline

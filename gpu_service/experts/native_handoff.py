@@ -48,8 +48,8 @@ def _settled() -> Future:
 class Handoff:
     """The claimed fast paths of one step: `paths` is what RemoteRun takes."""
 
-    def __init__(self, client, claims: list[tuple], n_mb: int):
-        self.client, self.claims, self.n_mb = client, claims, n_mb
+    def __init__(self, client, claims: list[tuple], n_mb: int, whole: bool = True):
+        self.client, self.claims, self.n_mb, self.whole = client, claims, n_mb, whole
         self.timeout_s, self.spin_s = client.timeout_s, claims[0][2].spin_s
         self.seq0 = SEQ_BASE + (next(_steps) << 24)
         self.paths = []
@@ -65,7 +65,10 @@ class Handoff:
         and settle a failure (see the module docstring). Always called, also when the run raised."""
         client, H, k = self.client, self.client.cfg.hidden_size, self.client.cfg.num_experts_per_tok
         if rc == 0 and calls:
-            client.native_steps += 1
+            if self.whole:
+                client.native_steps += 1
+            else:
+                client.native_call_steps += 1
         observer = client.observer
         out: dict[int, list] = {}
         seen: list[tuple] = []
@@ -108,9 +111,10 @@ class Handoff:
         self.finish(0, -1, "", [], [])
 
 
-def claim(client, rows: list[int], k: int, has_f16: bool) -> Handoff | None:
+def claim(client, rows: list[int], k: int, has_f16: bool, whole: bool = True) -> Handoff | None:
     """One idle shared-memory fast path per shard group for a step of micro-batches of `rows`
-    rows each, or None (the step takes the Python path)."""
+    rows each (`whole`: for the whole step in C, else for its calls one by one), or None (the step
+    takes the Python path)."""
     fast = getattr(client, "fast", None)
     if fast is None or fast.mode == "grpc" or not client.groups or not 1 <= len(rows) <= 2:
         return None
@@ -140,4 +144,4 @@ def claim(client, rows: list[int], k: int, has_f16: bool) -> Handoff | None:
             slots = [fp.free.pop() for _ in rows]
         held = None if g.desc.all_experts else _mask(g.desc, E).view(np.uint8)
         claims.append((r, g, fp, slots, held))
-    return Handoff(client, claims, len(rows))
+    return Handoff(client, claims, len(rows), whole)

@@ -149,12 +149,14 @@ cdef extern from "native_remote.h" nogil:
         double timeout_s, spin_s
         uint64_t seq0
         NrCall *calls
-        int n_calls
+        int calls_cap, n_calls
         int fail_path
         char fail_msg[4033]
     size_t nr_buf_bytes(int B, int H, int k)
     int nr_has_f16()
     int nr_run(NrRun *r)
+    int nr_send(NrRun *r, int mb, int layer, const void *h, int h_wire, int64_t *ids, float *w, int B, int *rows)
+    int nr_wait(NrRun *r, int mb, float *routed)
 
 
 # wire.shm's constants as native_remote.h has them (tests compare them)
@@ -171,44 +173,21 @@ def has_f16():
     return bool(nr_has_f16())
 
 
-cdef class RemoteRun:
-    """One step of every layer with its expert hand-offs (nr_run). layers: the Layer of each model
-    layer; moe_layer: the id sent to the shards (-1: dense); kv / ik: cache pointers (ik 0: none);
-    steps / x / bufs: per micro-batch (1 or 2); paths: per shard group (base, slot_base0, slot_base1,
-    hidden_off, ids_off, w_off, out_off, fd, slot0, slot1, wire code, held mask pointer or 0)."""
+cdef class _Calls:
+    """What both modes share: the claimed paths (per shard group: base, slot_base0, slot_base1,
+    hidden_off, ids_off, w_off, out_off, fd, slot0, slot1, wire code, held mask pointer or 0), the
+    call records and the failure."""
     cdef NrRun R
-    cdef const NdLayer **lp
-    cdef int *moe
-    cdef float **kvp
-    cdef float **ikp
     cdef NrPath *pp
     cdef NrCall *cp
-    cdef readonly object keep
 
-    def __init__(self, list layers, list moe_layer, list kv, list ik, int H, int k, list steps, list x, list bufs,
-                 list paths, double timeout_s, double spin_s, uint64_t seq0):
-        cdef int n = len(layers), i, j
-        cdef Layer L
-        cdef Step S
-        if not (len(moe_layer) == len(kv) == len(ik) == n) or not 1 <= len(steps) == len(x) == len(bufs) <= 2:
-            raise ValueError("RemoteRun: inconsistent lengths")
-        self.keep = (layers, steps)
-        self.lp = <const NdLayer **>calloc(n, sizeof(NdLayer *))
-        self.moe = <int *>calloc(n, sizeof(int))
-        self.kvp = <float **>calloc(n, sizeof(float *))
-        self.ikp = <float **>calloc(n, sizeof(float *))
+    cdef _init_calls(self, int H, int k, list paths, int cap, double timeout_s, double spin_s, uint64_t seq0):
+        cdef int j
+        cdef NrPath *p
         self.pp = <NrPath *>calloc(max(1, len(paths)), sizeof(NrPath))
-        self.cp = <NrCall *>calloc(max(1, n * len(paths) * len(steps)), sizeof(NrCall))
-        if not (self.lp and self.moe and self.kvp and self.ikp and self.pp and self.cp):
+        self.cp = <NrCall *>calloc(max(1, cap), sizeof(NrCall))
+        if not (self.pp and self.cp):
             raise MemoryError()
-        for i in range(n):
-            L = layers[i]
-            self.lp[i] = &L.L
-            self.moe[i] = moe_layer[i]
-            self.kvp[i] = <float *><size_t>kv[i]
-            self.ikp[i] = <float *><size_t>ik[i]
-            if L.L.ih and not ik[i]:
-                raise ValueError("a V3.2 layer needs its index-key cache")
         for j, t in enumerate(paths):
             p = &self.pp[j]
             p.base = <unsigned char *><size_t>t[0]
@@ -217,32 +196,14 @@ cdef class RemoteRun:
             p.fd, p.slot[0], p.slot[1], p.wire = t[7], t[8], t[9], t[10]
             p.held = <const unsigned char *><size_t>t[11]
         R = &self.R
-        R.n_layers, R.H, R.k = n, H, k
-        R.layers, R.moe_layer, R.kv, R.ik = self.lp, self.moe, self.kvp, self.ikp
-        R.n_mb = len(steps)
-        for i in range(R.n_mb):
-            S = steps[i]
-            R.steps[i] = &S.S
-            R.x[i] = <float *><size_t>x[i]
-            R.buf[i] = <void *><size_t>bufs[i]
+        R.H, R.k = H, k
         R.n_paths, R.paths = len(paths), self.pp
         R.timeout_s, R.spin_s, R.seq0 = timeout_s, spin_s, seq0
-        R.calls, R.n_calls, R.fail_path = self.cp, 0, -1
+        R.calls, R.calls_cap, R.n_calls, R.fail_path = self.cp, cap, 0, -1
 
     def __dealloc__(self):
-        free(self.lp)
-        free(self.moe)
-        free(self.kvp)
-        free(self.ikp)
         free(self.pp)
         free(self.cp)
-
-    def run(self):
-        """0: done; else the failure (1 broken doorbell, 2 deadline, 3 refused, 4 signal)."""
-        cdef int rc
-        with nogil:
-            rc = nr_run(&self.R)
-        return rc
 
     @property
     def fail_path(self):
@@ -271,3 +232,96 @@ cdef class RemoteRun:
         for i in range(self.R.n_calls):
             out[self.cp[i].path] += 1
         return out
+
+
+cdef class RemoteRun(_Calls):
+    """One step of every layer with its expert hand-offs (nr_run). layers: the Layer of each model
+    layer; moe_layer: the id sent to the shards (-1: dense); kv / ik: cache pointers (ik 0: none);
+    steps / x / bufs: per micro-batch (1 or 2); paths: see _Calls."""
+    cdef const NdLayer **lp
+    cdef int *moe
+    cdef float **kvp
+    cdef float **ikp
+    cdef readonly object keep
+
+    def __init__(self, list layers, list moe_layer, list kv, list ik, int H, int k, list steps, list x, list bufs,
+                 list paths, double timeout_s, double spin_s, uint64_t seq0):
+        cdef int n = len(layers), i
+        cdef Layer L
+        cdef Step S
+        if not (len(moe_layer) == len(kv) == len(ik) == n) or not 1 <= len(steps) == len(x) == len(bufs) <= 2:
+            raise ValueError("RemoteRun: inconsistent lengths")
+        self._init_calls(H, k, paths, n * len(paths) * len(steps), timeout_s, spin_s, seq0)
+        self.keep = (layers, steps)
+        self.lp = <const NdLayer **>calloc(n, sizeof(NdLayer *))
+        self.moe = <int *>calloc(n, sizeof(int))
+        self.kvp = <float **>calloc(n, sizeof(float *))
+        self.ikp = <float **>calloc(n, sizeof(float *))
+        if not (self.lp and self.moe and self.kvp and self.ikp):
+            raise MemoryError()
+        for i in range(n):
+            L = layers[i]
+            self.lp[i] = &L.L
+            self.moe[i] = moe_layer[i]
+            self.kvp[i] = <float *><size_t>kv[i]
+            self.ikp[i] = <float *><size_t>ik[i]
+            if L.L.ih and not ik[i]:
+                raise ValueError("a V3.2 layer needs its index-key cache")
+        R = &self.R
+        R.n_layers = n
+        R.layers, R.moe_layer, R.kv, R.ik = self.lp, self.moe, self.kvp, self.ikp
+        R.n_mb = len(steps)
+        for i in range(R.n_mb):
+            S = steps[i]
+            R.steps[i] = &S.S
+            R.x[i] = <float *><size_t>x[i]
+            R.buf[i] = <void *><size_t>bufs[i]
+
+    def __dealloc__(self):
+        free(self.lp)
+        free(self.moe)
+        free(self.kvp)
+        free(self.ikp)
+
+    def run(self):
+        """0: done; else the failure (1 broken doorbell, 2 deadline, 3 refused, 4 signal)."""
+        cdef int rc
+        with nogil:
+            rc = nr_run(&self.R)
+        return rc
+
+
+cdef class RemoteCalls(_Calls):
+    """Per-call hand-offs over the claimed paths (nr_send / nr_wait), for layer paths driven from
+    Python; room for `cap` calls. Pointers: host memory the caller keeps alive until wait()."""
+    cdef int *rows[2]
+    cdef int rows_cap
+
+    def __init__(self, int H, int k, list paths, int cap, int max_rows, double timeout_s, double spin_s,
+                 uint64_t seq0):
+        self._init_calls(H, k, paths, cap, timeout_s, spin_s, seq0)
+        self.rows[0] = <int *>calloc(max(1, max_rows), sizeof(int))
+        self.rows[1] = <int *>calloc(max(1, max_rows), sizeof(int))
+        if not (self.rows[0] and self.rows[1]):
+            raise MemoryError()
+        self.rows_cap = max_rows
+
+    def __dealloc__(self):
+        free(self.rows[0])
+        free(self.rows[1])
+
+    def send(self, int mb, int layer, size_t h, int h_wire, size_t ids, size_t w, int B):
+        cdef int rc
+        if not 0 <= mb <= 1 or not 0 < B <= self.rows_cap:
+            raise ValueError(f"RemoteCalls.send: micro-batch {mb}, {B} rows (at most {self.rows_cap})")
+        with nogil:
+            rc = nr_send(&self.R, mb, layer, <const void *>h, h_wire, <int64_t *>ids, <float *>w, B, self.rows[mb])
+        return rc
+
+    def wait(self, int mb, size_t routed):
+        cdef int rc
+        if not 0 <= mb <= 1:
+            raise ValueError(f"RemoteCalls.wait: micro-batch {mb}")
+        with nogil:
+            rc = nr_wait(&self.R, mb, <float *>routed)
+        return rc

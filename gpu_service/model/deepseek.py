@@ -401,6 +401,7 @@ class DeepseekV3(nn.Module):
         self.fused_decode = True  # all-decode steps through fast_decode's segments (batched path only)
         self.native_decode = True  # ... or, on CPU float32, through native_decode's C layers
         self.native_remote = True  # ... whole steps in C where the shards' shared-memory paths are idle
+        self.native_handoff = True  # else each layer call's shared-memory hand-off in C (runtime.native_calls)
         self.graphs = None  # a cuda_graphs.Graphs: decode segments replayed per batch-size bucket
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -455,6 +456,27 @@ class DeepseekV3(nn.Module):
                                      pool.index_k[i] if pool.index_k is not None else None)
         return x[:B] if x.shape[0] != B else x
 
+    def _run_layers(self, x, positions, groups, bounds, pool, experts) -> torch.Tensor:
+        """Every layer, micro-batches in ping-pong. An all-decode step first tries its layer calls as C
+        hand-offs over shared memory (RemoteExperts.begin_step, gpu_service.runtime.native_calls); if
+        one fails the claim is settled and the step runs again with the Python hand-off (each layer
+        writes the same cache rows at the same slots again)."""
+        def run(xs, ex):
+            gens = [self._layers(xs[a:b], positions[a:b], g, pool, ex, slot)
+                    for slot, (g, a, b) in enumerate(zip(groups, bounds[:-1], bounds[1:]))]
+            return torch.cat(_round_robin(gens)) if len(gens) > 1 else _run(gens[0])
+
+        begin = getattr(experts, "begin_step", None)
+        if (begin is not None and self.native_handoff and all(c.n == 1 for g in groups for c in g)
+                and begin([b - a for a, b in zip(bounds[:-1], bounds[1:])], self.cfg)):
+            try:
+                return run(x.clone(), experts)
+            except native_decode.HandoffFailed:
+                pass
+            finally:
+                experts.end_step()
+        return run(x, experts)
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, chunks: list[Chunk], pool: KVPool, experts: ExpertsFn,
                 all_logits: bool = False) -> torch.Tensor:
@@ -471,9 +493,7 @@ class DeepseekV3(nn.Module):
         # all-decode on CPU float32 with idle shared-memory fast paths: every layer and hand-off in C
         out = native_decode.remote_step(self, groups, bounds, x, positions, pool, experts)
         if out is None:
-            gens = [self._layers(x[a:b], positions[a:b], g, pool, experts, slot)
-                    for slot, (g, a, b) in enumerate(zip(groups, bounds[:-1], bounds[1:]))]
-            out = torch.cat(_round_robin(gens)) if len(gens) > 1 else _run(gens[0])
+            out = self._run_layers(x, positions, groups, bounds, pool, experts)
         x = out
         for c in chunks:
             c.seq.length = max(c.seq.length, c.start + c.n)

@@ -42,6 +42,15 @@ except ImportError:  # not built (`make build` / `pip install -e .` builds it): 
 NATIVE_MAX_LAYER_BYTES = 64 << 20
 
 
+class HandoffFailed(Exception):
+    """A C expert hand-off (gpu_service.runtime.native_calls) stopped: refused, broken, past its
+    deadline or interrupted. DeepseekV3 re-runs the step with the Python hand-off."""
+
+    def __init__(self, rc: int):
+        super().__init__(f"native hand-off stopped ({rc})")
+        self.rc = rc
+
+
 def available() -> bool:
     return _c is not None
 

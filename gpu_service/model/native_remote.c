@@ -12,12 +12,7 @@
 
 #define NR_MAX_PATHS 64
 
-typedef struct {               /* one micro-batch's place in the step */
-    int next, pending, B, call0, ncall;
-    float *x1, *h, *sh, *routed, *w;
-    int64_t *ids;
-    int *rows;
-} Mb;
+typedef NrMb Mb;
 
 static size_t al64(size_t n) { return (n + 63) & ~(size_t)63; }
 
@@ -28,7 +23,7 @@ size_t nr_buf_bytes(int B, int H, int k) {
 static void mb_init(Mb *m, const NrRun *r, int mb) {
     int B = r->steps[mb]->B, H = r->H, k = r->k;
     unsigned char *p = r->buf[mb];
-    m->next = 0, m->pending = -1, m->B = B, m->call0 = m->ncall = 0;
+    m->next = 0, m->pending = -1, m->B = B, m->call0 = m->ncall = 0, m->h_wire = 0, m->hsrc = NULL;
     m->x1 = (float *)p, p += al64((size_t)B * H * 4);
     m->h = (float *)p, p += al64((size_t)B * H * 4);
     m->sh = (float *)p, p += al64((size_t)B * H * 4);
@@ -129,24 +124,27 @@ static int fail_errno(NrRun *r, int path, const char *what) {
 }
 
 /* ---- one layer's calls of one micro-batch */
-static int send_layer(NrRun *r, Mb *m, int mb, int li) {
+static int send_layer(NrRun *r, Mb *m, int mb, int32_t layer) {
     int B = m->B, H = r->H, k = r->k;
     m->call0 = r->n_calls, m->ncall = 0;
     for (int p = 0; p < r->n_paths; p++) {
         NrPath *P = &r->paths[p];
         int n = route_rows(P, m->ids, B, k, m->rows);
         if (n == 0) continue;
+        if (r->n_calls >= r->calls_cap) return fail(r, NR_BROKEN, p, "more expert calls in one step than planned");
         unsigned char *s = P->base + P->slot_base[mb];
         size_t es = wire_size(P->wire);
         for (int i = 0; i < n; i++) {
             int b = m->rows[i];
-            put_row(s + P->hidden_off + (size_t)i * H * es, P->wire, m->h + (long)b * H, H);
+            if (m->h_wire)
+                memcpy(s + P->hidden_off + (size_t)i * H * es, (const char *)m->hsrc + (size_t)b * H * es, H * es);
+            else
+                put_row(s + P->hidden_off + (size_t)i * H * es, P->wire, m->h + (long)b * H, H);
             memcpy(s + P->ids_off + (size_t)i * k * 8, m->ids + (long)b * k, (size_t)k * 8);
             memcpy(s + P->w_off + (size_t)i * k * 4, m->w + (long)b * k, (size_t)k * 4);
         }
         /* the call header (wire.shm.CALL "<iIIIIIIQQI"): layer, T, k, dtype codes hidden / ids / weights /
          * output, compute_us, server_us, msg_len */
-        int32_t layer = r->moe_layer[li];
         uint32_t hdr[6] = {(uint32_t)n, (uint32_t)k, (uint32_t)P->wire, 4u, 0u, (uint32_t)P->wire};
         memcpy(s, &layer, 4);
         memcpy(s + 4, hdr, sizeof hdr);
@@ -296,7 +294,7 @@ static int advance(NrRun *r, Mb *m, int mb, int *done) {
             continue;
         }
         nd_attn(L, S, r->kv[li], r->ik[li], x, m->x1, m->h, m->ids, m->w);
-        int rc = send_layer(r, m, mb, li);
+        int rc = send_layer(r, m, mb, r->moe_layer[li]);
         if (rc != NR_OK) return rc;
         m->pending = li;
         return NR_OK;
@@ -305,10 +303,29 @@ static int advance(NrRun *r, Mb *m, int mb, int *done) {
     return NR_OK;
 }
 
+int nr_send(NrRun *r, int mb, int layer, const void *h, int h_wire, int64_t *ids, float *w, int B, int *rows) {
+    if (mb < 0 || mb > 1 || r->n_paths > NR_MAX_PATHS) return fail(r, NR_BROKEN, -1, "bad call description");
+    Mb *m = &r->mb[mb];
+    m->B = B, m->h_wire = h_wire, m->hsrc = h, m->h = (float *)h, m->ids = ids, m->w = w, m->rows = rows;
+    m->pending = 0;
+    return send_layer(r, m, mb, layer);
+}
+
+int nr_wait(NrRun *r, int mb, float *routed) {
+    if (mb < 0 || mb > 1) return fail(r, NR_BROKEN, -1, "bad call description");
+    Mb *m = &r->mb[mb];
+    int rc = wait_layer(r, m);
+    if (rc != NR_OK) return rc;
+    m->routed = routed;
+    sum_layer(r, m);
+    m->pending = -1;
+    return NR_OK;
+}
+
 int nr_run(NrRun *r) {
-    Mb mbs[2];
+    Mb *mbs = r->mb;
     int active[2] = {1, r->n_mb > 1};
-    r->n_calls = 0, r->fail_path = -1, r->fail_msg[0] = 0;
+    r->fail_path = -1, r->fail_msg[0] = 0;
     if (r->n_paths > NR_MAX_PATHS || r->n_mb < 1 || r->n_mb > 2) return fail(r, NR_BROKEN, -1, "bad step description");
     for (int mb = 0; mb < r->n_mb; mb++) mb_init(&mbs[mb], r, mb);
     while (active[0] || active[1]) {

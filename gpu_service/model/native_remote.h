@@ -49,6 +49,14 @@ typedef struct {               /* one call, for the client's observer (and the c
     uint64_t compute_us, server_us;
 } NrCall;
 
+typedef struct {               /* one micro-batch's place in the step (native_remote.c's own) */
+    int next, pending, B, call0, ncall, h_wire;
+    float *x1, *h, *sh, *routed, *w;
+    const void *hsrc;              /* per-call mode: h rows already in the wire dtype (h_wire) */
+    int64_t *ids;
+    int *rows;
+} NrMb;
+
 typedef struct {
     int n_layers, H, k;
     const NdLayer *const *layers;  /* [n_layers] */
@@ -62,12 +70,20 @@ typedef struct {
     NrPath *paths;
     double timeout_s, spin_s;
     uint64_t seq0;                 /* first doorbell seq (the caller keeps them apart from its own) */
-    NrCall *calls;                 /* room for n_layers * n_paths * n_mb */
-    int n_calls;
+    NrCall *calls;                 /* room for calls_cap: n_layers * n_paths * n_mb */
+    int calls_cap, n_calls;
+    NrMb mb[2];
     int fail_path;                 /* the path that failed (-1: none / a signal) */
     char fail_msg[NR_MSG_MAX + 1]; /* a refusal's message, or what broke */
 } NrRun;
 
+/* Per-call hand-offs for the torch layer paths (fused / CUDA graphs / plain / the C layers driven
+ * from Python): the same slot writes, doorbells, waits and sums as nr_run, one layer call at a time.
+ * nr_send: h [B, H] float32, or already in the paths' wire dtype (h_wire), and w [B, k] read during
+ * the call; ids [B, k] and rows ([B] ints of scratch) kept until nr_wait; nr_wait: routed [B, H]
+ * float32 = the answers summed in path order. Both return NR_OK or a failure as nr_run. */
+int nr_send(NrRun *r, int mb, int layer, const void *h, int h_wire, int64_t *ids, float *w, int B, int *rows);
+int nr_wait(NrRun *r, int mb, float *routed);
 size_t nr_buf_bytes(int B, int H, int k);
 int nr_has_f16(void);  /* 1 where the compiler has _Float16 (float16 wire dtype) */
 /* NR_OK, or the first failure (fail_path, fail_msg; calls with status -1 are still out) */

@@ -67,7 +67,24 @@ class RemoteExperts:
         torch.cuda.current_stream(h.device).synchronize()
         return _numpy(hb), ib.numpy(), wb.numpy()
 
+    _step = None  # a native_calls.NativeCalls while a decode step's hand-offs run in C
+
+    def begin_step(self, rows: list[int], cfg) -> bool:
+        """Claim the shared-memory fast paths for one decode step's per-call C hand-offs
+        (gpu_service.runtime.native_calls); False: this step uses the Python hand-off."""
+        from gpu_service.runtime import native_calls
+
+        self._step = native_calls.begin(self.client, rows, cfg)
+        return self._step is not None
+
+    def end_step(self) -> None:
+        st, self._step = self._step, None
+        if st is not None:
+            st.finish()
+
     def __call__(self, layer: int, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> Callable[[], torch.Tensor]:
+        if self._step is not None:
+            return self._step.send(layer, h, ids, w)
         if h.device.type == "cuda":
             fut = self.client.forward_async(layer, *self._to_host_cuda(h, ids, w))
         else:
@@ -152,6 +169,8 @@ class ModelRunner:
         # prefix sharing (the engine looks prompts up and inserts pages); host_kv_bytes: its host tier
         self.prefix_cache = make_prefix_cache(self.pool, host_kv_bytes) if prefix_cache else None
         self.set_decode_path(os.environ.get("MOESPLIT_DECODE_PATH", "fast"))
+        # "0": every expert hand-off through the client's Python (comparisons); default: in C where it can
+        self.model.native_handoff = os.environ.get("MOESPLIT_NATIVE_HANDOFF", "1").strip() not in ("0", "false", "no")
         self.set_cuda_graphs(cuda_graphs and os.environ.get("MOESPLIT_CUDA_GRAPHS", "1") != "0", graph_buckets)
 
     def set_cuda_graphs(self, on: bool, buckets: tuple[int, ...] | None = None, mode: str = "cuda") -> None:
