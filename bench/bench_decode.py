@@ -6,33 +6,41 @@ token per sequence, every sequence with a 16-token history) is timed with
 
   null  an experts function that returns zeros at once (no transport, no expert math),
   shm   2 real shard processes over the shared-memory fast path (RemoteExperts),
+  shmpy the same with the shards serving their doorbells in Python (MOESPLIT_SHM_NATIVE=0),
   shm1  1 shard process holding every expert over shared memory (on this 2-core VM: the GPU side and
         the shard each have a core, as in a deployment with dedicated cores; 2 shards oversubscribe it),
   tcp   the same shards over the TCP data path,
 
 at batch 1 and 8, for the decode paths `plain` (the per-sequence reference, MLA's Python loop over
 sequences), `fused` (batched paged attention and the torch fused step, fast_decode.py: what CUDA runs,
-without graphs here) and `fast` (the default: on this CPU float32 runner the native C layers,
-native_decode.py), in interleaved rounds in one run (the machine is shared: compare ratios).
+without graphs here), `layers` (the native C layers, native_decode.py, driven from Python) and `fast`
+(the default: on this CPU float32 runner the whole step, shared-memory hand-offs included, in C:
+native_remote.c; with null / TCP experts the same as `layers`). `fused` and `layers` hand each layer
+call to the shards through C as well (runtime/native_calls.py); `fused-py` / `layers-py` are the same
+with the hand-offs through the client's Python (MOESPLIT_NATIVE_HANDOFF=0), timed for the shared-memory
+transports only. Interleaved rounds in one run (the machine is shared: compare ratios).
 Per MoE layer = (t27 - t3) / 24: what one more MoE layer costs a step outside the expert math
 (for shm / tcp including the round trip to the shards and their tiny expert math).
-A profile of the 27-layer fast path at batch 1 (null experts) lists the top torch ops and Python
-frames.
+Profiles of the 27-layer fast path at batch 1 (null experts, and shm) list the top torch ops and
+Python frames.
 
 Part 2, streams: `moesplit serve` (tiny bf16, 3 layers, 2 shards, default backend and flags) with
 1, 8 and 32 concurrent streaming completions (64 tokens each, ignore_eos): aggregate decode
-tokens/s, with the default decode path and with MOESPLIT_DECODE_PATH=plain.
+tokens/s, for each decode path (MOESPLIT_DECODE_PATH).
 
 Findings (this 2-core AVX2 VM, torch CPU, 1 thread; the machine is shared, so ratios are what count):
 - the native C layers (gpu_service/model/native_decode.c: three calls per layer) cut null b1 from
   ~840 µs (fused) to ~100 µs per MoE layer: under the 150 µs target; what remains is Python around
   the calls, the null experts' zeros and the generator hand-off;
-- over shared memory the round trip dominates: at T = 1 on a quiet machine the fast path's own floor
-  (FastPath.send ~29 µs + receive) is ~155 µs per call with one shard, of which the shard serves
-  ~77-85 µs (~30 µs computing, the rest its Python: validation ~16 µs, slot views, the kernel
-  binding); the client's futures and routing add ~40 µs; with two shards the GPU side sends and
-  receives twice and the three processes share two cores. A leaner client (one future less per
-  shard) measured no difference back to back and was not kept;
+- over shared memory the hand-off was Python on both sides: with the C layers (`layers`) the fast
+  path's own floor was ~155 µs per call with one shard (FastPath.send ~29 µs, the shard serving
+  ~77-85 µs of which ~30 computing, the rest its Python), the client's futures and routing ~40 µs.
+  A C ping-pong over the same SOCK_SEQPACKET doorbell between two processes on this VM takes
+  ~15 µs (~25 µs of overhead with 100 / 30 µs of work on either side), so the wake-ups were not the
+  floor. With the shard's doorbell loop in C (kernels/moe_shm.c) a one-token call's round trip is
+  ~39 µs (server ~10 µs, of which ~10 computing) against ~146 µs; with the whole step in C as well
+  (native_remote.c) one more MoE layer over 2 shard processes costs ~96-101 µs at b1 (target
+  <= 250) against ~420 µs for `layers` and ~270 µs with the shards' loop in Python (`shmpy`);
 - every torch op costs >= 3 µs of dispatch, so the fixed cost is the op count: the fused decode
   step (gpu_service/model/fast_decode.py) cut null/fast b1 from ~1,560-1,600 to ~840-940 µs per MoE
   layer and b8 from ~3,230-3,280 to ~1,670-1,780 µs (b8 runs two ping-pong micro-batches: each layer
@@ -44,8 +52,13 @@ Findings (this 2-core AVX2 VM, torch CPU, 1 thread; the machine is shared, so ra
   a multiple of 4 for bit-identical results alone or batched (not only to at least 4);
 - torch.compile (inductor, also cpp_wrapper) of a norm + router + shared-expert segment was slower
   than eager here (305 / 218 µs against 221-240 µs) and compiling took 5-25 s: not adopted;
-- shm per MoE layer minus null is the round trip to two shard processes on the same two cores
-  (~1.2 ms here): the transport's wake-ups, not the GPU side's math;
+- (an earlier reading, "the shm excess over null is the transport's wake-ups", was wrong: it was the
+  Python on both ends of the doorbell, see above);
+- the serve streams pay per token for the engine (detokenising, metrics) and the HTTP stream
+  (one SSE chunk each): with the step in C, 32 streams get ~6-7x one stream's tokens/s, the single
+  stream being ~1.5x faster than with `layers`; one loop wake-up per step for all streams
+  (runtime/requests._LoopWakes) and the label children of the experts observer looked up once
+  raised 32 streams by ~5-10%;
 - CUDA graphs (gpu_service/model/cuda_graphs.py) replace the per-op launches on a GPU; their
   numbers come from `make gpu-check` (bench_gpu.py: graphs vs eager ms per step).
 
@@ -98,9 +111,12 @@ class NullExperts:
 
 
 def set_path(runner, path: str) -> None:
-    """Select the decode path of a runner ('plain' reference or 'fast'), where the runner has one."""
+    """Select the decode path of a runner ('plain' reference or 'fast'), where the runner has one;
+    a '-py' suffix: with every expert hand-off through the client's Python (MOESPLIT_NATIVE_HANDOFF=0)."""
+    base = path.removesuffix("-py")
     if hasattr(runner, "set_decode_path"):
-        runner.set_decode_path(path)
+        runner.set_decode_path(base)
+        runner.model.native_handoff = not path.endswith("-py")
     elif path != "plain":
         raise SystemExit("this tree has no fast decode path")
 
@@ -169,7 +185,9 @@ def fixed_cost(rounds: int, steps: int, transports: tuple[str, ...], paths: tupl
             runners[L] = ModelRunner(reader, ex["null"], device=torch.device("cpu"), dtype=torch.float32,
                                      kv_tokens=64 * (HISTORY + steps + 64), page_size=16)
         rec: dict = {}
-        keys = [(t, p, b) for t in transports for p in paths for b in (1, 8)]
+        # ('-py' only differs where a shared-memory path can be claimed)
+        keys = [(t, p, b) for t in transports for p in paths for b in (1, 8)
+                if not p.endswith("-py") or t in ("shm", "shmpy", "shm1")]
         for L in DEPTHS:  # warm-up
             for t, p, b in keys:
                 runners[L].experts = experts[L][t]
@@ -253,10 +271,15 @@ def _stream(port: int, max_tokens: int, seed: int, rec: list) -> None:
 def serve_streams(streams: tuple[int, ...], rounds: int, max_tokens: int, decode_path: str) -> dict:
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=ROOT)
-    if decode_path != "fast":
-        env["MOESPLIT_DECODE_PATH"] = decode_path
+    base = decode_path.removesuffix("-py")
+    if base != "fast":
+        env["MOESPLIT_DECODE_PATH"] = base
     else:
         env.pop("MOESPLIT_DECODE_PATH", None)
+    if decode_path.endswith("-py"):
+        env["MOESPLIT_NATIVE_HANDOFF"] = "0"
+    else:
+        env.pop("MOESPLIT_NATIVE_HANDOFF", None)
     log = tempfile.NamedTemporaryFile(prefix="bench-serve-", suffix=".log", delete=False)
     p = subprocess.Popen([sys.executable, "-m", "moesplit", "serve", "--model", tiny(3), "--served-model-name", "tiny",
                           "--port", str(port), "--grpc-port", "0", "--log-level", "WARNING"],
@@ -314,7 +337,7 @@ def plot(res: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     R = res["fixed_cost"]["results"]
-    paths = [p for p in ("plain", "fused", "layers", "fast") if any(f"/{p}/" in k for k in R)]
+    paths = [p for p in ("plain", "fused-py", "fused", "layers-py", "layers", "fast") if any(f"/{p}/" in k for k in R)]
     keys = sorted({k.split("/")[0] + "/" + k.split("/")[2] for k in R})
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     xs = np.arange(len(keys))
@@ -345,9 +368,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds and steps (a smoke run)")
     ap.add_argument("--skip-serve", action="store_true", help="part 1 only")
-    ap.add_argument("--paths", default="plain,fused,layers,fast",
+    ap.add_argument("--paths", default="plain,fused-py,fused,layers-py,layers,fast",
                     help="decode paths to compare (plain: the reference; fused: the torch fused step; layers: the "
-                         "native C layers with the expert hand-offs in Python; fast: the default)")
+                         "native C layers driven from Python; fast: the default; '-py': with the expert "
+                         "hand-offs in the client's Python instead of C)")
     ap.add_argument("--transports", default="null,shm,shmpy,shm1,tcp")
     args = ap.parse_args()
     import torch
@@ -392,6 +416,12 @@ def main() -> int:
             k.replace("/fast", ""): round(R[k]["per_moe_layer_us"] / R[k.replace("/fast", "/plain")]["per_moe_layer_us"], 3)
             for k in R if "/fast/" in k}
         print("fast / plain per MoE layer:", res["fast_over_plain_per_moe_layer"])
+    ratios = {f"{t}/{p}/b{b}": round(R[f"{t}/{p}/b{b}"]["per_moe_layer_us"] / R[f"{t}/{p}-py/b{b}"]["per_moe_layer_us"], 3)
+              for t in ("shm", "shmpy", "shm1") for p in ("fused", "layers") for b in (1, 8)
+              if f"{t}/{p}/b{b}" in R and f"{t}/{p}-py/b{b}" in R}
+    if ratios:
+        res["c_over_python_handoff_per_moe_layer"] = ratios
+        print("C / Python hand-off per MoE layer:", ratios)
     if fc.get("profile"):
         for e in fc["profile"]["top_torch_ops"][:8]:
             print("  op", e)

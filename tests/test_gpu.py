@@ -158,3 +158,50 @@ def test_cuda_graphs_equal_eager(request, arch, batch):
         del r
     print(f"{arch} batch {batch}: decode step eager {out[False][1] * 1e3:.2f} ms, CUDA graphs {out[True][1] * 1e3:.2f} ms")
     assert out[True][0] == out[False][0]
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_cuda_decode_with_c_handoffs_equals_python_handoff(tmp_path_factory, graphs):
+    """A bf16 CUDA runner over a kernels shard on shared memory: with the per-call C hand-offs
+    (runtime.native_calls; pinned host buffers, hidden in the wire dtype) greedy decoding gives the
+    logits of the Python hand-off, bit for bit, with and without CUDA graphs; and time per step."""
+    import time
+
+    from cpu_expert_service.server import create_server
+    from gpu_service.experts.client import ExpertsClient
+    from gpu_service.model.kv import Chunk
+    from gpu_service.runtime.runner import RemoteExperts
+
+    d = make_tiny(str(tmp_path_factory.mktemp("gpu") / "handoff"), fmt="bf16", seed=4)
+    reader = CheckpointReader(d)
+    srv, port = create_server(d, port=0, backend="auto", shm_dir="/dev/shm")
+    c = ExpertsClient([f"127.0.0.1:{port}"], reader.config, transport="shm", wire_dtype="bfloat16").connect()
+    try:
+        runner = ModelRunner(reader, RemoteExperts(c), device=torch.device("cuda"), dtype=torch.bfloat16,
+                             kv_tokens=2048, cuda_graphs=graphs)
+
+        def decode(native: bool, B: int = 3, steps: int = 24):
+            runner.model.native_handoff = native
+            seqs = [runner.new_seq() for _ in range(B)]
+            try:
+                runner.step(list(range(4, 4 + 16 * B)), [Chunk(s, 0, 16) for s in seqs])
+                toks, out, ts = list(range(5, 5 + B)), [], []
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    lg = runner.step(toks, [Chunk(s, s.length, 1) for s in seqs])
+                    ts.append(time.perf_counter() - t0)
+                    out.append(lg)
+                    toks = lg.argmax(-1).tolist()
+                return torch.stack(out), sorted(ts)[len(ts) // 2]
+            finally:
+                for s in seqs:
+                    s.free()
+        n0 = c.native_call_steps
+        a, ta = decode(True)
+        assert c.native_call_steps - n0 == 24
+        b, tb = decode(False)
+        print(f"graphs={graphs}: ms per step, C hand-offs {ta * 1e3:.2f}, Python hand-offs {tb * 1e3:.2f}")
+        assert torch.equal(a, b)
+    finally:
+        c.close()
+        srv.stop(0)

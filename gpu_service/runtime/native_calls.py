@@ -32,27 +32,35 @@ class NativeCalls:
         self.rc = 0
         self.H = H
 
-    def send(self, layer: int, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor):
-        """Start one layer call; returns the wait() closure. h [B, H] any device, ids [B, k], w [B, k]."""
+    def send(self, layer: int, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, to_host=None):
+        """Start one layer call; returns the wait() closure. h [B, H], ids [B, k], w [B, k] on any
+        device; to_host(h, ids, w): host arrays of a CUDA call (RemoteExperts' pinned buffers: one
+        synchronisation, hidden already in the wire dtype)."""
         if self.rc or not self.free:
             self._fail(self.rc or 1)
         B = h.shape[0]
-        if h.device.type == "cpu" and h.dtype == torch.float32:
-            hh, h_wire = h.detach().contiguous(), 0
-        else:  # (CUDA: one device->host copy, already in the wire dtype)
-            hh = h.detach().to(device="cpu", dtype=self.wire).contiguous()
-            h_wire = int(self.wire != torch.float32)
-            if not h_wire:
-                hh = hh.float()
-        ii = ids.detach().to(device="cpu", dtype=torch.int64).contiguous()  # kept until wait (rows are derived)
-        ww = w.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        if to_host is not None:
+            hb, ib, wb = to_host(h, ids, w)  # numpy views of pinned memory, stable until this call's wait
+            keep = (hb, ib, wb)
+            hp, h_wire, ip, wp = hb.ctypes.data, int(hb.dtype.itemsize == 2), ib.ctypes.data, wb.ctypes.data
+        else:
+            hh = h.detach()
+            h_wire = 0
+            if hh.dtype != torch.float32:
+                hh, h_wire = hh.to(self.wire), int(self.wire != torch.float32)
+                hh = hh if h_wire else hh.float()
+            hh = hh.contiguous()
+            ii = ids.detach().to(dtype=torch.int64).contiguous()  # kept until wait (its rows are re-derived)
+            ww = w.detach().to(dtype=torch.float32).contiguous()
+            keep = (hh, ii, ww)
+            hp, ip, wp = hh.data_ptr(), ii.data_ptr(), ww.data_ptr()
         i = self.free.pop()
-        rc = self.c.send(i, layer, hh.data_ptr(), h_wire, ii.data_ptr(), ww.data_ptr(), B)
+        rc = self.c.send(i, layer, hp, h_wire, ip, wp, B)
         if rc:
             self._fail(rc)
         dev, dt = h.device, h.dtype
 
-        def wait(ii=ii) -> torch.Tensor:  # (ii: the ids stay alive until the answers are summed)
+        def wait(keep=keep) -> torch.Tensor:  # (keep: the ids stay alive until the answers are summed)
             out = torch.empty(B, self.H, dtype=torch.float32)
             rc2 = self.c.wait(i, out.data_ptr())
             if rc2:

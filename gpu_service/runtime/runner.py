@@ -35,7 +35,9 @@ class RemoteExperts:
 
     On CUDA, hidden / ids / weights are copied device->host with non_blocking=True into pinned
     host buffers (a few sets used in turn, grown as needed) and synchronised once per call; the
-    client encodes or copies them before forward_async returns, so a set is free again by its turn."""
+    client encodes or copies them before forward_async returns, so a set is free again by its turn.
+    During a decode step claimed by `begin_step` the calls go through C instead (runtime.native_calls);
+    a set then stays in use until its call's wait, two calls at most in flight."""
 
     PINNED_SETS = 4  # > calls in flight at once (micro-batch ping-pong: 2)
 
@@ -84,7 +86,7 @@ class RemoteExperts:
 
     def __call__(self, layer: int, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> Callable[[], torch.Tensor]:
         if self._step is not None:
-            return self._step.send(layer, h, ids, w)
+            return self._step.send(layer, h, ids, w, self._to_host_cuda if h.device.type == "cuda" else None)
         if h.device.type == "cuda":
             fut = self.client.forward_async(layer, *self._to_host_cuda(h, ids, w))
         else:
