@@ -339,14 +339,15 @@ def plot(res: dict, path: str) -> None:
     R = res["fixed_cost"]["results"]
     paths = [p for p in ("plain", "fused-py", "fused", "layers-py", "layers", "fast") if any(f"/{p}/" in k for k in R)]
     keys = sorted({k.split("/")[0] + "/" + k.split("/")[2] for k in R})
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     xs = np.arange(len(keys))
     bw = 0.8 / max(1, len(paths))
     for j, p in enumerate(paths):
         vals = [R.get(k.replace("/", f"/{p}/", 1), {}).get("per_moe_layer_us", 0) for k in keys]
         axes[0].bar(xs + (j - (len(paths) - 1) / 2) * bw, vals, bw, label=p)
-    axes[0].set_xticks(xs, keys)
-    axes[0].set_ylabel("µs per MoE layer (median)")
+    axes[0].set_xticks(xs, keys, rotation=30, ha="right")
+    axes[0].set_yscale("log")  # plain is ~20x the fast paths
+    axes[0].set_ylabel("µs per MoE layer (median, log scale)")
     axes[0].set_title("decode step fixed cost per MoE layer")
     axes[0].legend()
     sv = res.get("serve_decode_tokens_per_s", {})
