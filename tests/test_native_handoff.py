@@ -402,3 +402,29 @@ def test_observer_many_equals_one_call_each():
 
     assert samples(one) == samples(many)
     assert any(ln.startswith("moesplit_expert_requests_total") for ln in samples(one))
+
+
+@pytest.mark.parametrize("path", ["fast", "layers"])
+def test_native_step_marks_a_killed_replica_down(model_dir, cfg, path):
+    """kill -9 of one of two replicas before the decode steps: the doorbell breaks, a health check finds
+    the replica gone, it is marked down (and reconnected once back); tokens unchanged. (Without the
+    health check the replica stayed 'healthy': every native claim picked it and gave up, and the
+    Python re-run's round-robin turn always fell on the other replica.)"""
+    from gpu_service.local.stack import start_shards
+    from gpu_service.runtime.runner import RemoteExperts
+
+    sh = start_shards(model_dir, 1, backend="auto", replicas=2)
+    c = _client(sh.addresses, cfg, timeout_s=5.0)
+    try:
+        runner = _runner(model_dir, RemoteExperts(c))
+        want = _decode(runner, path, 1, 8)
+        got = _decode(runner, path, 1, 8, after_prefill=lambda: sh.kill(0))  # only decode steps after the kill
+        assert torch.equal(got, want)
+        dead = next(r for r in c.replicas if r.address == sh.addresses[0])
+        assert not dead.healthy
+        n0 = c.native_steps + c.native_call_steps
+        _decode(runner, path, 1, 4)
+        assert c.native_steps + c.native_call_steps - n0 == 4  # the live replica's steps run in C again
+    finally:
+        c.close()
+        sh.stop()

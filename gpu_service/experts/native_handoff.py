@@ -12,7 +12,8 @@ A run that stopped early (a refusal, a broken doorbell, a deadline, a signal) is
 the Python path settles the same event, and the caller then runs the whole step again through the
 Python path, which owns failover and the gRPC fallback:
 
-    broken doorbell  FastPath._break: the path is not used again (its pending calls go to gRPC)
+    broken doorbell  FastPath._break: the path is not used again (its pending calls go to gRPC), and
+                     the replica is marked down unless a health check finds it serving
     deadline         FastPath.expire and the replica marked down, so the re-run fails over at once
     refused          nothing: the re-run gets the same refusal and raises it as the Python path does
     signal           nothing
@@ -101,10 +102,22 @@ class Handoff:
                 fp.claimed = False
             if rc == BROKEN and p == fail_path:
                 fp._break(msg)
+                self._suspect(r, msg)
             elif rc == TIMEOUT and p == fail_path:
                 fp.expire(time.monotonic() + 1e-3)  # the call that timed out is pending past its deadline
                 client._mark_down(r, ShardError(r.address, grpc.StatusCode.DEADLINE_EXCEEDED,
                                                 f"no answer within {client.timeout_s}s (shm)"))
+
+    def _suspect(self, r, why: str) -> None:
+        """A broken doorbell: is the replica still there? The Python path learns it when its gRPC
+        re-send fails; here one health check (at most 1 s) decides, so a dead replica is marked down
+        (and reconnected when it comes back) instead of staying picked and skipped."""
+        from gpu_service.experts.health import check_parallel
+
+        status = check_parallel({r.address: r.channel}, min(1.0, self.client.timeout_s)).get(r.address, "UNKNOWN")
+        if status != "SERVING":
+            self.client._mark_down(r, ShardError(r.address, grpc.StatusCode.UNAVAILABLE,
+                                                 f"shm fast path broke ({why}); health check: {status}"))
 
     def release(self) -> None:
         """Give the paths back unused."""
