@@ -5,7 +5,7 @@ layer of an all-decode step without returning to Python, so it writes the layer 
 shared slots and rings the doorbells itself. For that it needs, for every shard group, one healthy
 replica whose shared-memory fast path is idle (no call pending) with a free slot per micro-batch.
 `claim()` takes them (the replica picked round-robin, as per call on the Python path, here per
-step), `Handoff.finish()` gives them back after the run and reports every call to the client's
+step; another live replica of the group when that one's path is busy or broken), `Handoff.finish()` gives them back after the run and reports every call to the client's
 observer, as the Python path would have.
 
 A run that stopped early (a refusal, a broken doorbell, a deadline, a signal) is settled the way
@@ -142,19 +142,36 @@ def claim(client, rows: list[int], k: int, has_f16: bool, whole: bool = True) ->
                 fp.claimed = False
         return None
 
-    for g in client.groups:
-        r = client._pick(g, [])
-        if r is None:
-            return give_back()
+    def take(r):
+        """r's fast path claimed (its slots), else None; a live replica whose path broke or that
+        reconnected since is offered a fresh one (in the background, as FastPaths.send does)."""
         fp, stream = fast.paths.get(r.address, (None, None))
-        if (not isinstance(fp, FastPath) or stream is not r.stream or max(rows) > fp.lay.max_tokens
-                or k > fp.lay.max_k or (fp.hc == 2 and not has_f16)):
-            return give_back()
+        if not isinstance(fp, FastPath):
+            return None, None
+        if stream is not r.stream or not fp.usable:
+            if r.healthy:
+                fast._renegotiate(r, client.cfg)
+            return None, None
+        if max(rows) > fp.lay.max_tokens or k > fp.lay.max_k or (fp.hc == 2 and not has_f16):
+            return None, None
         with fp.lock:
             if not fp.usable or fp.claimed or fp.pending or len(fp.free) < len(rows):
-                return give_back()
+                return None, None
             fp.claimed = True
-            slots = [fp.free.pop() for _ in rows]
+            return fp, [fp.free.pop() for _ in rows]
+
+    for g in client.groups:
+        first = client._pick(g, [])  # the round-robin turn; the group's other live replicas after it
+        if first is None:
+            return give_back()
+        with client._lock:
+            live = [x for x in g.replicas if x.healthy and x is not first]
+        for r in [first] + live:
+            fp, slots = take(r)
+            if fp is not None:
+                break
+        else:
+            return give_back()
         held = None if g.desc.all_experts else _mask(g.desc, E).view(np.uint8)
         claims.append((r, g, fp, slots, held))
     return Handoff(client, claims, len(rows), whole)
