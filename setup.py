@@ -16,8 +16,8 @@ if platform.machine().lower() in ("x86_64", "amd64"):
     ext = Extension(
         "cpu_expert_service.kernels._moe",
         sources=[f"{KDIR}/_moe.pyx"] + [f"{KDIR}/{f}" for f in ISA_FILES],
-        include_dirs=[KDIR],
-        depends=[f"{KDIR}/moe.h", f"{KDIR}/moe_shm.h", f"{KDIR}/amx_emu.h", f"{KDIR}/simde_x86.h"],
+        include_dirs=[KDIR, "wire"],
+        depends=[f"{KDIR}/moe.h", f"{KDIR}/moe_shm.h", "wire/shm_wire.h", f"{KDIR}/amx_emu.h", f"{KDIR}/simde_x86.h"],
         extra_compile_args=["-O3", "-std=gnu11", "-pthread", "-fno-math-errno", "-Wno-unused-function"],
         extra_link_args=["-pthread"],
     )
@@ -29,8 +29,8 @@ MDIR = "gpu_service/model"
 ext_modules.append(Extension(
     "gpu_service.model._native_decode",
     sources=[f"{MDIR}/_native_decode.pyx", f"{MDIR}/native_decode.c", f"{MDIR}/native_remote.c"],
-    include_dirs=[MDIR],
-    depends=[f"{MDIR}/native_decode.h", f"{MDIR}/native_remote.h"],
+    include_dirs=[MDIR, "wire"],
+    depends=[f"{MDIR}/native_decode.h", f"{MDIR}/native_remote.h", "wire/shm_wire.h"],
     extra_compile_args=["-O3", "-std=gnu11", "-ffp-contract=off", "-fno-math-errno", "-Wno-psabi"],
 ))
 

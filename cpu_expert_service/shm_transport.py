@@ -158,7 +158,7 @@ def _serve(servicer, mm, lay: Layout, sock: socket.socket, native: bool = True) 
                                   servicer.shard_id)
                     break
                 slot, seq, arrived_ns = loop.pending
-                t_start = time.perf_counter() - max(0.0, (M.now_ns() - arrived_ns) * 1e-9)
+                t_start = time.perf_counter() - max(0.0, (time.monotonic_ns() - arrived_ns) * 1e-9)
                 msg = pack(OP_FORWARD, slot, seq)
             else:
                 msg = recv_spin(sock, spin_s) if spin_s else None

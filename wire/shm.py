@@ -37,7 +37,8 @@ the error message) into the slot and answers (status, slot, seq) with a gRPC sta
 
 Both ends may run this protocol in C: the shard's doorbell loop (cpu_expert_service/kernels/moe_shm.c,
 with the kernels backend) and the GPU side's whole decode step (gpu_service/model/native_remote.c),
-which hard-code CALL, RESULT_OFFSET, MSG_OFFSET and the doorbell's layout: change them together.
+which take the doorbell and result constants from wire/shm_wire.h and the CALL layout from their own
+code: change them together.
 
 Disable on the shard with `--shm-dir ''` or MOESPLIT_SHM=0 (AttachShm then refuses and the client
 stays on gRPC).

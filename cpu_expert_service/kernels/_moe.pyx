@@ -270,9 +270,11 @@ cdef class Engine:
 # ---- moe_shm.h: one client's shared-memory doorbell loop, without the GIL
 from libc.stdint cimport uint32_t, uint64_t
 
+cdef extern from "shm_wire.h" nogil:
+    int SHM_DOORBELL_BYTES, SHM_OP_FORWARD, SHM_RESULT_OFFSET
+
 cdef extern from "moe_shm.h" nogil:
     int MOE_SHM_CLOSED, MOE_SHM_BAD_DOORBELL, MOE_SHM_PYTHON, MOE_SHM_NOMEM
-    int MOE_SHM_DOORBELL, MOE_SHM_OP_FORWARD, MOE_SHM_RESULT_OFFSET
     ctypedef struct MoeShmRec:
         int32_t layer, T
         int64_t wait_ns, kernel_ns
@@ -297,7 +299,6 @@ cdef extern from "moe_shm.h" nogil:
         uint32_t slot
         uint64_t seq
         int64_t arrived_ns
-    int64_t moe_shm_now_ns()
     uint64_t moe_shm_head(const MoeShm *s)
     void moe_shm_set_tail(MoeShm *s, uint64_t t)
     uint64_t moe_shm_dropped(const MoeShm *s)
@@ -305,13 +306,8 @@ cdef extern from "moe_shm.h" nogil:
 
 SHM_CLOSED, SHM_BAD_DOORBELL, SHM_PYTHON, SHM_NOMEM = MOE_SHM_CLOSED, MOE_SHM_BAD_DOORBELL, MOE_SHM_PYTHON, MOE_SHM_NOMEM
 # wire.shm's constants as moe_shm.h has them (tests compare them)
-SHM_WIRE = {"doorbell_bytes": MOE_SHM_DOORBELL, "op_forward": MOE_SHM_OP_FORWARD,
-            "result_offset": MOE_SHM_RESULT_OFFSET}
-
-
-def now_ns():
-    """CLOCK_MONOTONIC in ns, the clock of ShmServe's arrival stamps."""
-    return moe_shm_now_ns()
+SHM_WIRE = {"doorbell_bytes": SHM_DOORBELL_BYTES, "op_forward": SHM_OP_FORWARD,
+            "result_offset": SHM_RESULT_OFFSET}
 
 
 cdef class ShmServe:

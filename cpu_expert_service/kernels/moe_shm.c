@@ -6,13 +6,6 @@
 #include <sched.h>
 #include <string.h>
 #include <sys/socket.h>
-#include <time.h>
-
-int64_t moe_shm_now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
-}
 
 static int is_finite(float v) {
     uint32_t u;
@@ -75,11 +68,11 @@ static int float_code_ok(uint32_t c) {
 
 /* receive one doorbell: 1, 0 at EOF / a wrong size, -1 on an error */
 static int recv_doorbell(MoeShm *s, unsigned char *msg) {
-    int64_t end = s->spin_s > 0 ? moe_shm_now_ns() + (int64_t)(s->spin_s * 1e9) : 0;
+    int64_t end = s->spin_s > 0 ? shm_now_ns() + (int64_t)(s->spin_s * 1e9) : 0;
     for (;;) {
-        int spinning = end && moe_shm_now_ns() < end;
-        ssize_t n = recv(s->fd, msg, MOE_SHM_DOORBELL, spinning ? MSG_DONTWAIT : 0);
-        if (n == MOE_SHM_DOORBELL) return 1;
+        int spinning = end && shm_now_ns() < end;
+        ssize_t n = recv(s->fd, msg, SHM_DOORBELL_BYTES, spinning ? MSG_DONTWAIT : 0);
+        if (n == SHM_DOORBELL_BYTES) return 1;
         if (n >= 0) return 0;
         if (errno == EINTR) continue;
         if (spinning && (errno == EAGAIN || errno == EWOULDBLOCK)) {
@@ -134,19 +127,19 @@ static int serve_one(MoeShm *s, MoePool *pool, const MoeKernels *kern, uint32_t 
     for (size_t i = 0; i < (size_t)T * k; i++)
         if (s->w[i] == 0.0f) s->ids[i] = -1;  /* weight 0: computed on the GPU side (KernelExperts.forward) */
     memset(s->out, 0, (size_t)T * H * 4);
-    int64_t t0 = moe_shm_now_ns();
+    int64_t t0 = shm_now_ns();
     int rc = moe_forward(pool, kern, s->experts[layer], s->cap[layer], s->fmt, H, s->inter[layer], s->x, (int)T,
                          s->ids, s->w, (int)k, s->out);
-    int64_t t1 = moe_shm_now_ns();
+    int64_t t1 = shm_now_ns();
     if (rc != 0) return -1;
     put_rows(b + s->out_off, (int)h[5], s->out, (size_t)T * H);
-    uint64_t compute_us = (uint64_t)((t1 - t0) / 1000), server_us = (uint64_t)((moe_shm_now_ns() - arrived) / 1000);
+    uint64_t compute_us = (uint64_t)((t1 - t0) / 1000), server_us = (uint64_t)((shm_now_ns() - arrived) / 1000);
     uint32_t mlen = 0;
-    memcpy(b + MOE_SHM_RESULT_OFFSET, &compute_us, 8);
-    memcpy(b + MOE_SHM_RESULT_OFFSET + 8, &server_us, 8);
-    memcpy(b + MOE_SHM_RESULT_OFFSET + 16, &mlen, 4);
+    memcpy(b + SHM_RESULT_OFFSET, &compute_us, 8);
+    memcpy(b + SHM_RESULT_OFFSET + 8, &server_us, 8);
+    memcpy(b + SHM_RESULT_OFFSET + 16, &mlen, 4);
     record(s, layer, (int)T, t0 - arrived, t1 - t0);
-    unsigned char msg[MOE_SHM_DOORBELL];
+    unsigned char msg[SHM_DOORBELL_BYTES];
     uint32_t status = 0;
     memcpy(msg, &status, 4), memcpy(msg + 4, &slot, 4), memcpy(msg + 8, &seq, 8);
     while (send(s->fd, msg, sizeof msg, MSG_NOSIGNAL) < 0 && errno == EINTR) {
@@ -155,15 +148,15 @@ static int serve_one(MoeShm *s, MoePool *pool, const MoeKernels *kern, uint32_t 
 }
 
 int moe_shm_serve(MoeShm *s, MoePool *pool, const MoeKernels *kern) {
-    unsigned char msg[MOE_SHM_DOORBELL];
+    unsigned char msg[SHM_DOORBELL_BYTES];
     for (;;) {
         if (recv_doorbell(s, msg) <= 0) return MOE_SHM_CLOSED;
-        int64_t arrived = moe_shm_now_ns();
+        int64_t arrived = shm_now_ns();
         uint32_t op, slot;
         uint64_t seq;
         memcpy(&op, msg, 4), memcpy(&slot, msg + 4, 4), memcpy(&seq, msg + 8, 8);
         s->slot = slot, s->seq = seq, s->arrived_ns = arrived;
-        if (op != MOE_SHM_OP_FORWARD || slot >= (uint32_t)s->n_slots) return MOE_SHM_BAD_DOORBELL;
+        if (op != SHM_OP_FORWARD || slot >= (uint32_t)s->n_slots) return MOE_SHM_BAD_DOORBELL;
         int rc = serve_one(s, pool, kern, slot, seq, arrived);
         if (rc == 0) return MOE_SHM_PYTHON;
         if (rc < 0) return MOE_SHM_NOMEM;

@@ -14,11 +14,7 @@
 #ifndef MOESPLIT_MOE_SHM_H
 #define MOESPLIT_MOE_SHM_H
 #include "moe.h"
-
-/* wire/shm.py's constants (tests/test_native_handoff.py compares them with it) */
-#define MOE_SHM_DOORBELL 16
-#define MOE_SHM_OP_FORWARD 1
-#define MOE_SHM_RESULT_OFFSET 28
+#include "shm_wire.h"  /* wire/: the doorbell and slot constants, shared with the GPU side's native step */
 
 enum { MOE_SHM_CLOSED = 0, MOE_SHM_BAD_DOORBELL = 1, MOE_SHM_PYTHON = 2, MOE_SHM_NOMEM = 3 };
 
@@ -50,7 +46,6 @@ typedef struct {
     int64_t arrived_ns;
 } MoeShm;
 
-int64_t moe_shm_now_ns(void);
 /* the drainer's side of the ring */
 static inline uint64_t moe_shm_head(const MoeShm *s) { return __atomic_load_n(&s->head, __ATOMIC_ACQUIRE); }
 static inline void moe_shm_set_tail(MoeShm *s, uint64_t t) { __atomic_store_n(&s->tail, t, __ATOMIC_RELEASE); }

@@ -119,8 +119,10 @@ def add(long n, size_t x, size_t a, size_t b, size_t out):
 from libc.stdint cimport int32_t, uint64_t
 from libc.stdlib cimport calloc, free
 
+cdef extern from "shm_wire.h" nogil:
+    int SHM_DOORBELL_BYTES, SHM_OP_FORWARD, SHM_RESULT_OFFSET, SHM_MSG_OFFSET
+
 cdef extern from "native_remote.h" nogil:
-    int NR_DOORBELL_BYTES, NR_OP_FORWARD, NR_RESULT_OFFSET, NR_MSG_OFFSET
     ctypedef struct NrPath:
         unsigned char *base
         long slot_base[2]
@@ -159,9 +161,9 @@ cdef extern from "native_remote.h" nogil:
     int nr_wait(NrRun *r, int mb, float *routed)
 
 
-# wire.shm's constants as native_remote.h has them (tests compare them)
-WIRE = {"doorbell_bytes": NR_DOORBELL_BYTES, "op_forward": NR_OP_FORWARD, "result_offset": NR_RESULT_OFFSET,
-        "msg_offset": NR_MSG_OFFSET}
+# wire.shm's constants as the C ends have them (wire/shm_wire.h; tests compare them)
+WIRE = {"doorbell_bytes": SHM_DOORBELL_BYTES, "op_forward": SHM_OP_FORWARD, "result_offset": SHM_RESULT_OFFSET,
+        "msg_offset": SHM_MSG_OFFSET}
 
 
 def buf_bytes(int B, int H, int k):

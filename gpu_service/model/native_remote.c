@@ -8,7 +8,6 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/socket.h>
-#include <time.h>
 
 #define NR_MAX_PATHS 64
 
@@ -31,12 +30,6 @@ static void mb_init(Mb *m, const NrRun *r, int mb) {
     m->w = (float *)p, p += al64((size_t)B * k * 4);
     m->ids = (int64_t *)p, p += al64((size_t)B * k * 8);
     m->rows = (int *)p;
-}
-
-static int64_t now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
 /* ---- wire dtypes (the torch / ml_dtypes casts: round to nearest even) */
@@ -148,14 +141,14 @@ static int send_layer(NrRun *r, Mb *m, int mb, int32_t layer) {
         uint32_t hdr[6] = {(uint32_t)n, (uint32_t)k, (uint32_t)P->wire, 4u, 0u, (uint32_t)P->wire};
         memcpy(s, &layer, 4);
         memcpy(s + 4, hdr, sizeof hdr);
-        memset(s + NR_RESULT_OFFSET, 0, 20);
+        memset(s + SHM_RESULT_OFFSET, 0, 20);
         NrCall *c = &r->calls[r->n_calls];
         c->layer = layer, c->path = p, c->mb = mb, c->rows = n, c->status = -1, c->slot = P->slot[mb];
         c->seq = r->seq0 + (uint64_t)r->n_calls, c->rtt_ns = 0, c->compute_us = c->server_us = 0;
-        unsigned char msg[NR_DOORBELL_BYTES];
-        uint32_t op = NR_OP_FORWARD, slot = (uint32_t)P->slot[mb];
+        unsigned char msg[SHM_DOORBELL_BYTES];
+        uint32_t op = SHM_OP_FORWARD, slot = (uint32_t)P->slot[mb];
         memcpy(msg, &op, 4), memcpy(msg + 4, &slot, 4), memcpy(msg + 8, &c->seq, 8);
-        c->sent_ns = now_ns();
+        c->sent_ns = shm_now_ns();
         for (;;) {
             ssize_t w = send(P->fd, msg, sizeof msg, MSG_NOSIGNAL | MSG_DONTWAIT);
             if (w == (ssize_t)sizeof msg) break;
@@ -175,7 +168,7 @@ static int send_layer(NrRun *r, Mb *m, int mb, int32_t layer) {
 /* one doorbell answer from path p if one is waiting: 1 received, 0 none, < 0 -(failure code) */
 static int recv_one(NrRun *r, int p) {
     NrPath *P = &r->paths[p];
-    unsigned char msg[NR_DOORBELL_BYTES];
+    unsigned char msg[SHM_DOORBELL_BYTES];
     ssize_t n = recv(P->fd, msg, sizeof msg, MSG_DONTWAIT);
     if (n < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return 0;
@@ -189,16 +182,16 @@ static int recv_one(NrRun *r, int p) {
     if (seq < r->seq0 || i >= (uint64_t)r->n_calls) return 1;  /* not ours (as the Python path: ignored) */
     NrCall *c = &r->calls[i];
     if (c->path != p || c->status != -1 || (int)slot != c->slot) return 1;
-    c->rtt_ns = now_ns() - c->sent_ns;
+    c->rtt_ns = shm_now_ns() - c->sent_ns;
     const unsigned char *s = P->base + P->slot_base[c->mb];
     uint32_t mlen;
-    memcpy(&c->compute_us, s + NR_RESULT_OFFSET, 8);
-    memcpy(&c->server_us, s + NR_RESULT_OFFSET + 8, 8);
-    memcpy(&mlen, s + NR_RESULT_OFFSET + 16, 4);
+    memcpy(&c->compute_us, s + SHM_RESULT_OFFSET, 8);
+    memcpy(&c->server_us, s + SHM_RESULT_OFFSET + 8, 8);
+    memcpy(&mlen, s + SHM_RESULT_OFFSET + 16, 4);
     c->status = (int32_t)status;
     if (status != 0) {
-        if (mlen > NR_MSG_MAX) mlen = NR_MSG_MAX;
-        memcpy(r->fail_msg, s + NR_MSG_OFFSET, mlen);
+        if (mlen > SHM_MSG_MAX) mlen = SHM_MSG_MAX;
+        memcpy(r->fail_msg, s + SHM_MSG_OFFSET, mlen);
         r->fail_msg[mlen] = 0;
         r->fail_path = p;
         return -NR_REFUSED;
@@ -208,7 +201,7 @@ static int recv_one(NrRun *r, int p) {
 
 static int wait_layer(NrRun *r, Mb *m) {
     struct pollfd pf[NR_MAX_PATHS];
-    int64_t spin_end = now_ns() + (int64_t)(r->spin_s * 1e9);
+    int64_t spin_end = shm_now_ns() + (int64_t)(r->spin_s * 1e9);
     for (;;) {
         int out = 0, got = 0, first = -1;
         int64_t deadline = INT64_MAX;
@@ -227,7 +220,7 @@ static int wait_layer(NrRun *r, Mb *m) {
         }
         if (!out) return NR_OK;
         if (got) continue;
-        int64_t t = now_ns();
+        int64_t t = shm_now_ns();
         if (t < spin_end) {
             sched_yield();
             continue;

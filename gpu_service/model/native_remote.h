@@ -20,13 +20,7 @@
 #ifndef NATIVE_REMOTE_H
 #define NATIVE_REMOTE_H
 #include "native_decode.h"
-
-/* wire/shm.py's constants (tests/test_native_handoff.py compares them with it) */
-#define NR_DOORBELL_BYTES 16   /* <IIQ: op | status, slot, seq */
-#define NR_OP_FORWARD 1
-#define NR_RESULT_OFFSET 28    /* compute_us Q, server_us Q, msg_len I */
-#define NR_MSG_OFFSET 64
-#define NR_MSG_MAX (4096 - 64)
+#include "shm_wire.h"  /* wire/: the doorbell and slot constants, shared with the shard's C loop */
 
 enum { NR_OK = 0, NR_BROKEN = 1, NR_TIMEOUT = 2, NR_REFUSED = 3, NR_INTR = 4 };
 
@@ -74,7 +68,7 @@ typedef struct {
     int calls_cap, n_calls;
     NrMb mb[2];
     int fail_path;                 /* the path that failed (-1: none / a signal) */
-    char fail_msg[NR_MSG_MAX + 1]; /* a refusal's message, or what broke */
+    char fail_msg[SHM_MSG_MAX + 1]; /* a refusal's message, or what broke */
 } NrRun;
 
 /* Per-call hand-offs for the torch layer paths (fused / CUDA graphs / plain / the C layers driven
