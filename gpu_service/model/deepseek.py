@@ -456,7 +456,7 @@ class DeepseekV3(nn.Module):
                                      pool.index_k[i] if pool.index_k is not None else None)
         return x[:B] if x.shape[0] != B else x
 
-    def _run_layers(self, x, positions, groups, bounds, pool, experts) -> torch.Tensor:
+    def _run_layers(self, x, positions, groups, bounds, pool, experts, all_decode: bool) -> torch.Tensor:
         """Every layer, micro-batches in ping-pong. An all-decode step first tries its layer calls as C
         hand-offs over shared memory (RemoteExperts.begin_step, gpu_service.runtime.native_calls); if
         one fails the claim is settled and the step runs again with the Python hand-off (each layer
@@ -467,7 +467,7 @@ class DeepseekV3(nn.Module):
             return torch.cat(_round_robin(gens)) if len(gens) > 1 else _run(gens[0])
 
         begin = getattr(experts, "begin_step", None)
-        if (begin is not None and self.native_handoff and all(c.n == 1 for g in groups for c in g)
+        if (begin is not None and self.native_handoff and all_decode
                 and begin([b - a for a, b in zip(bounds[:-1], bounds[1:])], self.cfg)):
             try:
                 return run(x.clone(), experts)
@@ -484,16 +484,17 @@ class DeepseekV3(nn.Module):
         last token (or [T, V] with all_logits). Writes the chunks' KV and advances seq.length."""
         emb_dev = self.model.embed_tokens.weight.device
         x = self.model.embed_tokens(input_ids.to(emb_dev))  # [T, H]
-        positions = (torch.tensor([c.start for c in chunks]) if all(c.n == 1 for c in chunks)  # decode: one op
+        all_decode = all(c.n == 1 for c in chunks)
+        positions = (torch.tensor([c.start for c in chunks]) if all_decode  # decode: one op
                      else torch.cat([torch.arange(c.start, c.start + c.n) for c in chunks]))
         for c in chunks:
             c.seq.reserve(c.start + c.n)
         groups = split_micro_batches(chunks) if self.ping_pong else [chunks]
         bounds = torch.tensor([0] + [sum(c.n for c in g) for g in groups]).cumsum(0).tolist()
         # all-decode on CPU float32 with idle shared-memory fast paths: every layer and hand-off in C
-        out = native_decode.remote_step(self, groups, bounds, x, positions, pool, experts)
+        out = native_decode.remote_step(self, groups, bounds, x, positions, pool, experts, all_decode)
         if out is None:
-            out = self._run_layers(x, positions, groups, bounds, pool, experts)
+            out = self._run_layers(x, positions, groups, bounds, pool, experts, all_decode)
         x = out
         for c in chunks:
             c.seq.length = max(c.seq.length, c.start + c.n)

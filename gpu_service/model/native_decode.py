@@ -238,21 +238,23 @@ RUN_OK = 0
 
 
 def remote_step(model, groups: list, bounds: list[int], x: torch.Tensor, positions: torch.Tensor, pool,
-                experts) -> torch.Tensor | None:
+                experts, all_decode: bool) -> torch.Tensor | None:
     """The whole all-decode step in C with its expert hand-offs (native_remote.c): x [T, H] float32
     embeddings -> the last layer's hidden states, or None where it cannot run (the caller takes the
     Python path) or stopped early (settled by Handoff.finish; the caller re-runs the step, see
-    gpu_service.experts.native_handoff). groups: the micro-batches' chunks, bounds their row offsets."""
-    claim = getattr(experts, "native_handoff", None)
-    if (claim is None or _c is None or not getattr(model, "native_decode", True)
+    gpu_service.experts.native_handoff). groups: the micro-batches' chunks, bounds their row offsets;
+    all_decode: every chunk is one token."""
+    claim = getattr(experts, "claim_native_step", None)
+    if (not all_decode or claim is None or _c is None or not getattr(model, "native_decode", True)
             or not getattr(model, "native_remote", True) or x.device.type != "cpu"
             or x.dtype != torch.float32 or not model.batched_attention):
         return None
     cfg = model.cfg
     H, k = cfg.hidden_size, cfg.num_experts_per_tok
     rows = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-    if any(kv.device.type != "cpu" for kv in pool.kv) or any(c.n != 1 for g in groups for c in g):
-        return None  # (a prefill chunk: not an all-decode step)
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous()
+           for t in (*pool.kv, *(pool.index_k or ()))):
+        return None
     blocks = native_blocks(model)  # (cached per model)
     if blocks is None or any(nb.moe is not None and nb.moe.experts is not None for nb in blocks):
         return None  # e.g. FP8 attention weights; GPU-resident hot experts (the Python path adds them)
@@ -269,9 +271,6 @@ def remote_step(model, groups: list, bounds: list[int], x: torch.Tensor, positio
             steps.append(NativeStep(blocks, meta, *model.rope.cos_sin(positions[a:b], x.dtype), b - a))
         xs = [x[a:b].contiguous().clone() for a, b in zip(bounds[:-1], bounds[1:])]
         bufs = [torch.empty(_c.buf_bytes(n, H, k), dtype=torch.uint8) for n in rows]
-        for t in (*pool.kv, *(pool.index_k or ())):
-            if t.dtype != torch.float32 or not t.is_contiguous():
-                return None
         ik = [0] * len(blocks) if pool.index_k is None else [t.data_ptr() for t in pool.index_k]
         run = _c.RemoteRun([nb.c for nb in blocks], [nb.moe.layer if nb.moe is not None else -1 for nb in blocks],
                            [t.data_ptr() for t in pool.kv], ik, H, k, [s.c for s in steps],
@@ -283,4 +282,6 @@ def remote_step(model, groups: list, bounds: list[int], x: torch.Tensor, positio
             ho.release()
         else:
             ho.finish(rc, run.fail_path, run.fail_msg, run.calls(), run.path_calls())
-    return torch.cat(xs) if rc == RUN_OK and len(xs) > 1 else xs[0] if rc == RUN_OK else None
+    if rc != RUN_OK:
+        return None
+    return torch.cat(xs) if len(xs) > 1 else xs[0]

@@ -44,11 +44,9 @@ class NativeCalls:
             keep = (hb, ib, wb)
             hp, h_wire, ip, wp = hb.ctypes.data, int(hb.dtype.itemsize == 2), ib.ctypes.data, wb.ctypes.data
         else:
-            hh = h.detach()
-            h_wire = 0
-            if hh.dtype != torch.float32:
+            hh, h_wire = h.detach(), 0
+            if hh.dtype != torch.float32:  # (into the wire dtype, float32 included)
                 hh, h_wire = hh.to(self.wire), int(self.wire != torch.float32)
-                hh = hh if h_wire else hh.float()
             hh = hh.contiguous()
             ii = ids.detach().to(dtype=torch.int64).contiguous()  # kept until wait (its rows are re-derived)
             ww = w.detach().to(dtype=torch.float32).contiguous()

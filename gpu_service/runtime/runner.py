@@ -98,7 +98,7 @@ class RemoteExperts:
 
         return wait
 
-    def native_handoff(self, rows: list[int], k: int, has_f16: bool):
+    def claim_native_step(self, rows: list[int], k: int, has_f16: bool):
         """One idle shared-memory fast path per shard group, claimed for a native step of micro-batches
         of `rows` rows (gpu_service.experts.native_handoff), or None."""
         from gpu_service.experts.native_handoff import claim
@@ -198,8 +198,8 @@ class ModelRunner:
         (gpu_service.model.paged_attention), all-decode steps as native C layers on CPU float32
         (gpu_service.model.native_decode), where the shards' shared-memory paths are idle the whole
         step with its expert hand-offs in C (native_remote.c), or else the torch fused segments
-        (fast_decode); 'layers': the native C layers with the hand-offs in Python; 'fused': the
-        torch fused segments also on CPU; 'plain': MLA's per-sequence reference path
+        (fast_decode); 'layers': the native C layers driven from Python (each layer call's hand-off
+        in C, runtime.native_calls); 'fused': the torch fused segments also on CPU; 'plain': MLA's per-sequence reference path
         (MOESPLIT_DECODE_PATH=layers / fused / plain selects one at start-up, for comparisons)."""
         if path not in self.DECODE_PATHS:
             raise ValueError(f"decode path {path!r}: expected one of {self.DECODE_PATHS}")
