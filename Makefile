@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py $(filter-out cpu_expert_service/kernels/_moe.c,$(wildcard cpu_expert_service/kernels/*.pyx cpu_expert_service/kernels/*.c cpu_expert_service/kernels/*.h)) $(wildcard gpu_service/model/*.pyx gpu_service/model/native_*.[ch] wire/*.h)
+$(STAMP): pyproject.toml setup.py $(filter-out cpu_expert_service/kernels/_moe.c,$(wildcard cpu_expert_service/kernels/*.pyx cpu_expert_service/kernels/*.c cpu_expert_service/kernels/*.h)) $(wildcard wire/*.h)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	scripts/install_torch.sh $(PY)

@@ -23,17 +23,6 @@ if platform.machine().lower() in ("x86_64", "amd64"):
     )
     ext_modules = [ext]
 
-# gpu_service.model._native_decode: one DeepSeek-V3 decode layer in C for the CPU float32 runner
-# (gpu_service/model/native_decode.h); portable C (an AVX2 clone on x86-64 GCC), built everywhere.
-MDIR = "gpu_service/model"
-ext_modules.append(Extension(
-    "gpu_service.model._native_decode",
-    sources=[f"{MDIR}/_native_decode.pyx", f"{MDIR}/native_decode.c", f"{MDIR}/native_remote.c"],
-    include_dirs=[MDIR, "wire"],
-    depends=[f"{MDIR}/native_decode.h", f"{MDIR}/native_remote.h", "wire/shm_wire.h"],
-    extra_compile_args=["-O3", "-std=gnu11", "-ffp-contract=off", "-fno-math-errno", "-Wno-psabi"],
-))
-
 from Cython.Build import cythonize  # noqa: E402
 
 ext_modules = cythonize(ext_modules, language_level=3, quiet=True)

@@ -157,32 +157,6 @@ class ExpertsObserver:
             rcv.inc(received)
         (n_ok if ok else n_err).inc()
 
-    def observe_many(self, calls: list[tuple]) -> None:
-        """Many calls at once (a native decode step's, gpu_service.experts.native_handoff): the same
-        observations as one __call__ each, with the counters added once per shard."""
-        per_shard: dict[str, list] = {}
-        for layer, shard, rtt_s, sent, received, ok in calls:
-            self._layer_child(layer).observe(rtt_s)
-            acc = per_shard.get(shard)
-            if acc is None:
-                acc = per_shard[shard] = [0, 0, 0, 0]
-            self._children(shard)[0].observe(rtt_s)
-            acc[0] += sent
-            if ok:
-                acc[1] += received
-                acc[2] += 1
-            else:
-                acc[3] += 1
-        for shard, (sent, received, n_ok, n_err) in per_shard.items():
-            _, snt, rcv, ok_c, err_c = self._children(shard)
-            snt.inc(sent)
-            if received:
-                rcv.inc(received)
-            if n_ok:
-                ok_c.inc(n_ok)
-            if n_err:
-                err_c.inc(n_err)
-
 
 # ---- memory: planned vs actual by plan category -------------------------------------------------
 def _module_categories(cfg) -> list[tuple[str, str]]:

@@ -174,9 +174,9 @@ def main() -> int:
           f"{experts_img}: moesplit, wire, checkpoint, cpu_expert_service, protos; no gpu_service "
           f"({(r.stdout + r.stderr).strip()[-200:]})")
     r = podman("run", "--rm", *PODMAN_RUN, "--entrypoint", "python", gpu_img, "-c",
-               "import torch, gpu_service.model._native_decode; print(torch.__version__, torch.version.cuda)", check=False)
+               "import torch, gpu_service.model.deepseek; print(torch.__version__, torch.version.cuda)", check=False)
     check(r.returncode == 0 and "+cpu" in r.stdout,
-          f"{gpu_img}: CPU torch and the native decode extension ({r.stdout.strip() or r.stderr[-200:]})")
+          f"{gpu_img}: CPU torch and the model ({r.stdout.strip() or r.stderr[-200:]})")
 
     print("local (no container) reference run ...", flush=True)
     want, host_isa = local_run(moesplit, model, n_experts)

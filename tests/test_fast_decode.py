@@ -20,8 +20,8 @@ from gpu_service.model.kv import Chunk, KVPool, SeqKV
 from tests.test_paged_attention import _setup, ARCHS, greedy_decode, PAGE
 
 def _greedy(*a, **kw):
-    """The torch fused path (this file's subject), not the native C layers that CPU float32 runs."""
-    return greedy_decode(*a, native=False, **kw)
+    """The torch fused path (this file's subject)."""
+    return greedy_decode(*a, **kw)
 
 
 PROMPTS = [[5, 9, 17, 33, 2, 8, 100, 7, 41, 3, 3, 19, 250, 11, 6, 90, 12], [400, 21, 22], list(range(30, 39)),
@@ -74,13 +74,13 @@ def decode_step_from_prefilled(cfg, model):
 def test_fused_decode_bit_identical_alone_or_batched(ping_pong, arch):
     cfg, model, _ = _setup(arch)
     step, n = decode_step_from_prefilled(cfg, model)
-    model.ping_pong, model.native_decode = ping_pong, False
+    model.ping_pong = ping_pong
     try:
         together = step(list(range(n)))
         for i in range(n):
             assert torch.equal(step([i])[0], together[i]), f"sequence {i}'s logits depend on its neighbours"
     finally:
-        model.ping_pong, model.native_decode = True, True
+        model.ping_pong = True
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -142,11 +142,11 @@ def test_each_sequence_bit_identical_to_alone(arch):
     assert torch.equal(attend(perm), together[perm])
 
 
-def greedy_decode(model, cfg, experts, prompts, steps, *, batched=True, fused=True, native=True, graphs=None):
+def greedy_decode(model, cfg, experts, prompts, steps, *, batched=True, fused=True, graphs=None):
     """Greedy decode of `prompts` together for `steps` steps on a fresh pool, with the model's
-    decode path set as asked (batched attention, fused step, native C layers, CUDA-graph set) and
+    decode path set as asked (batched attention, fused step, CUDA-graph set) and
     restored after: (tokens per step, logits per step)."""
-    model.batched_attention, model.fused_decode, model.native_decode, model.graphs = batched, fused, native, graphs
+    model.batched_attention, model.fused_decode, model.graphs = batched, fused, graphs
     try:
         pool = KVPool(cfg, 128, PAGE, torch.float32, [torch.device("cpu")] * cfg.num_hidden_layers)
         seqs = [SeqKV(pool) for _ in prompts]
@@ -160,7 +160,7 @@ def greedy_decode(model, cfg, experts, prompts, steps, *, batched=True, fused=Tr
             lg.append(logits)
         return toks, lg
     finally:
-        model.batched_attention, model.fused_decode, model.native_decode, model.graphs = True, True, True, None
+        model.batched_attention, model.fused_decode, model.graphs = True, True, None
 
 
 @pytest.mark.parametrize("arch", ARCHS)

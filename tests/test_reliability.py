@@ -109,7 +109,6 @@ def test_kill_one_replica_during_generation(stack, reference):
     eng, sh = stack.engine, stack.shards
     victim = 0  # shard 0, replica set 0
     tokens0 = eng.counters["generated_tokens"]
-    native0 = stack.client.native_steps
     hs = [eng.submit(p, max_tokens=24, ignore_eos=True) for p in _prompts(stack.tokenizer)]
     _wait(lambda: eng.counters["generated_tokens"] >= tokens0 + 3 * N_GEN, 60, "a few decode steps")
     t_kill = time.monotonic()
@@ -120,7 +119,6 @@ def test_kill_one_replica_during_generation(stack, reference):
     got = [h.result(120) for h in hs]
     assert [g[2] for g in got] == ["length"] * N_GEN
     assert [g[0] for g in got] == reference
-    assert stack.client.native_steps > native0  # decode steps ran whole in C (issue 20) around the kill
     rep = next(r for r in stack.client.replicas if r.address == sh.addresses[victim])
     assert not rep.healthy
     ok, detail = stack.client.health()

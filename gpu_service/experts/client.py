@@ -90,8 +90,6 @@ class ExpertsClient:
         self._stop = threading.Event()
         self._supervisor: threading.Thread | None = None
         self.failovers = 0  # layer calls re-sent to another replica
-        self.native_steps = 0  # decode steps run whole in C over shared memory (experts.native_handoff)
-        self.native_call_steps = 0  # decode steps whose layer calls each went through C (runtime.native_calls)
         # optional per-call hook (gpu_service.metrics.ExpertsObserver):
         # observer(layer, replica address, rtt seconds, bytes sent, bytes received, ok)
         self.observer = None

@@ -43,11 +43,6 @@ class FastPath(_Path):
         self.out = [P.view(mm, b + lay.out_off, (M, H), P.DTYPES[self.hc]) for b in bases]
         self.bases = bases
         self.free = list(range(lay.n_slots))
-        # the native step (gpu_service.experts.native_handoff) writes slots and rings the doorbell in C
-        # while it holds the path (`claimed`: Python calls take gRPC meanwhile)
-        self._whole = np.frombuffer(mm, dtype=np.uint8)
-        self.base_ptr = self._whole.ctypes.data
-        self.claimed = False
         sock.setblocking(False)  # receivers poll (spin), then wait in select() up to WATCH_S
 
     def describe(self) -> str:
@@ -62,7 +57,7 @@ class FastPath(_Path):
             return None
         fut: Future = Future()
         with self.lock:
-            if not self.free or not self.usable or self.claimed:
+            if not self.free or not self.usable:
                 return None
             slot = self.free.pop()
             seq = next(self.seq)

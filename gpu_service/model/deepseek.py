@@ -25,7 +25,7 @@ from checkpoint.config import ModelConfig
 from gpu_service.model.qlinear import make_quantized, weight_of
 from gpu_service.model.indexer import Indexer
 from gpu_service.model.kv import Chunk, KVPool
-from gpu_service.model import fast_decode, native_decode, paged_attention
+from gpu_service.model import fast_decode, paged_attention
 
 
 class ExpertsFn(Protocol):
@@ -399,9 +399,6 @@ class DeepseekV3(nn.Module):
         self.ping_pong = True  # two micro-batches overlap attention with remote experts
         self.batched_attention = True  # False: MLA's per-sequence reference path
         self.fused_decode = True  # all-decode steps through fast_decode's segments (batched path only)
-        self.native_decode = True  # ... or, on CPU float32, through native_decode's C layers
-        self.native_remote = True  # ... whole steps in C where the shards' shared-memory paths are idle
-        self.native_handoff = True  # else each layer call's shared-memory hand-off in C (runtime.native_calls)
         self.graphs = None  # a cuda_graphs.Graphs: decode segments replayed per batch-size bucket
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -417,8 +414,7 @@ class DeepseekV3(nn.Module):
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, chunks: list[Chunk], pool: KVPool,
                 experts: ExpertsFn, slot: int = 0):
         """Generator over all layers for one micro-batch (`slot`); yields while its experts are
-        remote. An all-decode step runs the native C layers on CPU float32 (native_decode.py), else the
-        fused decode segments (gpu_service/model/fast_decode.py)."""
+        remote. An all-decode step runs the fused decode segments (gpu_service/model/fast_decode.py)."""
         cos_sin: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         views: dict[torch.device, list[Chunk]] = {}  # per device: the chunks, or a StepView with metadata
         fast: dict[torch.device, fast_decode.DecodeStep | None] = {}
@@ -431,19 +427,11 @@ class DeepseekV3(nn.Module):
                 views[dev] = paged_attention.step_view(chunks, pool, dev) if self.batched_attention else chunks
                 meta = getattr(views[dev], "paged", None)
                 fast[dev] = None
-                blocks = native_decode.eligible(self, meta, dev, x.dtype)
-                if blocks is not None:
-                    fast[dev] = native_decode.NativeStep(blocks, meta, *cos_sin[dev], B)
-                elif fast_decode.eligible(self, meta):
+                if fast_decode.eligible(self, meta):
                     graphs = self.graphs.get(dev, slot, B) if self.graphs is not None else None
                     Bp = graphs.rows if graphs is not None else fast_decode.padded_rows(B, dev)
                     fast[dev] = fast_decode.DecodeStep(meta, *cos_sin[dev], B, Bp, graphs)
             st = fast[dev]
-            if isinstance(st, native_decode.NativeStep):
-                x = yield from native_decode.block_steps(st.blocks[i], x[:B] if x.shape[0] != B else x, st,
-                                                         pool.kv[i], experts,
-                                                         pool.index_k[i] if pool.index_k is not None else None)
-                continue
             if st is not None:
                 if x.shape[0] != st.Bp:
                     x = torch.cat([x[:B], x.new_zeros(st.Bp - B, x.shape[1])]) if st.Bp > B else x[:B]
@@ -456,26 +444,11 @@ class DeepseekV3(nn.Module):
                                      pool.index_k[i] if pool.index_k is not None else None)
         return x[:B] if x.shape[0] != B else x
 
-    def _run_layers(self, x, positions, groups, bounds, pool, experts, all_decode: bool) -> torch.Tensor:
-        """Every layer, micro-batches in ping-pong. An all-decode step first tries its layer calls as C
-        hand-offs over shared memory (RemoteExperts.begin_step, gpu_service.runtime.native_calls); if
-        one fails the claim is settled and the step runs again with the Python hand-off (each layer
-        writes the same cache rows at the same slots again)."""
-        def run(xs, ex):
-            gens = [self._layers(xs[a:b], positions[a:b], g, pool, ex, slot)
-                    for slot, (g, a, b) in enumerate(zip(groups, bounds[:-1], bounds[1:]))]
-            return torch.cat(_round_robin(gens)) if len(gens) > 1 else _run(gens[0])
-
-        begin = getattr(experts, "begin_step", None)
-        if (begin is not None and self.native_handoff and all_decode
-                and begin([b - a for a, b in zip(bounds[:-1], bounds[1:])], self.cfg)):
-            try:
-                return run(x.clone(), experts)
-            except native_decode.HandoffFailed:
-                pass
-            finally:
-                experts.end_step()
-        return run(x, experts)
+    def _run_layers(self, x, positions, groups, bounds, pool, experts) -> torch.Tensor:
+        """Every layer, micro-batches in ping-pong."""
+        gens = [self._layers(x[a:b], positions[a:b], g, pool, experts, slot)
+                for slot, (g, a, b) in enumerate(zip(groups, bounds[:-1], bounds[1:]))]
+        return torch.cat(_round_robin(gens)) if len(gens) > 1 else _run(gens[0])
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, chunks: list[Chunk], pool: KVPool, experts: ExpertsFn,
@@ -491,11 +464,7 @@ class DeepseekV3(nn.Module):
             c.seq.reserve(c.start + c.n)
         groups = split_micro_batches(chunks) if self.ping_pong else [chunks]
         bounds = torch.tensor([0] + [sum(c.n for c in g) for g in groups]).cumsum(0).tolist()
-        # all-decode on CPU float32 with idle shared-memory fast paths: every layer and hand-off in C
-        out = native_decode.remote_step(self, groups, bounds, x, positions, pool, experts, all_decode)
-        if out is None:
-            out = self._run_layers(x, positions, groups, bounds, pool, experts, all_decode)
-        x = out
+        x = self._run_layers(x, positions, groups, bounds, pool, experts)
         for c in chunks:
             c.seq.length = max(c.seq.length, c.start + c.n)
         x = x.to(self.lm_head.weight.device)

@@ -24,10 +24,13 @@ class KVPool:
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
                  layer_devices: list[torch.device]):
         self.cfg, self.page_size, self.num_pages = cfg, page_size, num_pages
-        self.kv = [torch.zeros(num_pages * page_size, cfg.kv_cache_dim, dtype=dtype, device=d)
+        # one slot past the pages, never written: the zero row padded key positions read, so a stale
+        # non-finite value left in a freed page (or past a sequence's length) never meets a 0 weight
+        self.null_slot = num_pages * page_size
+        self.kv = [torch.zeros(num_pages * page_size + 1, cfg.kv_cache_dim, dtype=dtype, device=d)
                    for d in layer_devices]  # c_kv (normalised) ++ k_pe (roped)
         # DeepSeek-V3.2: the lightning indexer's keys, [slots, index_head_dim] per layer, same slots
-        self.index_k = ([torch.zeros(num_pages * page_size, cfg.index_head_dim, dtype=dtype, device=d)
+        self.index_k = ([torch.zeros(num_pages * page_size + 1, cfg.index_head_dim, dtype=dtype, device=d)
                          for d in layer_devices] if cfg.is_v32 else None)
         self.free_pages: list[int] = list(range(num_pages - 1, -1, -1))
         self.cache = None  # a PrefixCache attaches itself here

@@ -81,6 +81,7 @@ def build_meta(chunks: list[Chunk], pool: KVPool, device: torch.device) -> Paged
         table = torch.tensor([p + [0] * (P - len(p)) for p in dec_pages], dtype=torch.long)  # [Bd, P] padded
         slots = (table[:, :, None] * ps + torch.arange(ps)).view(len(dec_pages), P * ps)  # [Bd, Smax]
         invalid = torch.arange(P * ps)[None, None, :] >= torch.tensor(lengths)[:, None, None]  # [Bd, 1, Smax]
+        slots = slots.masked_fill(invalid[:, 0], pool.null_slot)  # padded keys read the pool's zero row
         meta.key_slots, meta.invalid = slots.to(device), invalid.to(device)
         if device.type == "cuda" and _flashinfer is not None and (pool.cfg.kv_lora_rank, pool.cfg.qk_rope_head_dim) \
                 in FLASHINFER_MLA_DIMS:

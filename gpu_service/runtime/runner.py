@@ -35,9 +35,7 @@ class RemoteExperts:
 
     On CUDA, hidden / ids / weights are copied device->host with non_blocking=True into pinned
     host buffers (a few sets used in turn, grown as needed) and synchronised once per call; the
-    client encodes or copies them before forward_async returns, so a set is free again by its turn.
-    During a decode step claimed by `begin_step` the calls go through C instead (runtime.native_calls);
-    a set then stays in use until its call's wait, two calls at most in flight."""
+    client encodes or copies them before forward_async returns, so a set is free again by its turn."""
 
     PINNED_SETS = 4  # > calls in flight at once (micro-batch ping-pong: 2)
 
@@ -69,24 +67,7 @@ class RemoteExperts:
         torch.cuda.current_stream(h.device).synchronize()
         return _numpy(hb), ib.numpy(), wb.numpy()
 
-    _step = None  # a native_calls.NativeCalls while a decode step's hand-offs run in C
-
-    def begin_step(self, rows: list[int], cfg) -> bool:
-        """Claim the shared-memory fast paths for one decode step's per-call C hand-offs
-        (gpu_service.runtime.native_calls); False: this step uses the Python hand-off."""
-        from gpu_service.runtime import native_calls
-
-        self._step = native_calls.begin(self.client, rows, cfg)
-        return self._step is not None
-
-    def end_step(self) -> None:
-        st, self._step = self._step, None
-        if st is not None:
-            st.finish()
-
     def __call__(self, layer: int, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> Callable[[], torch.Tensor]:
-        if self._step is not None:
-            return self._step.send(layer, h, ids, w, self._to_host_cuda if h.device.type == "cuda" else None)
         if h.device.type == "cuda":
             fut = self.client.forward_async(layer, *self._to_host_cuda(h, ids, w))
         else:
@@ -97,13 +78,6 @@ class RemoteExperts:
             return torch.from_numpy(self.client.result(fut, layer)).to(device=h.device, dtype=h.dtype)
 
         return wait
-
-    def claim_native_step(self, rows: list[int], k: int, has_f16: bool):
-        """One idle shared-memory fast path per shard group, claimed for a native step of micro-batches
-        of `rows` rows (gpu_service.experts.native_handoff), or None."""
-        from gpu_service.experts.native_handoff import claim
-
-        return claim(self.client, rows, k, has_f16)
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
@@ -170,9 +144,7 @@ class ModelRunner:
                            self.placement.layer_devices)
         # prefix sharing (the engine looks prompts up and inserts pages); host_kv_bytes: its host tier
         self.prefix_cache = make_prefix_cache(self.pool, host_kv_bytes) if prefix_cache else None
-        self.set_decode_path(os.environ.get("MOESPLIT_DECODE_PATH", "fast"))
-        # "0": every expert hand-off through the client's Python (comparisons); default: in C where it can
-        self.model.native_handoff = os.environ.get("MOESPLIT_NATIVE_HANDOFF", "1").strip() not in ("0", "false", "no")
+        self.set_decode_path(os.environ.get("MOESPLIT_DECODE_PATH", "fused"))
         self.set_cuda_graphs(cuda_graphs and os.environ.get("MOESPLIT_CUDA_GRAPHS", "1") != "0", graph_buckets)
 
     def set_cuda_graphs(self, on: bool, buckets: tuple[int, ...] | None = None, mode: str = "cuda") -> None:
@@ -191,22 +163,15 @@ class ModelRunner:
             buckets = tuple(sorted(set(BUCKETS) | {1 << i for i in range(top.bit_length()) if (1 << i) <= top}))
         self.model.graphs = Graphs(buckets, mode, min_rows=MIN_ROWS if mode == "static" else 1)
 
-    DECODE_PATHS = ("fast", "layers", "fused", "plain")
+    DECODE_PATHS = ("fused", "plain")
 
     def set_decode_path(self, path: str) -> None:
-        """'fast' (default): batched paged attention over step metadata built once per step
-        (gpu_service.model.paged_attention), all-decode steps as native C layers on CPU float32
-        (gpu_service.model.native_decode), where the shards' shared-memory paths are idle the whole
-        step with its expert hand-offs in C (native_remote.c), or else the torch fused segments
-        (fast_decode); 'layers': the native C layers driven from Python (each layer call's hand-off
-        in C, runtime.native_calls); 'fused': the torch fused segments also on CPU; 'plain': MLA's per-sequence reference path
-        (MOESPLIT_DECODE_PATH=layers / fused / plain selects one at start-up, for comparisons)."""
+        """'fused' (default): batched paged attention, all-decode steps through the fused segments
+        (fast_decode); 'plain': MLA's per-sequence reference path."""
         if path not in self.DECODE_PATHS:
             raise ValueError(f"decode path {path!r}: expected one of {self.DECODE_PATHS}")
         self.decode_path = path
         self.model.batched_attention = path != "plain"
-        self.model.native_decode = path in ("fast", "layers")
-        self.model.native_remote = path == "fast"
 
     def new_seq(self) -> SeqKV:
         return SeqKV(self.pool)
