@@ -1,66 +1,30 @@
-"""The decode step's fixed cost per MoE layer, and what concurrent streams get out of batching.
+"""The decode step's fixed cost per MoE layer, the expert hand-off alone, and what concurrent
+streams get out of batching, on the one decode path of the model.
 
-Part 1, fixed cost (issue 20). Tiny bf16 checkpoints (gpu_service.local.tiny) with 3 and 27 layers
+Part 1, the hand-off alone: bench/bench_handoff.py (one MoE layer's expert call round trip over
+shared memory with the shard's C doorbell loop, b1 and b8, µs), run in the same session.
+
+Part 2, fixed cost. Tiny bf16 checkpoints (gpu_service.local.tiny) with 3 and 27 layers
 (first_k_dense_replace=1: 2 and 26 MoE layers). The runner's decode step (`ModelRunner.step`, one
 token per sequence, every sequence with a 16-token history) is timed with
 
   null  an experts function that returns zeros at once (no transport, no expert math),
   shm   2 real shard processes over the shared-memory fast path (RemoteExperts),
-  shmpy the same with the shards serving their doorbells in Python (MOESPLIT_SHM_NATIVE=0),
-  shm1  1 shard process holding every expert over shared memory (on this 2-core VM: the GPU side and
-        the shard each have a core, as in a deployment with dedicated cores; 2 shards oversubscribe it),
-  tcp   the same shards over the TCP data path,
+  shm1  1 shard process holding every expert over shared memory (on a 2-core VM: the GPU side and
+        the shard each have a core, as in a deployment with dedicated cores),
+  tcp   the same 2 shards over the TCP data path,
 
-at batch 1 and 8, for the decode paths `plain` (the per-sequence reference, MLA's Python loop over
-sequences), `fused` (batched paged attention and the torch fused step, fast_decode.py: what CUDA runs,
-without graphs here), `layers` (the native C layers, native_decode.py, driven from Python) and `fast`
-(the default: on this CPU float32 runner the whole step, shared-memory hand-offs included, in C:
-native_remote.c; with null / TCP experts the same as `layers`). `fused` and `layers` hand each layer
-call to the shards through C as well (runtime/native_calls.py); `fused-py` / `layers-py` are the same
-with the hand-offs through the client's Python (MOESPLIT_NATIVE_HANDOFF=0), timed for the shared-memory
-transports only. Interleaved rounds in one run (the machine is shared: compare ratios).
-Per MoE layer = (t27 - t3) / 24: what one more MoE layer costs a step outside the expert math
-(for shm / tcp including the round trip to the shards and their tiny expert math).
-Profiles of the 27-layer fast path at batch 1 (null experts, and shm) list the top torch ops and
-Python frames.
+at batch 1 and 8. Interleaved rounds in one run (the machine is shared: compare ratios).
+Per MoE layer = (t27 - t3) / 24: what one more MoE layer costs a step outside the expert math (for
+shm / tcp including the round trip to the shards and their tiny expert math). A profile of the
+27-layer step at batch 1 (null experts) lists the top torch ops and Python frames.
 
-Part 2, streams: `moesplit serve` (tiny bf16, 3 layers, 2 shards, default backend and flags) with
-1, 8 and 32 concurrent streaming completions (64 tokens each, ignore_eos): aggregate decode
-tokens/s, for each decode path (MOESPLIT_DECODE_PATH).
+Part 3, streams: `moesplit serve` (tiny bf16, 3 layers, 2 shards, default backend and flags) with
+1, 8 and 32 concurrent streaming completions (64 tokens each, ignore_eos): aggregate decode tokens/s.
 
-Findings (this 2-core AVX2 VM, torch CPU, 1 thread; the machine is shared, so ratios are what count):
-- the native C layers (gpu_service/model/native_decode.c: three calls per layer) cut null b1 from
-  ~840 µs (fused) to ~100 µs per MoE layer: under the 150 µs target; what remains is Python around
-  the calls, the null experts' zeros and the generator hand-off;
-- over shared memory the hand-off was Python on both sides: with the C layers (`layers`) the fast
-  path's own floor was ~155 µs per call with one shard (FastPath.send ~29 µs, the shard serving
-  ~77-85 µs of which ~30 computing, the rest its Python), the client's futures and routing ~40 µs.
-  A C ping-pong over the same SOCK_SEQPACKET doorbell between two processes on this VM takes
-  ~15 µs (~25 µs of overhead with 100 / 30 µs of work on either side), so the wake-ups were not the
-  floor. With the shard's doorbell loop in C (kernels/moe_shm.c) a one-token call's round trip is
-  ~39 µs (server ~10 µs, of which ~10 computing) against ~146 µs; with the whole step in C as well
-  (native_remote.c) one more MoE layer over 2 shard processes costs ~96-101 µs at b1 (target
-  <= 250) against ~420 µs for `layers` and ~270 µs with the shards' loop in Python (`shmpy`);
-- every torch op costs >= 3 µs of dispatch, so the fixed cost is the op count: the fused decode
-  step (gpu_service/model/fast_decode.py) cut null/fast b1 from ~1,560-1,600 to ~840-940 µs per MoE
-  layer and b8 from ~3,230-3,280 to ~1,670-1,780 µs (b8 runs two ping-pong micro-batches: each layer
-  twice); shm b1 ~2,600 -> ~1,550-1,830, b8 ~5,700 -> ~3,440-3,670 (quick runs, back to back);
-- F.rms_norm on a [1, 96] row costs 30-43 µs, vector_norm + 4 elementwise ops ~20 µs; einsum ~35 µs
-  against ~5 µs for the bmm it becomes; a Python scalar operand costs ~4 µs more than a 0-d tensor
-  (it is wrapped per call), masked_fill with a scalar ~18 µs against torch.where's ~8;
-- a CPU GEMM row in a partial block of four rows takes another summation order: rows are padded to
-  a multiple of 4 for bit-identical results alone or batched (not only to at least 4);
-- torch.compile (inductor, also cpp_wrapper) of a norm + router + shared-expert segment was slower
-  than eager here (305 / 218 µs against 221-240 µs) and compiling took 5-25 s: not adopted;
-- (an earlier reading, "the shm excess over null is the transport's wake-ups", was wrong: it was the
-  Python on both ends of the doorbell, see above);
-- the serve streams pay per token for the engine (detokenising, metrics) and the HTTP stream
-  (one SSE chunk each): with the step in C, 32 streams get ~6-7x one stream's tokens/s, the single
-  stream being ~1.5x faster than with `layers`; one loop wake-up per step for all streams
-  (runtime/requests._LoopWakes) and the label children of the experts observer looked up once
-  raised 32 streams by ~5-10%;
-- CUDA graphs (gpu_service/model/cuda_graphs.py) replace the per-op launches on a GPU; their
-  numbers come from `make gpu-check` (bench_gpu.py: graphs vs eager ms per step).
+The CPU here runs the GPU service's torch code in float32 on one thread: the same code a GPU runs,
+without CUDA graphs (their figures come from `make gpu-check`, bench_gpu.py). `lscpu`'s model name
+is recorded beside the figures.
 
 Writes bench/results/decode.json and decode.png.
 
@@ -110,17 +74,6 @@ class NullExperts:
         return lambda: z
 
 
-def set_path(runner, path: str) -> None:
-    """Select the decode path of a runner ('plain' reference or 'fast'), where the runner has one;
-    a '-py' suffix: with every expert hand-off through the client's Python (MOESPLIT_NATIVE_HANDOFF=0)."""
-    base = path.removesuffix("-py")
-    if hasattr(runner, "set_decode_path"):
-        runner.set_decode_path(base)
-        runner.model.native_handoff = not path.endswith("-py")
-    elif path != "plain":
-        raise SystemExit("this tree has no fast decode path")
-
-
 def time_steps(runner, batch: int, steps: int) -> float:
     """Seconds per decode step at `batch` sequences (median of `steps`), after a 16-token prefill."""
     from gpu_service.model.kv import Chunk
@@ -143,7 +96,7 @@ def time_steps(runner, batch: int, steps: int) -> float:
             s.free()
 
 
-def fixed_cost(rounds: int, steps: int, transports: tuple[str, ...], paths: tuple[str, ...]) -> dict:
+def fixed_cost(rounds: int, steps: int, transports: tuple[str, ...]) -> dict:
     import torch
 
     from checkpoint.reader import CheckpointReader
@@ -157,11 +110,11 @@ def fixed_cost(rounds: int, steps: int, transports: tuple[str, ...], paths: tupl
             d = tiny(L)
             reader = CheckpointReader(d)
             ex = {"null": NullExperts()}
-            if set(transports) - {"null", "shm1", "shmpy"}:
+            if set(transports) - {"null", "shm1"}:
                 sh = start_shards(d, 2, backend="auto", timeout_s=300)
                 stacks.append(sh)
                 for t in transports:
-                    if t not in ("null", "shm1", "shmpy"):
+                    if t not in ("null", "shm1"):
                         c = ExpertsClient(sh.addresses, reader.config, transport=t, timeout_s=60).connect()
                         clients.append(c)
                         ex[t] = RemoteExperts(c)
@@ -171,35 +124,21 @@ def fixed_cost(rounds: int, steps: int, transports: tuple[str, ...], paths: tupl
                 c = ExpertsClient(sh.addresses, reader.config, transport="shm", timeout_s=60).connect()
                 clients.append(c)
                 ex["shm1"] = RemoteExperts(c)
-            if "shmpy" in transports:  # 2 shards serving their doorbells in Python (MOESPLIT_SHM_NATIVE=0)
-                os.environ["MOESPLIT_SHM_NATIVE"] = "0"
-                try:
-                    sh = start_shards(d, 2, backend="auto", timeout_s=300)
-                finally:
-                    del os.environ["MOESPLIT_SHM_NATIVE"]
-                stacks.append(sh)
-                c = ExpertsClient(sh.addresses, reader.config, transport="shm", timeout_s=60).connect()
-                clients.append(c)
-                ex["shmpy"] = RemoteExperts(c)
             experts[L] = ex
             runners[L] = ModelRunner(reader, ex["null"], device=torch.device("cpu"), dtype=torch.float32,
                                      kv_tokens=64 * (HISTORY + steps + 64), page_size=16)
         rec: dict = {}
-        # ('-py' only differs where a shared-memory path can be claimed)
-        keys = [(t, p, b) for t in transports for p in paths for b in (1, 8)
-                if not p.endswith("-py") or t in ("shm", "shmpy", "shm1")]
+        keys = [(t, b) for t in transports for b in (1, 8)]
         for L in DEPTHS:  # warm-up
-            for t, p, b in keys:
+            for t, b in keys:
                 runners[L].experts = experts[L][t]
-                set_path(runners[L], p)
                 time_steps(runners[L], b, 3)
         for r in range(rounds):
             order = keys[r % len(keys):] + keys[:r % len(keys)]
-            for t, p, b in order:
+            for t, b in order:
                 for L in DEPTHS:
                     runners[L].experts = experts[L][t]
-                    set_path(runners[L], p)
-                    rec.setdefault(f"{t}/{p}/b{b}", {}).setdefault(L, []).append(time_steps(runners[L], b, steps))
+                    rec.setdefault(f"{t}/b{b}", {}).setdefault(L, []).append(time_steps(runners[L], b, steps))
         out = {}
         for key, by_L in rec.items():
             t3, t27 = np.array(by_L[3]), np.array(by_L[27])
@@ -208,11 +147,7 @@ def fixed_cost(rounds: int, steps: int, transports: tuple[str, ...], paths: tupl
                         "step_us_27_layers": round(float(np.median(t27)) * 1e6, 1),
                         "per_moe_layer_us": round(float(np.median(per_layer)) * 1e6, 1),
                         "per_moe_layer_us_rounds": [round(float(x) * 1e6, 1) for x in per_layer]}
-        prof = profile(runners[27], experts[27]["null"], paths[-1])
-        res = {"results": out, "profile": prof}
-        if "shm" in transports:  # the whole step in C: what Python is left per step
-            res["profile_shm"] = profile(runners[27], experts[27]["shm"], paths[-1], what="shm (2 shards)")
-        return res
+        return {"results": out, "profile": profile(runners[27], experts[27]["null"])}
     finally:
         for c in clients:
             c.close()
@@ -220,13 +155,12 @@ def fixed_cost(rounds: int, steps: int, transports: tuple[str, ...], paths: tupl
             s.stop()
 
 
-def profile(runner, null, path: str, steps: int = 30, what: str = "null") -> dict:
+def profile(runner, null, steps: int = 30, what: str = "null") -> dict:
     """Top torch ops (self CPU time) and Python frames (tottime) of 27-layer decode steps at batch 1."""
     import torch
     from torch.profiler import ProfilerActivity, profile as tprofile
 
     runner.experts = null
-    set_path(runner, path)
     time_steps(runner, 1, 3)
     with tprofile(activities=[ProfilerActivity.CPU]) as p:
         time_steps(runner, 1, steps)
@@ -243,7 +177,7 @@ def profile(runner, null, path: str, steps: int = 30, what: str = "null") -> dic
                    "calls_per_step": round(v[1] / (steps + 1), 1), "tottime_us_per_step": round(v[2] / (steps + 1) * 1e6, 1)}
                   for (f, ln, fn), v in frames]
     del torch
-    return {"what": f"27 layers, batch 1, {what} experts, {path} path; per step (incl. the prefill step, /steps+1)",
+    return {"what": f"27 layers, batch 1, {what} experts; per step (incl. the prefill step, /steps+1)",
             "top_torch_ops": top_ops, "top_python_frames": top_frames}
 
 
@@ -268,18 +202,9 @@ def _stream(port: int, max_tokens: int, seed: int, rec: list) -> None:
     rec.append(stamps)
 
 
-def serve_streams(streams: tuple[int, ...], rounds: int, max_tokens: int, decode_path: str) -> dict:
+def serve_streams(streams: tuple[int, ...], rounds: int, max_tokens: int) -> dict:
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=ROOT)
-    base = decode_path.removesuffix("-py")
-    if base != "fast":
-        env["MOESPLIT_DECODE_PATH"] = base
-    else:
-        env.pop("MOESPLIT_DECODE_PATH", None)
-    if decode_path.endswith("-py"):
-        env["MOESPLIT_NATIVE_HANDOFF"] = "0"
-    else:
-        env.pop("MOESPLIT_NATIVE_HANDOFF", None)
     log = tempfile.NamedTemporaryFile(prefix="bench-serve-", suffix=".log", delete=False)
     p = subprocess.Popen([sys.executable, "-m", "moesplit", "serve", "--model", tiny(3), "--served-model-name", "tiny",
                           "--port", str(port), "--grpc-port", "0", "--log-level", "WARNING"],
@@ -330,99 +255,80 @@ def _run_streams(port: int, n: int, max_tokens: int) -> list:
 
 
 def plot(res: dict, path: str) -> None:
-    """Per-MoE-layer fixed cost by transport / batch (plain vs fast) and serve streams' tok/s."""
+    """Per-MoE-layer fixed cost by transport / batch, and serve streams' tok/s."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     R = res["fixed_cost"]["results"]
-    paths = [p for p in ("plain", "fused-py", "fused", "layers-py", "layers", "fast") if any(f"/{p}/" in k for k in R)]
-    keys = sorted({k.split("/")[0] + "/" + k.split("/")[2] for k in R})
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
-    xs = np.arange(len(keys))
-    bw = 0.8 / max(1, len(paths))
-    for j, p in enumerate(paths):
-        vals = [R.get(k.replace("/", f"/{p}/", 1), {}).get("per_moe_layer_us", 0) for k in keys]
-        axes[0].bar(xs + (j - (len(paths) - 1) / 2) * bw, vals, bw, label=p)
-    axes[0].set_xticks(xs, keys, rotation=30, ha="right")
-    axes[0].set_yscale("log")  # plain is ~20x the fast paths
-    axes[0].set_ylabel("µs per MoE layer (median, log scale)")
+    keys = sorted(R)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
+    axes[0].bar(np.arange(len(keys)), [R[k]["per_moe_layer_us"] for k in keys])
+    axes[0].set_xticks(np.arange(len(keys)), keys, rotation=30, ha="right")
+    axes[0].set_ylabel("µs per MoE layer (median)")
     axes[0].set_title("decode step fixed cost per MoE layer")
-    axes[0].legend()
     sv = res.get("serve_decode_tokens_per_s", {})
-    bw = 0.8 / max(1, len(sv))
-    for j, p in enumerate(sv):
-        n = [1, 8, 32]
-        axes[1].bar(np.arange(3) + (j - (len(sv) - 1) / 2) * bw, [sv[p].get(k, sv[p].get(str(k), 0)) for k in n], bw,
-                    label=p)
-        axes[1].set_xticks(np.arange(3), [f"{k} streams" for k in n])
+    n = [1, 8, 32]
+    axes[1].bar(np.arange(3), [sv.get(k, 0) for k in n])
+    axes[1].set_xticks(np.arange(3), [f"{k} streams" for k in n])
     axes[1].set_ylabel("aggregate decode tokens/s")
     axes[1].set_title("moesplit serve, tiny bf16, 2 shards")
-    axes[1].legend()
-    fig.suptitle(f"moesplit decode step ({res['machine']['cpus']} CPUs, shared: compare ratios)")
+    fig.suptitle(f"moesplit decode step ({res['machine']['cpu']}, {res['machine']['cpus']} CPUs; compare ratios)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def cpu_name() -> str:
+    """lscpu's model name (the CPU every figure here was measured on)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        return next(ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name"))
+    except (OSError, StopIteration, subprocess.SubprocessError):
+        return platform.processor() or "unknown"
+
+
+def handoff() -> dict:
+    """bench/bench_handoff.py's JSON (the hand-off alone), run as its own process."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_handoff.py")], capture_output=True,
+                       text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), timeout=900)
+    if r.returncode != 0:
+        raise RuntimeError(f"bench_handoff.py failed: {r.stderr[-2000:]}")
+    return json.loads(r.stdout[r.stdout.index("{"):])
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds and steps (a smoke run)")
     ap.add_argument("--skip-serve", action="store_true", help="part 1 only")
-    ap.add_argument("--paths", default="plain,fused-py,fused,layers-py,layers,fast",
-                    help="decode paths to compare (plain: the reference; fused: the torch fused step; layers: the "
-                         "native C layers driven from Python; fast: the default; '-py': with the expert "
-                         "hand-offs in the client's Python instead of C)")
-    ap.add_argument("--transports", default="null,shm,shmpy,shm1,tcp")
+    ap.add_argument("--transports", default="null,shm,shm1,tcp")
+    ap.add_argument("--skip-handoff", action="store_true", help="without part 1 (bench_handoff.py)")
     args = ap.parse_args()
     import torch
 
     torch.set_num_threads(1)  # as bench_pipeline: the "GPU side" on one CPU thread, the shards on the rest
     t_start = time.perf_counter()
     os.makedirs(CACHE, exist_ok=True)
-    paths = tuple(args.paths.split(","))
-    res: dict = {"machine": {"cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg(),
+    res: dict = {"machine": {"cpu": cpu_name(), "cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg(),
                              "python": platform.python_version(), "torch": torch.__version__, "torch_threads": 1},
                  "definition": __doc__}
-    fc = fixed_cost(2 if args.quick else 5, 10 if args.quick else 40, tuple(args.transports.split(",")), paths)
+    if not args.skip_handoff:
+        res["handoff"] = handoff()
+        print("[hand-off alone]", json.dumps(res["handoff"].get("summary", res["handoff"])), flush=True)
+    fc = fixed_cost(2 if args.quick else 5, 10 if args.quick else 40, tuple(args.transports.split(",")))
     res["fixed_cost"] = fc
     for k, v in fc["results"].items():
         print(f"[fixed cost] {k}: 3 layers {v['step_us_3_layers']} us, 27 layers {v['step_us_27_layers']} us, "
               f"per MoE layer {v['per_moe_layer_us']} us", flush=True)
     if not args.skip_serve:
-        res["serve_decode_tokens_per_s"] = {}
-        for p in paths:
-            r = serve_streams((1, 8, 32), 1 if args.quick else 2, 64, p)
-            res["serve_decode_tokens_per_s"][p] = {**r, "x32_over_x1": round(r[32] / r[1], 2)}
-            print(f"[serve, {p}] aggregate decode tok/s {r} (32 / 1 = {r[32] / r[1]:.2f}x)", flush=True)
-    R = fc["results"]
-    if "fast" in paths:
-        res["targets"] = {
-            "in_process_per_moe_layer_us_b1": {"value": R["null/fast/b1"]["per_moe_layer_us"], "target": "<= 150"},
-        }
-        if "shm/fast/b1" in R:
-            res["targets"]["shm_per_moe_layer_us_b1"] = {"value": R["shm/fast/b1"]["per_moe_layer_us"], "target": "<= 250"}
-        if "shm1/fast/b1" in R:  # the same target with one shard process (each process its own core here)
-            res["targets"]["shm1_per_moe_layer_us_b1"] = {"value": R["shm1/fast/b1"]["per_moe_layer_us"],
-                                                          "target": "<= 250"}
-        if "serve_decode_tokens_per_s" in res:
-            res["targets"]["serve_32_over_1_streams"] = {
-                "value": res["serve_decode_tokens_per_s"]["fast"]["x32_over_x1"], "target": ">= 6"}
+        r = serve_streams((1, 8, 32), 1 if args.quick else 2, 64)
+        res["serve_decode_tokens_per_s"] = {**r, "x32_over_x1": round(r[32] / r[1], 2)}
+        print(f"[serve] aggregate decode tok/s {r} (32 / 1 = {r[32] / r[1]:.2f}x)", flush=True)
+        res["targets"] = {"serve_32_over_1_streams": {"value": res["serve_decode_tokens_per_s"]["x32_over_x1"],
+                                                      "target": ">= 6"}}
         for t in res["targets"].values():
-            op, lim = t["target"].split()
-            t["met"] = bool(t["value"] <= float(lim)) if op == "<=" else bool(t["value"] >= float(lim))
+            t["met"] = bool(t["value"] >= float(t["target"].split()[1]))
         print(json.dumps(res["targets"], indent=1))
-    if "plain" in paths and "fast" in paths:
-        res["fast_over_plain_per_moe_layer"] = {
-            k.replace("/fast", ""): round(R[k]["per_moe_layer_us"] / R[k.replace("/fast", "/plain")]["per_moe_layer_us"], 3)
-            for k in R if "/fast/" in k}
-        print("fast / plain per MoE layer:", res["fast_over_plain_per_moe_layer"])
-    ratios = {f"{t}/{p}/b{b}": round(R[f"{t}/{p}/b{b}"]["per_moe_layer_us"] / R[f"{t}/{p}-py/b{b}"]["per_moe_layer_us"], 3)
-              for t in ("shm", "shmpy", "shm1") for p in ("fused", "layers") for b in (1, 8)
-              if f"{t}/{p}/b{b}" in R and f"{t}/{p}-py/b{b}" in R}
-    if ratios:
-        res["c_over_python_handoff_per_moe_layer"] = ratios
-        print("C / Python hand-off per MoE layer:", ratios)
     if fc.get("profile"):
         for e in fc["profile"]["top_torch_ops"][:8]:
             print("  op", e)

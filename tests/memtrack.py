@@ -101,17 +101,17 @@ def attribute_layers(model, placement, tracker: ByteTracker) -> list:
 
 
 class _FusedLayerLabels:
-    """The fused decode path (gpu_service.model.fast_decode) calls no module of a layer: wrap its
-    `block_steps` to set the label of the layer it runs. `remove()` restores it, like a hook handle."""
+    """A layer's pieces call no module of it (gpu_service.model.deepseek.Block.steps): wrap
+    `Block.steps` to set the label of the layer it runs. `remove()` restores it, like a hook handle."""
 
     def __init__(self, placement, tracker: ByteTracker):
-        from gpu_service.model import fast_decode
+        from gpu_service.model.deepseek import Block
 
-        self.mod, self.orig = fast_decode, fast_decode.block_steps
+        self.mod, self.orig = Block, Block.steps
         orig = self.orig
 
-        def block_steps(fb, x, st, kv, experts, layer, *rest):
-            gen, label = orig(fb, x, st, kv, experts, layer, *rest), f"gpu{placement.layer_gpu[layer]}"
+        def block_steps(blk, *rest):
+            gen, label = orig(blk, *rest), f"gpu{placement.layer_gpu[blk.layer]}"
             while True:  # the label again after each yield (the other micro-batch ran meanwhile)
                 tracker.label = label
                 try:
@@ -120,7 +120,7 @@ class _FusedLayerLabels:
                     return e.value
                 yield
 
-        fast_decode.block_steps = block_steps
+        Block.steps = block_steps
 
     def remove(self) -> None:
-        self.mod.block_steps = self.orig
+        self.mod.steps = self.orig

@@ -196,3 +196,74 @@ def test_expert_commands_need_no_gpu_service(command):
                        text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "usage: moesplit " + command in r.stdout
+
+
+# ---- the decode wing: one model, one decode path, transport code outside model/ ----------------
+def _imports_of(path: str) -> set[str]:
+    """Every module name an import statement in `path` names (stdlib and third-party included)."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    out = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import):
+            out |= {a.name for a in n.names}
+        elif isinstance(n, ast.ImportFrom) and n.module and not n.level:
+            out.add(n.module)
+    return out
+
+
+TRANSPORT_MODULES = ("socket", "select", "selectors", "mmap", "ctypes", "grpc", "ml_dtypes", "multiprocessing")
+
+
+def test_model_imports_no_transport_and_nothing_of_experts():
+    """gpu_service/model/ calls the routed experts only through model.experts_api.ExpertsFn: it
+    imports nothing of gpu_service.experts, gpu_service.runtime or the wire, and no transport module."""
+    bad = {}
+    for mod, path in MODULES.items():
+        if mod.startswith(("gpu_service.model", "gpu_service.attention")):
+            hits = sorted(m for m in _imports_of(path)
+                          if m.split(".")[0] in TRANSPORT_MODULES + ("wire", "protos")
+                          or m.startswith(("gpu_service.experts", "gpu_service.runtime", "gpu_service.api")))
+            if hits:
+                bad[mod] = hits
+    assert bad == {}
+
+
+def test_model_does_not_probe_the_experts_object():
+    """No getattr / hasattr / isinstance on the experts argument in model/: one interface, no probes."""
+    bad = []
+    for mod, path in MODULES.items():
+        if not mod.startswith("gpu_service.model"):
+            continue
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        for n in ast.walk(tree):
+            if (isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("getattr", "hasattr",
+                                                                                          "isinstance")
+                    and n.args and isinstance(n.args[0], ast.Name) and n.args[0].id == "experts"):
+                bad.append(f"{path}:{n.lineno}")
+    assert bad == []
+
+
+LAYER_METHODS = ("steps", "project", "core")  # what a decode implementation of a layer defines
+
+
+def test_one_decode_implementation_per_architecture():
+    """The rule checked: the layer pieces a decode step runs (`steps`, `project`, `core`) are defined
+    once per architecture, in gpu_service/model/ (one class each), and no C, C++ or Cython source
+    lives under gpu_service/ (no second implementation of the model in another language)."""
+    seen: dict[str, list[str]] = {}
+    for mod, path in MODULES.items():
+        if not mod.startswith("gpu_service"):
+            continue
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            for fn in cls.body:
+                if isinstance(fn, ast.FunctionDef) and fn.name in LAYER_METHODS:
+                    seen.setdefault(fn.name, []).append(f"{mod}.{cls.name}")
+    assert all(len(v) == 1 for v in seen.values()), seen
+    assert all(v[0].startswith("gpu_service.model.") for v in seen.values()), seen
+    native = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(ROOT, "gpu_service")) for f in fs
+              if f.endswith((".c", ".h", ".cc", ".cpp", ".pyx")) and "/experts/" not in d + "/"]
+    assert native == [], "C sources outside gpu_service/experts/ (the transport's client may be C, the model not)"

@@ -2,6 +2,8 @@
 DeepseekV3ForCausalLM built in memory, plus the compressed-cache invariants."""
 import pytest
 import torch
+
+from gpu_service.model.experts_api import Ready
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from checkpoint.config import ModelConfig
@@ -45,7 +47,7 @@ def _setup(over):
             for j in range(ids.shape[1]):
                 e = int(ids[t, j])
                 out[t] += w[t, j] * (dn[e] @ (torch.nn.functional.silu(gu[e, :I] @ h[t]) * (gu[e, I:] @ h[t])))
-        return lambda: out
+        return Ready(out)
 
     return hf, cfg, model, experts
 
@@ -133,15 +135,17 @@ def test_ping_pong_micro_batches_overlap_and_match(setup):
     _, cfg, model, experts = setup
     events = []
 
+    class Recorded:
+        def __init__(self, inner, layer, n):
+            self.inner, self.layer, self.n = inner, layer, n
+
+        def wait(self):
+            events.append(("wait", self.layer, self.n))
+            return self.inner.wait()
+
     def recording(layer, h, ids, w):
         events.append(("send", layer, h.shape[0]))
-        wait = experts(layer, h, ids, w)
-
-        def done():
-            events.append(("wait", layer, h.shape[0]))
-            return wait()
-
-        return done
+        return Recorded(experts(layer, h, ids, w), layer, h.shape[0])
 
     pa, pb = list(range(5, 17)), list(range(40, 49))
     outs = {}

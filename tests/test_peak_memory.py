@@ -67,7 +67,6 @@ def measure(reader, experts, option: dict, dtype: str = "float32", plan_dtype: b
     ids = [(7 * i + 3) % reader.config.vocab_size for i in range(PROMPT)]
     with tracker:
         runner = ModelRunner(reader, experts, dtype=getattr(torch, dtype), placement=placement, page_size=64)
-        runner.set_decode_path("fused")  # what a GPU runs (the native C layers are CPU-only)
         handles = attribute_layers(runner.model, placement, tracker)
         base_live = tracker.reset_peak()
         seq = runner.new_seq()

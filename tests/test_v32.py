@@ -14,6 +14,8 @@ import sys
 import pytest
 import torch
 
+from gpu_service.model.experts_api import Ready
+
 from checkpoint.config import ModelConfig
 from gpu_service.model.kv import Chunk, KVPool, SeqKV
 from gpu_service.model.deepseek import build_model
@@ -44,7 +46,7 @@ def _setup(topk: int, seed: int = 0):
             for j in range(ids.shape[1]):
                 e = int(ids[t, j])
                 out[t] += w[t, j] * (dn[e] @ (torch.nn.functional.silu(gu[e, :I] @ h32[t]) * (gu[e, I:] @ h32[t])))
-        return lambda: out.to(h.dtype)
+        return Ready(out.to(h.dtype))
 
     return hf, cfg, model, experts
 
@@ -145,8 +147,8 @@ def test_selection_matters():
 def test_index_keys_cached_beside_mla_cache():
     cfg = ModelConfig.from_dict(tiny_config("deepseek_v32", "bf16", OVERRIDES))
     pool = KVPool(cfg, 4, 8, torch.float32, [torch.device("cpu")] * cfg.num_hidden_layers)
-    assert [tuple(t.shape) for t in pool.index_k] == [(32 + 1, cfg.index_head_dim)] * cfg.num_hidden_layers  # + null slot
-    assert pool.bytes() == 4 * (32 + 1) * (cfg.kv_cache_dim + cfg.index_head_dim) * cfg.num_hidden_layers  # + the null slot
+    assert [tuple(t.shape) for t in pool.index_k] == [(32, cfg.index_head_dim)] * cfg.num_hidden_layers
+    assert pool.bytes() == 4 * 32 * (cfg.kv_cache_dim + cfg.index_head_dim) * cfg.num_hidden_layers
     v3 = ModelConfig.from_dict(tiny_config("deepseek_v3", "bf16"))
     assert KVPool(v3, 4, 8, torch.float32, [torch.device("cpu")] * v3.num_hidden_layers).index_k is None
 

@@ -1,275 +1,45 @@
-"""Our PyTorch implementation of the DeepSeek-V3 architecture, minus the routed experts.
+"""DeepSeek-V3 / V3.2 (and Kimi-K2, the same architecture) minus the routed experts: the one model
+definition the runtime runs, prefill and decode, on CPU and CUDA.
 
-Embeddings, RMSNorm, MLA attention with YaRN RoPE and a compressed KV cache (c_kv + k_pe per
-token per layer), the dense MLP layers, the router (sigmoid + correction bias, group-limited top-k),
-shared experts and lm_head. Routed experts are never loaded here: each MoE layer hands its
-tokens to an `ExpertsFn` (the gRPC experts client, or an in-process backend in benchmarks).
+Embeddings, RMSNorm, MLA attention over the paged compressed KV cache (gpu_service/model/mla.py;
+the attention math itself is the backend's, gpu_service/attention), the dense MLP layers, the
+router (sigmoid + correction bias, group-limited top-k), shared experts and lm_head. Routed
+experts are never loaded here: each MoE layer hands its tokens to an `ExpertsFn`
+(gpu_service/model/experts_api.py) and waits for its handle after the shared expert.
 
-The forward pass takes a flat token batch made of per-sequence chunks (continuous batching):
-each chunk writes its c_kv/k_pe into the paged `KVPool` and attends over its sequence's cache.
-A one-token chunk (decode) uses the weight-absorbed MLA path; longer chunks expand K/V.
-DeepSeek-V3.2 (DSA): each MLA also caches lightning-indexer keys (`KVPool.index_k`) and attends
-only to the top-`index_topk` positions its `Indexer` selects (gpu_service/indexer.py).
+A forward pass takes a flat token batch made of per-sequence chunks (continuous batching). The
+step is split into two micro-batches of whole sequences (ping-pong): while one micro-batch's
+experts are on the shards the other computes its attention. Each layer runs as pieces:
+
+    pre     input norm + MLA projections (`MLA.project`)
+    (attention core, eager: `MLA.core`)
+    mid     W_UV (all-decode), o_proj, residual, post-attention norm, router  ->  x, h, ids, w
+    (expert hand-off, eager: the shards start on h / ids / w)
+    shared  the shared expert or the dense MLP, while the shards work
+    post    residual + routed + shared
+
+`Step.run` runs a piece eagerly or as a replay of its CUDA graph, where the runner gave the step a
+graph set (all-decode steps up to the largest bucket; gpu_service.runtime.cuda_graphs). Rows are
+padded to the CPU's GEMM row block (gpu_service.model.rows) or to the graph bucket: a sequence's
+result is bit-identical alone or batched; pad rows are zeros, never sent to the experts nor written.
 """
 from __future__ import annotations
 
-import math
-from typing import Callable, Protocol
+from typing import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from checkpoint.config import ModelConfig
-from gpu_service.model.qlinear import make_quantized, weight_of
-from gpu_service.model.indexer import Indexer
+from gpu_service.attention import select_backend
+from gpu_service.model.experts_api import ExpertsFn
 from gpu_service.model.kv import Chunk, KVPool
-from gpu_service.model import fast_decode, paged_attention
-
-
-class ExpertsFn(Protocol):
-    """Routed experts of one MoE layer, started asynchronously: returns a zero-argument callable
-    that waits for and returns sum_k w[t,k] * expert_{ids[t,k]}(h[t]) as [T, H] on h's device.
-    The caller computes the shared expert between the call and the wait (overlap)."""
-
-    def __call__(self, layer: int, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> Callable[[], torch.Tensor]: ...
-
-
-# --------------------------------------------------------------------------------------- basics
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x * rsqrt(mean(x^2) + eps) in float32 (torch's fused rms_norm: the same values, fewer ops)
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
-
-
-def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-class Rope:
-    """YaRN rotary embedding for the qk_rope_head_dim part (DeepSeek interleaved pairs)."""
-
-    def __init__(self, cfg: ModelConfig):
-        dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
-        self.interleave = cfg.rope_interleave
-        pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
-        rs = cfg.rope_scaling
-        self.attention_factor = 1.0
-        self.softmax_mscale = 1.0
-        if rs is None:
-            inv_freq = 1.0 / pos_freqs
-        else:
-            factor = float(rs["factor"])
-            orig = rs["original_max_position_embeddings"]
-            beta_fast = rs.get("beta_fast") or 32
-            beta_slow = rs.get("beta_slow") or 1
-            mscale, mscale_all = rs.get("mscale"), rs.get("mscale_all_dim")
-            if rs.get("attention_factor") is not None:
-                self.attention_factor = float(rs["attention_factor"])
-            elif mscale and mscale_all:
-                self.attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
-            else:
-                self.attention_factor = yarn_mscale(factor)
-
-            def corr_dim(rot: float) -> float:
-                return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
-
-            low, high = corr_dim(beta_fast), corr_dim(beta_slow)
-            if rs.get("truncate", True):
-                low, high = math.floor(low), math.ceil(high)
-            low, high = max(low, 0), min(high, dim - 1)
-            if low == high:
-                high += 0.001
-            ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
-            extrap = 1 - ramp
-            inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrap) + (1.0 / pos_freqs) * extrap
-            if mscale_all:
-                self.softmax_mscale = yarn_mscale(factor, mscale_all) ** 2
-        self.inv_freq = inv_freq  # [dim/2]
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]  # [T, dim/2]
-        return (freqs.cos() * self.attention_factor).to(dtype), (freqs.sin() * self.attention_factor).to(dtype)
-
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, dim]; cos/sin: [T, dim/2]. Output in the de-interleaved (half-split) layout."""
-        c, s = cos[:, None, :], sin[:, None, :]
-        if self.interleave:
-            x1, x2 = x[..., 0::2], x[..., 1::2]
-        else:
-            x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
-        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-
-
-# ------------------------------------------------------------------------------------ attention
-class MLA(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: Rope):
-        super().__init__()
-        self.cfg, self.rope = cfg, rope
-        H, nh = cfg.hidden_size, cfg.num_attention_heads
-        self.nh, self.nope, self.rdim, self.vdim, self.r = nh, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-        if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(H, nh * cfg.qk_head_dim, bias=False)
-        else:
-            self.q_a_proj = nn.Linear(H, cfg.q_lora_rank, bias=cfg.attention_bias)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, nh * cfg.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(H, self.r + self.rdim, bias=cfg.attention_bias)
-        self.kv_a_layernorm = RMSNorm(self.r, 1e-6)
-        self.kv_b_proj = nn.Linear(self.r, nh * (self.nope + self.vdim), bias=False)
-        self.o_proj = nn.Linear(nh * self.vdim, H, bias=cfg.attention_bias)
-        self.scaling = cfg.qk_head_dim ** -0.5 * rope.softmax_mscale
-        self.indexer = Indexer(cfg) if cfg.is_v32 else None  # DSA: attend to the top-k indexed tokens
-        # keys per block of the expanded prefill path: the plan's Kb = min(kv_tokens, chunk_tokens)
-        # (ModelRunner sets it from its placement); the workspace item assumes exactly this
-        self.key_block = 2048
-
-    def _q(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cfg.q_lora_rank is None:
-            return self.q_proj(x)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
-                chunks: list[Chunk], ik: torch.Tensor | None = None) -> torch.Tensor:
-        # x: [T, H]; kv: this layer's pool tensor [slots, r + rope]; ik: its index keys [slots, index_head_dim]
-        meta = getattr(chunks, "paged", None)  # a StepView: the batched paged path (paged_attention.py)
-        if meta is not None:
-            return paged_attention.mla_forward(self, x, cos, sin, kv, meta, ik)
-        T = x.shape[0]
-        if self.indexer is None:
-            q = self._q(x).view(T, self.nh, self.nope + self.rdim)
-        else:
-            q_resid = self.q_a_layernorm(self.q_a_proj(x))  # [T, q_lora_rank], the indexer's query input
-            q = self.q_b_proj(q_resid).view(T, self.nh, self.nope + self.rdim)
-            idx_new = self.indexer.keys(x, cos, sin).to(ik.dtype)  # [T, index_head_dim]
-        q_nope, q_pe = q[..., : self.nope], self.rope.apply(q[..., self.nope:], cos, sin)  # [T,nh,nope],[T,nh,rope]
-        ckv = self.kv_a_proj_with_mqa(x)  # [T, r + rope]
-        c = self.kv_a_layernorm(ckv[:, : self.r])
-        k_pe = self.rope.apply(ckv[:, None, self.r:], cos, sin)[:, 0]  # [T, rope]
-        new = torch.cat([c, k_pe], dim=-1).to(kv.dtype)  # [T, r + rope]
-        del ckv, c, k_pe
-
-        out = x.new_empty(T, self.nh * self.vdim)
-        wkv = weight_of(self.kv_b_proj, x.dtype)  # dequantised once per call, shared by chunks and key blocks
-        t0 = 0
-        for ch in chunks:
-            sl = slice(t0, t0 + ch.n)
-            t0 += ch.n
-            kv[ch.seq.slots(ch.start, ch.start + ch.n, kv.device)] = new[sl]
-            cache = kv[ch.seq.slots(0, ch.start + ch.n, kv.device)].to(x.dtype)  # [S, r + rope]
-            keep = None
-            if self.indexer is not None:
-                ik[ch.seq.slots(ch.start, ch.start + ch.n, ik.device)] = idx_new[sl]
-                keys = ik[ch.seq.slots(0, ch.start + ch.n, ik.device)].to(x.dtype)  # [S, index_head_dim]
-                keep = self.indexer.select(x[sl], q_resid[sl], cos[sl], sin[sl], keys, ch.start)
-            out[sl] = self._attend(q_nope[sl], q_pe[sl], cache, ch.start, keep, wkv)
-            del cache, keep
-        del wkv, q, q_nope, q_pe, new
-        return self.o_proj(out)
-
-    def _attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, start: int,
-                keep: torch.Tensor | None, wkv: torch.Tensor) -> torch.Tensor:
-        """keep: [n, S] bool, the positions each query may see (DSA selection, causal included);
-        wkv: kv_b_proj's weight [nh*(nope+v), r] in the compute dtype (dequantised once per step)."""
-        n, S = q_nope.shape[0], cache.shape[0]
-        c_kv, k_pe = cache[:, : self.r], cache[:, self.r:]  # [S, r], [S, rope]
-        if n == 1:
-            # weight-absorbed decode: score = (q_nope W_UK) . c_kv + q_pe . k_pe ; out = (attn c_kv) W_UV
-            w3 = wkv.view(self.nh, self.nope + self.vdim, self.r)
-            q_abs = torch.einsum("thd,hdr->thr", q_nope, w3[:, : self.nope])  # [1,nh,r]
-            scores = torch.einsum("thr,sr->ths", q_abs, c_kv) + torch.einsum("thd,sd->ths", q_pe, k_pe)
-            if keep is not None:
-                scores.masked_fill_(~keep[:, None, :], float("-inf"))
-            p = torch.softmax(scores.float() * self.scaling, dim=-1).to(q_nope.dtype)  # [1,nh,S]
-            o_lat = torch.einsum("ths,sr->thr", p, c_kv)
-            o = torch.einsum("thr,hvr->thv", o_lat, w3[:, self.nope:])  # [1,nh,v]
-            return o.reshape(n, -1)
-        return self._prefill(q_nope, q_pe, c_kv, k_pe, start, keep, wkv)
-
-    def _prefill(self, q_nope, q_pe, c_kv, k_pe, start, keep, wkv) -> torch.Tensor:
-        """Expanded prefill: K/V of one key block at a time through kv_b_proj, online softmax.
-
-        What it keeps at its peak (the plan's `attn` workspace term, gpu_service/plan/bytes.py):
-        one [nh, n, b] score block in fp32 plus, for a 16-bit compute dtype, its compute-dtype
-        twin for one op (the matmul result before the fp32 copy, or the probabilities cast back
-        for p @ v); one expanded K/V block [b, nh, nope + v]; the fp32 accumulator [nh, n, v].
-        Softmax steps are in place and every block is dropped before the next is built."""
-        n, S, dt = q_nope.shape[0], c_kv.shape[0], q_nope.dtype
-        qn, qp = q_nope.transpose(0, 1), q_pe.transpose(0, 1)  # [nh, n, nope], [nh, n, rope] (views)
-        qpos = torch.arange(start, start + n, device=c_kv.device)[:, None]
-        m = torch.full((self.nh, n), float("-inf"), device=c_kv.device)  # running max
-        l = torch.zeros(self.nh, n, device=c_kv.device)  # running sum of exp
-        acc = torch.zeros(self.nh, n, self.vdim, device=c_kv.device)  # running sum of p @ v, fp32
-        for s0 in range(0, S, self.key_block):
-            s1 = min(S, s0 + self.key_block)
-            kvx = F.linear(c_kv[s0:s1], wkv).view(s1 - s0, self.nh, self.nope + self.vdim)  # [b, nh, nope+v]
-            sc = torch.matmul(qp, k_pe[s0:s1].t())  # [nh, n, b]
-            sc.baddbmm_(qn, kvx[..., : self.nope].permute(1, 2, 0))
-            if sc.dtype != torch.float32:
-                sc = sc.float()
-            sc.mul_(self.scaling)
-            if keep is None:
-                sc.masked_fill_(torch.arange(s0, s1, device=c_kv.device)[None, :] > qpos, float("-inf"))
-            else:
-                sc.masked_fill_(~keep[:, s0:s1], float("-inf"))
-            m_new = torch.maximum(m, sc.amax(-1))
-            m_safe = m_new.masked_fill(torch.isinf(m_new), 0.0)  # rows with nothing yet: subtract 0
-            sc.sub_(m_safe[..., None]).exp_()  # p, in place
-            corr = torch.exp(m - m_safe)
-            l.mul_(corr).add_(sc.sum(-1))
-            acc.mul_(corr[..., None])
-            p = sc.to(dt) if dt != torch.float32 else sc
-            del sc
-            acc.add_(torch.matmul(p, kvx[..., self.nope:].transpose(0, 1)))  # [nh, n, v]
-            del p, kvx
-            m = m_new
-        acc.div_(l[..., None])
-        return acc.to(dt).transpose(0, 1).reshape(n, -1)
-
-
-# ------------------------------------------------------------------------------------------ MLP
-class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Router(nn.Module):
-    """Sigmoid scores; selection with e_score_correction_bias and group-limited top-k (top-2 sum
-    per group); weights from the unbiased scores, normalised, times routed_scaling_factor."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts))
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg, E = self.cfg, self.cfg.n_routed_experts
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
-        choice = scores + self.e_score_correction_bias.float()
-        if cfg.n_group > 1:
-            g = choice.view(-1, cfg.n_group, E // cfg.n_group).topk(2, dim=-1)[0].sum(-1)  # [T, G]
-            gidx = g.topk(cfg.topk_group, dim=-1, sorted=False)[1]
-            gmask = torch.zeros_like(g, dtype=torch.bool).scatter_(1, gidx, True)  # [T, G]
-            choice = choice.view(-1, cfg.n_group, E // cfg.n_group).masked_fill(
-                ~gmask[:, :, None], float("-inf")).view(-1, E)
-        ids = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False)[1]  # [T, k]
-        w = scores.gather(1, ids)
-        if cfg.norm_topk_prob:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return ids, w * cfg.routed_scaling_factor
+from gpu_service.model.layers import MLP, RMSNorm, Rope, Router
+from gpu_service.model.mla import MLA
+from gpu_service.model.qlinear import make_quantized, weight_of
+from gpu_service.model.rows import pad_rows, padded, row_block
+from gpu_service.model.step import make_step, Step
 
 
 class MoE(nn.Module):
@@ -286,22 +56,6 @@ class MoE(nn.Module):
         self.hot = list(hot)
         self.experts = nn.ModuleDict({str(e): MLP(cfg.hidden_size, cfg.moe_intermediate_size) for e in self.hot}) \
             if self.hot else None
-
-    def start(self, x: torch.Tensor, experts: ExpertsFn) -> Callable[[], torch.Tensor]:
-        """Route and send to the shards; returns `finish()` -> MoE output. Between the two, the
-        caller may compute something else (the other micro-batch's attention: ping-pong)."""
-        ids, w = self.gate(x)  # [T, k], [T, k] float32
-        w_remote = w if self.experts is None else self.remote_weights(ids, w)
-        wait = experts(self.layer, x, ids, w_remote)  # shards work while we compute the rest
-
-        def finish() -> torch.Tensor:
-            shared = self.shared_experts(x) if self.shared_experts is not None else None
-            routed = wait()
-            if self.experts is not None:
-                routed = routed + self.hot_output(x, ids, w, routed)
-            return routed if shared is None else routed + shared
-
-        return finish
 
     def _hot_ids(self, device: torch.device) -> torch.Tensor:
         hot = self.__dict__.get("_hot_t")
@@ -321,35 +75,87 @@ class MoE(nn.Module):
         for j in present:
             e = self.hot[j]
             rows, cols = torch.where(ids == e)
-            y = self.experts[str(e)](x[rows]) * w[rows, cols, None].to(x.dtype)
+            y = self.experts[str(e)].run(x[rows]) * w[rows, cols, None].to(x.dtype)
             out.index_add_(0, rows, y.to(out.dtype))
         return out
 
-    def forward(self, x: torch.Tensor, experts: ExpertsFn) -> torch.Tensor:
-        return self.start(x, experts)()
-
 
 class Block(nn.Module):
+    """One decoder layer: MLA, then the MoE (or, in the first dense layers, an MLP)."""
+
     def __init__(self, cfg: ModelConfig, layer: int, rope: Rope, hot: list[int] = ()):
         super().__init__()
+        self.layer = layer
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MLA(cfg, rope)
         self.mlp = MoE(cfg, layer, hot) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def steps(self, x, cos, sin, kv, chunks, experts: ExpertsFn, ik=None):
-        """Generator: attention, then (MoE layers) send to the shards and yield once while they
-        work, then finish. Returns the layer output (StopIteration.value)."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, chunks, ik)
-        h = self.post_attention_layernorm(x)
-        if not isinstance(self.mlp, MoE):
-            return x + self.mlp(h)
-        finish = self.mlp.start(h, experts)
-        yield
-        return x + finish()
+    def prepare(self, dtype: torch.dtype) -> None:
+        """At load: every piece's fused weights and constants (see the modules' `prepare`)."""
+        self.input_layernorm.prepare()
+        self.post_attention_layernorm.prepare()
+        self.self_attn.prepare(dtype)
+        self.moe = self.mlp if isinstance(self.mlp, MoE) else None
+        if self.moe is not None:
+            self.moe.gate.prepare()
+            for m in [self.moe.shared_experts] + list(self.moe.experts.values() if self.moe.experts else []):
+                if m is not None:
+                    m.prepare()
+        else:
+            self.mlp.prepare()
+        self.ffn = self.mlp if self.moe is None else self.moe.shared_experts  # the MLP run beside the experts
 
-    def forward(self, x, cos, sin, kv, chunks, experts: ExpertsFn, ik=None):
-        return _run(self.steps(x, cos, sin, kv, chunks, experts, ik))
+    # ---- pieces (pure functions of tensors: CUDA-graph capturable) ----------------------------
+    def pre(self, x: torch.Tensor, cs: torch.Tensor, w_uk: torch.Tensor | None) -> tuple:
+        return self.self_attn.project(self.input_layernorm.norm(x), cs, w_uk)
+
+    def mid(self, x: torch.Tensor, o: torch.Tensor, w_uv: torch.Tensor | None) -> tuple:
+        """o (o_lat [Tp, nh, r] with w_uv, else values [Tp, nh, v]) -> x after attention, h = the
+        post-attention norm, (MoE) ids, w."""
+        if w_uv is not None:
+            o = torch.bmm(o.transpose(0, 1), w_uv).transpose(0, 1)  # [Tp, nh, v]
+        x = self.self_attn.o(o.reshape(x.shape[0], -1)).add_(x)  # x + o (commutative)
+        h = self.post_attention_layernorm.norm(x)
+        if self.moe is None:
+            return x, h
+        return (x, h) + self.moe.gate.route(h)
+
+    def shared(self, h: torch.Tensor) -> torch.Tensor:
+        return self.ffn.run(h)
+
+    @staticmethod
+    def post(x: torch.Tensor, routed: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
+        return x + routed if shared is None else (routed + shared).add_(x)  # x + (routed + shared)
+
+    def steps(self, x: torch.Tensor, st: Step, kv: torch.Tensor, ik: torch.Tensor | None, experts: ExpertsFn):
+        """Generator over padded rows x [Tp, H]: attention, then (MoE layers) send to the experts
+        and yield once while they work, then finish. Returns the layer output (StopIteration.value)."""
+        attn, i = self.self_attn, self.layer
+        if st.decode:
+            w_uk, w_uv = attn.wkv(static=st.graphs is not None)
+            if st.graphs is not None:
+                st.graphs.persist(w_uk, w_uv)
+            qcat, new, *ix = st.run(i, "pre", self.pre, x, st.cs, w_uk)
+            outs = st.run(i, "mid", self.mid, x, attn.core(qcat, new, ix, kv, ik, st, None), w_uv)
+        else:
+            wkv = weight_of(attn.kv_b_proj, x.dtype)  # dequantised once per call, shared by the chunks
+            qcat, new, *ix = self.pre(x, st.cs, None)
+            outs = self.mid(x, attn.core(qcat, new, ix, kv, ik, st, wkv), None)
+        if self.moe is None:
+            x1, h = outs
+            return x1 + st.run(i, "shared", self.shared, h)[0]
+        x1, h, ids, w = outs
+        T = st.T
+        hb, ib, wb = (h[:T], ids[:T], w[:T]) if st.Tp > T else (h, ids, w)
+        moe = self.moe
+        handle = experts(moe.layer, hb, ib, wb if moe.experts is None else moe.remote_weights(ib, wb))
+        yield
+        shared = st.run(i, "shared", self.shared, h)[0] if self.ffn is not None else None
+        routed = handle.wait()
+        if moe.experts is not None:
+            routed = routed + moe.hot_output(hb, ib, wb, routed)
+        return st.run(i, "post", self.post, x1, pad_rows(routed, st.Tp), shared)[0]
 
 
 def _run(gen):
@@ -387,7 +193,6 @@ def split_micro_batches(chunks: list[Chunk]) -> list[list[Chunk]]:
     return [chunks[:-1], chunks[-1:]]
 
 
-# ---------------------------------------------------------------------------------------- model
 class DeepseekV3(nn.Module):
     """Everything but the routed experts. Parameter names equal the checkpoint's (minus experts)."""
 
@@ -397,9 +202,7 @@ class DeepseekV3(nn.Module):
         self.rope = Rope(cfg)
         hot_experts = hot_experts or {}
         self.ping_pong = True  # two micro-batches overlap attention with remote experts
-        self.batched_attention = True  # False: MLA's per-sequence reference path
-        self.fused_decode = True  # all-decode steps through fast_decode's segments (batched path only)
-        self.graphs = None  # a cuda_graphs.Graphs: decode segments replayed per batch-size bucket
+        self.attention_backend = None  # None: "auto" (or MOESPLIT_ATTENTION); "torch" forces the torch backend
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.model.layers = nn.ModuleList(Block(cfg, i, self.rope, hot_experts.get(i, ()))
@@ -411,50 +214,52 @@ class DeepseekV3(nn.Module):
     def layer_devices(self) -> list[torch.device]:
         return [blk.input_layernorm.weight.device for blk in self.model.layers]
 
+    def prepare(self, dtype: torch.dtype) -> None:
+        """At load: each layer's pieces, the final norm, the attention backend and the CPU row block
+        of each device (measured on the model's own linear shapes)."""
+        for blk in self.model.layers:
+            blk.prepare(dtype)
+        self.model.norm.prepare()
+        self.dtype = dtype
+        self._backends: dict = {}
+        cfg = self.cfg
+        shapes = [(cfg.hidden_size, n) for n in (cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.n_routed_experts)]
+        shapes += [(cfg.num_attention_heads * cfg.v_head_dim, cfg.hidden_size)]
+        self._shapes = [(min(k, 2048), min(n, 2048)) for k, n in shapes]
+
+    def backend(self, device: torch.device):
+        """The attention backend of `device`, chosen once (gpu_service.attention.select_backend)."""
+        b = self._backends.get(device)
+        if b is None:
+            b = self._backends[device] = select_backend(device, self.cfg, self.attention_backend)
+        return b
+
+    def row_block(self, device: torch.device) -> int:
+        return row_block(device, self.dtype, self._shapes)
+
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, chunks: list[Chunk], pool: KVPool,
-                experts: ExpertsFn, slot: int = 0):
-        """Generator over all layers for one micro-batch (`slot`); yields while its experts are
-        remote. An all-decode step runs the fused decode segments (gpu_service/model/fast_decode.py)."""
-        cos_sin: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        views: dict[torch.device, list[Chunk]] = {}  # per device: the chunks, or a StepView with metadata
-        fast: dict[torch.device, fast_decode.DecodeStep | None] = {}
-        B = x.shape[0]
+                experts: ExpertsFn, graphs, slot: int):
+        """Generator over all layers for one micro-batch (`slot`); yields while its experts are remote."""
+        steps: dict[torch.device, Step] = {}
+        T = x.shape[0]
         for i, blk in enumerate(self.model.layers):
             dev = pool.kv[i].device
+            st = steps.get(dev)
+            if st is None:
+                st = steps[dev] = make_step(chunks, pool, dev, self.backend(dev), self.rope, positions, x.dtype,
+                                            self.row_block(dev), graphs, slot)
             x = x.to(dev)
-            if dev not in cos_sin:
-                cos_sin[dev] = self.rope.cos_sin(positions.to(dev), x.dtype)
-                views[dev] = paged_attention.step_view(chunks, pool, dev) if self.batched_attention else chunks
-                meta = getattr(views[dev], "paged", None)
-                fast[dev] = None
-                if fast_decode.eligible(self, meta):
-                    graphs = self.graphs.get(dev, slot, B) if self.graphs is not None else None
-                    Bp = graphs.rows if graphs is not None else fast_decode.padded_rows(B, dev)
-                    fast[dev] = fast_decode.DecodeStep(meta, *cos_sin[dev], B, Bp, graphs)
-            st = fast[dev]
-            if st is not None:
-                if x.shape[0] != st.Bp:
-                    x = torch.cat([x[:B], x.new_zeros(st.Bp - B, x.shape[1])]) if st.Bp > B else x[:B]
-                x = yield from fast_decode.block_steps(fast_decode.fast_block(self, i, x.dtype), x, st, pool.kv[i],
-                                                       experts, i, pool.index_k[i] if pool.index_k is not None else None)
-                continue
-            if x.shape[0] != B:
-                x = x[:B]
-            x = yield from blk.steps(x, *cos_sin[dev], pool.kv[i], views[dev], experts,
-                                     pool.index_k[i] if pool.index_k is not None else None)
-        return x[:B] if x.shape[0] != B else x
-
-    def _run_layers(self, x, positions, groups, bounds, pool, experts) -> torch.Tensor:
-        """Every layer, micro-batches in ping-pong."""
-        gens = [self._layers(x[a:b], positions[a:b], g, pool, experts, slot)
-                for slot, (g, a, b) in enumerate(zip(groups, bounds[:-1], bounds[1:]))]
-        return torch.cat(_round_robin(gens)) if len(gens) > 1 else _run(gens[0])
+            x = x[: st.Tp] if x.shape[0] > st.Tp else pad_rows(x, st.Tp)
+            x = yield from blk.steps(x, st, pool.kv[i], pool.index_k[i] if pool.index_k is not None else None,
+                                     experts)
+        return x[:T]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, chunks: list[Chunk], pool: KVPool, experts: ExpertsFn,
-                all_logits: bool = False) -> torch.Tensor:
+                all_logits: bool = False, graphs=None) -> torch.Tensor:
         """input_ids: [T] (chunks concatenated). Returns logits [len(chunks), V] of each chunk's
-        last token (or [T, V] with all_logits). Writes the chunks' KV and advances seq.length."""
+        last token (or [T, V] with all_logits). Writes the chunks' KV and advances seq.length.
+        graphs: the runner's CUDA-graph sets (gpu_service.runtime.cuda_graphs.Graphs) or None."""
         emb_dev = self.model.embed_tokens.weight.device
         x = self.model.embed_tokens(input_ids.to(emb_dev))  # [T, H]
         all_decode = all(c.n == 1 for c in chunks)
@@ -464,7 +269,9 @@ class DeepseekV3(nn.Module):
             c.seq.reserve(c.start + c.n)
         groups = split_micro_batches(chunks) if self.ping_pong else [chunks]
         bounds = torch.tensor([0] + [sum(c.n for c in g) for g in groups]).cumsum(0).tolist()
-        x = self._run_layers(x, positions, groups, bounds, pool, experts)
+        gens = [self._layers(x[a:b], positions[a:b], g, pool, experts, graphs, slot)
+                for slot, (g, a, b) in enumerate(zip(groups, bounds[:-1], bounds[1:]))]
+        x = torch.cat(_round_robin(gens)) if len(gens) > 1 else _run(gens[0])
         for c in chunks:
             c.seq.length = max(c.seq.length, c.start + c.n)
         x = x.to(self.lm_head.weight.device)
@@ -472,11 +279,8 @@ class DeepseekV3(nn.Module):
             last = torch.tensor([c.n for c in chunks]).cumsum(0) - 1
             x = x[last.to(x.device)]
         n = x.shape[0]
-        pad = fast_decode.padded_rows(n, x.device) - n  # batch-invariant GEMM rows (fast_decode)
-        if pad and not all_logits:
-            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-        x = self.model.norm(x)
-        return self.lm_head(x)[:n].float()
+        x = pad_rows(x, padded(n, self.row_block(x.device)))  # batch-invariant GEMM rows
+        return self.lm_head(self.model.norm.norm(x))[:n].float()
 
 
 def checkpoint_name(param_name: str) -> str:
@@ -538,5 +342,5 @@ def build_model(cfg: ModelConfig, get: Callable[[str], "object"], dtype: torch.d
         mod._parameters[attr] = nn.Parameter(
             t.to(device=dev, dtype=torch.float32 if keep32 else dtype), requires_grad=False)
         loaded.add(src)
-    fast_decode.fuse_weights(model)  # q_a ++ kv_a, gate ++ up: one weight each, the modules hold views
+    model.prepare(dtype)  # fused weights, resolved linears and norms, the CPU row block
     return model.eval(), loaded

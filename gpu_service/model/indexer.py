@@ -69,28 +69,24 @@ class Indexer(nn.Module):
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.nh ** -0.5
         return q, w
 
-    def select(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               index_keys: torch.Tensor, start: int) -> torch.Tensor | None:
-        """Which cached positions each query may attend to.
-
-        x: [n, H] and q_resid: [n, q_lora_rank] of queries at positions start..start+n-1;
-        index_keys: [S, index_head_dim] of positions 0..S-1 (S = start + n).
-        Returns keep: [n, S] bool (causal AND among the top-`index_topk` index scores), or None
-        when index_topk >= S, where every causal position is selected (dense attention)."""
-        n, S = x.shape[0], index_keys.shape[0]
+    def select(self, q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tensor, start: int) -> torch.Tensor | None:
+        """Which cached positions each query may attend to, from the roped index queries q [n, nh, hd]
+        and head weights w [n, nh] (`query`) of queries at positions start..start+n-1; index_keys
+        [S, index_head_dim] of positions 0..S-1 (S = start + n). Returns keep [n, S] bool (causal AND
+        among the top-`index_topk` index scores), or None when index_topk >= S (dense attention)."""
+        n, S, dev = q.shape[0], index_keys.shape[0], q.device
         if self.topk >= S:
             return None
-        q, w = self.query(x, q_resid, cos, sin)  # [n, nh, hd], [n, nh]
         k32 = index_keys.float().t()  # [hd, S]
-        index = torch.empty(n, S, dtype=torch.float32, device=x.device)
+        index = torch.empty(n, S, dtype=torch.float32, device=dev)
         step = max(1, SCORE_ELEMS // (self.nh * S))  # queries per block: bounds the [b, nh, S] scores
         for i in range(0, n, step):  # one [b, nh, S] fp32 score block at a time, in place
             scores = torch.matmul(q[i:i + step].float(), k32).mul_(self.softmax_scale).relu_()  # [b, nh, S]
             index[i:i + step] = torch.matmul(w[i:i + step, None, :], scores)[:, 0]  # [b, S]
             del scores
         del q, w, k32
-        qpos = torch.arange(start, start + n, device=x.device)[:, None]
-        causal = torch.arange(S, device=x.device)[None, :] <= qpos  # [n, S]
+        qpos = torch.arange(start, start + n, device=dev)[:, None]
+        causal = torch.arange(S, device=dev)[None, :] <= qpos  # [n, S]
         index.masked_fill_(~causal, float("-inf"))
         top = index.topk(self.topk, dim=-1).indices  # [n, topk]; masked picks are dropped by `& causal`
         del index

@@ -24,21 +24,30 @@ class KVPool:
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
                  layer_devices: list[torch.device]):
         self.cfg, self.page_size, self.num_pages = cfg, page_size, num_pages
-        # one slot past the pages, never written: the zero row padded key positions read, so a stale
-        # non-finite value left in a freed page (or past a sequence's length) never meets a 0 weight
-        self.null_slot = num_pages * page_size
-        self.kv = [torch.zeros(num_pages * page_size + 1, cfg.kv_cache_dim, dtype=dtype, device=d)
+        if num_pages < 2:
+            raise ValueError(f"KV pool of {num_pages} pages: at least 2 are needed (page 0 is the null page); "
+                             f"give a larger --kv-tokens")
+        # page 0 is never handed out and never written: its zero rows are what padded key positions
+        # read, so a stale non-finite value left in a freed page (or past a sequence's length) never
+        # meets a 0 weight (0 * inf); the pool's usable pages are num_pages - 1
+        self.null_slot = 0
+        self.kv = [torch.zeros(num_pages * page_size, cfg.kv_cache_dim, dtype=dtype, device=d)
                    for d in layer_devices]  # c_kv (normalised) ++ k_pe (roped)
         # DeepSeek-V3.2: the lightning indexer's keys, [slots, index_head_dim] per layer, same slots
-        self.index_k = ([torch.zeros(num_pages * page_size + 1, cfg.index_head_dim, dtype=dtype, device=d)
+        self.index_k = ([torch.zeros(num_pages * page_size, cfg.index_head_dim, dtype=dtype, device=d)
                          for d in layer_devices] if cfg.is_v32 else None)
-        self.free_pages: list[int] = list(range(num_pages - 1, -1, -1))
+        self.free_pages: list[int] = list(range(num_pages - 1, 0, -1))
         self.cache = None  # a PrefixCache attaches itself here
 
     @property
     def pages_in_use(self) -> int:
-        """Pages not free: held by sequences or cached (see `cached_pages`)."""
-        return self.num_pages - len(self.free_pages)
+        """Pages not free: held by sequences or cached (see `cached_pages`); the null page aside."""
+        return self.usable_pages - len(self.free_pages)
+
+    @property
+    def usable_pages(self) -> int:
+        """Pages sequences can hold: all but the null page."""
+        return self.num_pages - 1
 
     @property
     def cached_pages(self) -> int:
@@ -55,7 +64,7 @@ class KVPool:
             self.cache.evict(n - len(self.free_pages))
         if n > len(self.free_pages):
             raise PoolExhausted(f"KV pool exhausted: need {n} pages of {self.page_size} tokens, "
-                                f"{len(self.free_pages)} free of {self.num_pages}")
+                                f"{len(self.free_pages)} free of {self.usable_pages}")
         return [self.free_pages.pop() for _ in range(n)]
 
     def bytes(self) -> int:
@@ -81,7 +90,7 @@ class SeqKV:
         if need > self.pool.available():
             raise PoolExhausted(
                 f"KV pool exhausted: need {need} more pages of {self.pool.page_size} tokens, "
-                f"{self.pool.available()} free of {self.pool.num_pages}"
+                f"{self.pool.available()} free of {self.pool.usable_pages}"
             )
         if need > 0:
             self.pages += self.pool.take(need)

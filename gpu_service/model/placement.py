@@ -65,7 +65,7 @@ class Placement:
                 layer_gpu[layer] = g
         if hot_experts is None:
             # Without activation statistics the hot set is the first N experts of each layer;
-            # pass `hot_experts` (gpu_service.hot_experts: the shards' activation counts) to choose better.
+            # pass `hot_experts` (gpu_service.plan.hot_experts: the shards' activation counts) to choose better.
             hot_experts = {layer: list(range(o.gpu_experts)) for layer in cfg.moe_layers} if o.gpu_experts else {}
         elif o.gpu_experts or hot_experts:
             from gpu_service.plan.hot_experts import resolve

@@ -49,7 +49,7 @@ Workspace of one GPU: what the forward pass keeps alive at once beyond weights a
              a weight-only linear dequantises min(1024, out) rows into (QLINEAR_ROWS)
     decode = e*(kv_lora + rope)*K + (2e + 8 + e')*heads*K + 9*B*K + e*B*(4H + max(A', 3M) + heads*kv_lora)
              + 16*B*rope   the batched decode attention at B = max_batch rows over K = kv + B*MIN_KEYS
-             padded keys (paged_attention: the gather, the scores, their fp32 copy and softmax; the
+             padded keys (gpu_service.attention's torch backend: the gather, the scores, their fp32 copy and softmax; the
              step's padded slots and mask; when the padded batch would exceed K keys it is attended
              in row groups of at most K keys), plus the fused decode segments' rows and step buffers
              (A' = q_lora + kv_lora + rope + heads*(qk_head_dim + 2*rope + kv_lora)). A decode step
@@ -328,9 +328,9 @@ def kv_b_dequantised(cfg: ModelConfig, o: Options) -> bool:
     return o.attention_weights in ("fp8", "int8")
 
 
-GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32)  # gpu_service.model.cuda_graphs.BUCKETS (plus powers of 2 to max_batch)
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32)  # gpu_service.runtime.cuda_graphs.BUCKETS (plus powers of 2 to max_batch)
 GRAPH_SLOTS = 2  # micro-batches of one step (ping-pong): each has its own graph sets
-MIN_KEYS = 64  # gpu_service.model.paged_attention.MIN_KEYS: a decode query's padded key columns at least
+MIN_KEYS = 64  # gpu_service.attention.meta.MIN_KEYS: a decode query's padded key columns at least
 
 
 def graph_buckets(max_batch: int) -> tuple[int, ...]:

@@ -77,7 +77,7 @@ class Engine:
         self.pool = runner.pool
         self.prefix = getattr(runner, "prefix_cache", None)  # PrefixCache or None (--no-prefix-cache)
         self.check_pool = check_pool  # test mode: assert the pool's invariants after every step
-        self.pool_tokens = self.pool.num_pages * self.pool.page_size
+        self.pool_tokens = self.pool.usable_pages * self.pool.page_size
         self._inbox: collections.deque[_Request] = collections.deque()
         self._lock = threading.Lock()
         self._wake_ev = threading.Event()
@@ -250,11 +250,11 @@ class Engine:
         return {
             "running": len(self.running),
             "waiting": len(self.waiting) + len(self._inbox),
-            "pool_pages_total": p.num_pages,
+            "pool_pages_total": p.usable_pages,
             "pool_pages_in_use": p.pages_in_use,
             "pool_page_size": p.page_size,
             # held by requests; unreferenced prefix-cache pages are reclaimable, so they count as free here
-            "pool_usage": (p.pages_in_use - p.cached_pages) / p.num_pages if p.num_pages else 0.0,
+            "pool_usage": (p.pages_in_use - p.cached_pages) / p.usable_pages,
             "max_batch": self.max_batch,
             "chunk_tokens": self.chunk_tokens,
             "pool_pages_cached": p.cached_pages,

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 import ml_dtypes
 import numpy as np
@@ -17,6 +16,7 @@ import torch
 from checkpoint.config import ModelConfig
 from gpu_service.model.kv import Chunk, KVPool, SeqKV
 from gpu_service.model.deepseek import build_model, DeepseekV3
+from gpu_service.model.experts_api import Ready
 from gpu_service.model.prefix_cache import make_prefix_cache
 from gpu_service.model.placement import Placement
 from gpu_service.runtime.sampling import sample, SamplingParams
@@ -67,17 +67,26 @@ class RemoteExperts:
         torch.cuda.current_stream(h.device).synchronize()
         return _numpy(hb), ib.numpy(), wb.numpy()
 
-    def __call__(self, layer: int, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def __call__(self, layer: int, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor):
         if h.device.type == "cuda":
             fut = self.client.forward_async(layer, *self._to_host_cuda(h, ids, w))
         else:
             fut = self.client.forward_async(layer, _numpy(h.detach().to(self._wire).cpu().contiguous()),
                                             ids.cpu().numpy(), w.float().cpu().numpy())
 
-        def wait() -> torch.Tensor:  # bounded: the client's deadline (ShardError when it passes)
-            return torch.from_numpy(self.client.result(fut, layer)).to(device=h.device, dtype=h.dtype)
+        return _Pending(self.client, fut, layer, h)
 
-        return wait
+
+class _Pending:
+    """One layer call in flight on the client; `wait` is bounded by the client's deadline."""
+
+    __slots__ = ("client", "fut", "layer", "h")
+
+    def __init__(self, client, fut, layer: int, h: torch.Tensor):
+        self.client, self.fut, self.layer, self.h = client, fut, layer, h
+
+    def wait(self) -> torch.Tensor:
+        return torch.from_numpy(self.client.result(self.fut, self.layer)).to(device=self.h.device, dtype=self.h.dtype)
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
@@ -96,8 +105,7 @@ class LocalExperts:
     def __call__(self, layer, h, ids, w):
         out = self.backend.forward(layer, h.detach().float().cpu().numpy(), ids.cpu().numpy().astype(np.int64),
                                    w.float().cpu().numpy())
-        t = torch.from_numpy(out).to(device=h.device, dtype=h.dtype)
-        return lambda: t
+        return Ready(torch.from_numpy(out).to(device=h.device, dtype=h.dtype))
 
 
 @dataclass
@@ -140,38 +148,27 @@ class ModelRunner:
         for blk in self.model.model.layers:  # the key block the plan's workspace assumes
             blk.self_attn.key_block = self.placement.key_block
         self.page_size = page_size
-        self.pool = KVPool(self.cfg, -(-self.placement.kv_tokens // page_size), page_size, self.dtype,
+        # the plan's KV bytes; one page of them is the pool's null page (at least one usable page)
+        self.pool = KVPool(self.cfg, max(2, -(-self.placement.kv_tokens // page_size)), page_size, self.dtype,
                            self.placement.layer_devices)
         # prefix sharing (the engine looks prompts up and inserts pages); host_kv_bytes: its host tier
         self.prefix_cache = make_prefix_cache(self.pool, host_kv_bytes) if prefix_cache else None
-        self.set_decode_path(os.environ.get("MOESPLIT_DECODE_PATH", "fused"))
         self.set_cuda_graphs(cuda_graphs and os.environ.get("MOESPLIT_CUDA_GRAPHS", "1") != "0", graph_buckets)
 
     def set_cuda_graphs(self, on: bool, buckets: tuple[int, ...] | None = None, mode: str = "cuda") -> None:
-        """Decode segments as CUDA graphs per batch-size bucket (gpu_service.model.cuda_graphs), on a
-        CUDA device only (`--no-cuda-graphs` / MOESPLIT_CUDA_GRAPHS=0: eager); buckets default to
-        the powers of two up to the plan's max batch (at least 1..32). mode="static" runs the same
-        plumbing on CPU (tests)."""
-        from gpu_service.model.cuda_graphs import BUCKETS, Graphs
-        from gpu_service.model.fast_decode import MIN_ROWS
+        """The decode pieces of every layer as CUDA graphs per batch-size bucket
+        (gpu_service.runtime.cuda_graphs), on a CUDA device only (`--no-cuda-graphs` /
+        MOESPLIT_CUDA_GRAPHS=0: eager); buckets default to the powers of two up to the plan's max
+        batch (at least 1..32). mode="static" runs the same plumbing on CPU (tests)."""
+        from gpu_service.runtime.cuda_graphs import BUCKETS, Graphs
 
         if not on or (mode == "cuda" and self.device.type != "cuda"):
-            self.model.graphs = None
+            self.graphs = None
             return
         if buckets is None:
             top = max(self.plan.options.max_batch if self.plan is not None else 0, BUCKETS[-1])
             buckets = tuple(sorted(set(BUCKETS) | {1 << i for i in range(top.bit_length()) if (1 << i) <= top}))
-        self.model.graphs = Graphs(buckets, mode, min_rows=MIN_ROWS if mode == "static" else 1)
-
-    DECODE_PATHS = ("fused", "plain")
-
-    def set_decode_path(self, path: str) -> None:
-        """'fused' (default): batched paged attention, all-decode steps through the fused segments
-        (fast_decode); 'plain': MLA's per-sequence reference path."""
-        if path not in self.DECODE_PATHS:
-            raise ValueError(f"decode path {path!r}: expected one of {self.DECODE_PATHS}")
-        self.decode_path = path
-        self.model.batched_attention = path != "plain"
+        self.graphs = Graphs(buckets, mode, min_rows=self.model.row_block(self.device) if mode == "static" else 1)
 
     def new_seq(self) -> SeqKV:
         return SeqKV(self.pool)
@@ -187,7 +184,7 @@ class ModelRunner:
 
     def step(self, input_ids: list[int], chunks: list[Chunk], all_logits: bool = False) -> torch.Tensor:
         ids = torch.tensor(input_ids, dtype=torch.long)
-        return self.model(ids, chunks, self.pool, self.experts, all_logits=all_logits)
+        return self.model(ids, chunks, self.pool, self.experts, all_logits=all_logits, graphs=self.graphs)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
                  stop_ids: tuple[int, ...] = (), chunk_tokens: int | None = None) -> GenerationResult:

@@ -1,8 +1,9 @@
-"""CUDA graphs of the fused decode segments, per batch-size bucket (issue 20).
+"""CUDA graphs of the model's decode pieces, per batch-size bucket, owned by the runner.
 
-`fast_decode.block_steps` runs each layer of an all-decode step as segments (pre, mid, shared,
-post) around two eager parts: the attention core (variable key length: it stays outside) and the
-expert hand-off. With a `Graphs` on the model, each segment of each layer is captured once per
+`gpu_service.model.deepseek.Block.steps` runs each layer as pieces (pre, mid, shared, post)
+around two eager parts: the attention core (variable key length: it stays outside) and the
+expert hand-off. The runner passes its `Graphs` to each forward; for an all-decode step up to the
+largest bucket the step gets a `GraphSet` (gpu_service.model.step.make_step) and each piece of each layer is captured once per
 (device, micro-batch slot, bucket) as a CUDA graph over static input/output buffers and replayed
 afterwards; a step whose batch is above the largest bucket, a prefill or a mixed step runs eager.
 
