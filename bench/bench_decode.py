@@ -6,7 +6,6 @@ token per sequence, every sequence with a 16-token history) is timed with
 
   null  an experts function that returns zeros at once (no transport, no expert math),
   shm   2 real shard processes over the shared-memory fast path (RemoteExperts),
-  shmpy the same with the shards serving their doorbells in Python (MOESPLIT_SHM_NATIVE=0),
   shm1  1 shard process holding every expert over shared memory (on this 2-core VM: the GPU side and
         the shard each have a core, as in a deployment with dedicated cores; 2 shards oversubscribe it),
   tcp   the same shards over the TCP data path,
@@ -40,7 +39,8 @@ Findings (this 2-core AVX2 VM, torch CPU, 1 thread; the machine is shared, so ra
   floor. With the shard's doorbell loop in C (kernels/moe_shm.c) a one-token call's round trip is
   ~39 µs (server ~10 µs, of which ~10 computing) against ~146 µs; with the whole step in C as well
   (native_remote.c) one more MoE layer over 2 shard processes costs ~96-101 µs at b1 (target
-  <= 250) against ~420 µs for `layers` and ~270 µs with the shards' loop in Python (`shmpy`);
+  <= 250) against ~420 µs for `layers` and ~270 µs with the shards' loop in Python (a `shmpy`
+  transport, gone with the shard's Python loop);
 - every torch op costs >= 3 µs of dispatch, so the fixed cost is the op count: the fused decode
   step (gpu_service/model/fast_decode.py) cut null/fast b1 from ~1,560-1,600 to ~840-940 µs per MoE
   layer and b8 from ~3,230-3,280 to ~1,670-1,780 µs (b8 runs two ping-pong micro-batches: each layer
@@ -157,11 +157,11 @@ def fixed_cost(rounds: int, steps: int, transports: tuple[str, ...], paths: tupl
             d = tiny(L)
             reader = CheckpointReader(d)
             ex = {"null": NullExperts()}
-            if set(transports) - {"null", "shm1", "shmpy"}:
+            if set(transports) - {"null", "shm1"}:
                 sh = start_shards(d, 2, backend="auto", timeout_s=300)
                 stacks.append(sh)
                 for t in transports:
-                    if t not in ("null", "shm1", "shmpy"):
+                    if t not in ("null", "shm1"):
                         c = ExpertsClient(sh.addresses, reader.config, transport=t, timeout_s=60).connect()
                         clients.append(c)
                         ex[t] = RemoteExperts(c)
@@ -171,23 +171,13 @@ def fixed_cost(rounds: int, steps: int, transports: tuple[str, ...], paths: tupl
                 c = ExpertsClient(sh.addresses, reader.config, transport="shm", timeout_s=60).connect()
                 clients.append(c)
                 ex["shm1"] = RemoteExperts(c)
-            if "shmpy" in transports:  # 2 shards serving their doorbells in Python (MOESPLIT_SHM_NATIVE=0)
-                os.environ["MOESPLIT_SHM_NATIVE"] = "0"
-                try:
-                    sh = start_shards(d, 2, backend="auto", timeout_s=300)
-                finally:
-                    del os.environ["MOESPLIT_SHM_NATIVE"]
-                stacks.append(sh)
-                c = ExpertsClient(sh.addresses, reader.config, transport="shm", timeout_s=60).connect()
-                clients.append(c)
-                ex["shmpy"] = RemoteExperts(c)
             experts[L] = ex
             runners[L] = ModelRunner(reader, ex["null"], device=torch.device("cpu"), dtype=torch.float32,
                                      kv_tokens=64 * (HISTORY + steps + 64), page_size=16)
         rec: dict = {}
         # ('-py' only differs where a shared-memory path can be claimed)
         keys = [(t, p, b) for t in transports for p in paths for b in (1, 8)
-                if not p.endswith("-py") or t in ("shm", "shmpy", "shm1")]
+                if not p.endswith("-py") or t in ("shm", "shm1")]
         for L in DEPTHS:  # warm-up
             for t, p, b in keys:
                 runners[L].experts = experts[L][t]
@@ -373,7 +363,7 @@ def main() -> int:
                     help="decode paths to compare (plain: the reference; fused: the torch fused step; layers: the "
                          "native C layers driven from Python; fast: the default; '-py': with the expert "
                          "hand-offs in the client's Python instead of C)")
-    ap.add_argument("--transports", default="null,shm,shmpy,shm1,tcp")
+    ap.add_argument("--transports", default="null,shm,shm1,tcp")
     args = ap.parse_args()
     import torch
 
@@ -418,7 +408,7 @@ def main() -> int:
             for k in R if "/fast/" in k}
         print("fast / plain per MoE layer:", res["fast_over_plain_per_moe_layer"])
     ratios = {f"{t}/{p}/b{b}": round(R[f"{t}/{p}/b{b}"]["per_moe_layer_us"] / R[f"{t}/{p}-py/b{b}"]["per_moe_layer_us"], 3)
-              for t in ("shm", "shmpy", "shm1") for p in ("fused", "layers") for b in (1, 8)
+              for t in ("shm", "shm1") for p in ("fused", "layers") for b in (1, 8)
               if f"{t}/{p}/b{b}" in R and f"{t}/{p}-py/b{b}" in R}
     if ratios:
         res["c_over_python_handoff_per_moe_layer"] = ratios
