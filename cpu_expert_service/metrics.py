@@ -59,7 +59,8 @@ class _Counts:
 
     def native_arrays(self, n_layer_ids: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
         """(tokens [layer id], activations [layer id, E] or None, held [E] uint8) that the shards' C
-        doorbell loops (kernels/moe_shm.c) add into atomically; collect() adds them in."""
+        doorbell loops (kernels/moe_shm.c) add into atomically, whatever the backend; collect() adds
+        them in."""
         with self.lock:
             if self.native is None or self.native[0].shape[0] < n_layer_ids:
                 n = max(n_layer_ids, max(self.layers, default=0) + 1)
@@ -223,7 +224,7 @@ class ShardMetrics:
         if process:
             ProcessCollector(registry=registry)
 
-    # ---- the shards' C doorbell loops (cpu_expert_service.shm_transport.native_loop)
+    # ---- the shards' C doorbell loops (cpu_expert_service.shm_transport.shard_loop)
     DRAIN_S = 0.1
 
     def attach_native(self, loop) -> None:
@@ -249,9 +250,11 @@ class ShardMetrics:
                     self._drain(loop)
 
     def _drain(self, loop) -> None:
-        recs, dropped = loop.drain()  # [n, 4]: layer, T, queue wait ns, kernel ns
+        recs, dropped = loop.drain()  # [n, 4]: layer, T, queue wait ns, kernel ns (-1: the compute failed)
         for layer, _t, wait_ns, kernel_ns in recs.tolist():
             self.queue_wait.observe(wait_ns * 1e-9)
+            if kernel_ns < 0:  # as MeteredBackend: a failed forward has its queue wait, no kernel time
+                continue
             child = self._kernel_children.get(layer)
             if child is None:
                 child = self._kernel_children[layer] = self.kernel.labels(str(layer))

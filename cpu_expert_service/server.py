@@ -282,8 +282,8 @@ class ExpertServicer(experts_pb2_grpc.ExpertServiceServicer):
 
     def check_and_forward(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, int]:
         """Validate one decoded layer call and run the backend: ([T, H] f32, compute µs).
-        Shared by gRPC and the shared-memory fast path (cpu_expert_service.shm_transport); raises
-        RequestError for anything invalid. x: [T, H] float, ids: [T, k] int, w: [T, k] float."""
+        Shared by gRPC and TCP; raises RequestError for anything invalid (kernels/moe_shm.c makes these checks
+        in C with these messages: change them together). x: [T, H] float, ids: [T, k] int, w: [T, k] float."""
         cfg = self.cfg
         self._check_layer(layer)
         T, H = x.shape

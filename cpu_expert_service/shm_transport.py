@@ -1,7 +1,11 @@
 """The shard side of the shared-memory fast path: AttachShm checks and the per-client serving loop.
 
 The file layout, doorbell and dtype codes are in `wire.shm` (shared with the GPU side); see its
-docstring for the protocol.
+docstring for the protocol. Every client's doorbells are served by one loop, in C
+(cpu_expert_service/kernels/moe_shm.c, bound as `_moe.ShmServe`): it validates each call as
+`ExpertServicer.check_and_forward` does and answers a refused one with the same message; it computes
+with the kernels backend's experts without the GIL, or calls back into any other backend's forward
+(numpy reference) with the GIL for the compute only, so every backend keeps the fast path.
 """
 from __future__ import annotations
 
@@ -10,16 +14,13 @@ import mmap
 import os
 import socket
 import struct
-import sys
 import threading
-import time
 
 import numpy as np
 
 from wire.shm import (
-    _inside, allowed_peer_uids, CALL, check_region, DOORBELL, DTYPES, enabled, FLOAT_CODES, HEADER_BYTES,
-    INT_CODES, INTERNAL, INVALID_ARGUMENT, Layout, MSG_OFFSET, OK, OP_FORWARD, PEER_UID_ENV, peer_uid, recv_spin,
-    RESULT, RESULT_OFFSET, SLOT_META_BYTES, spin_seconds, TOKEN_BYTES, view,
+    _inside, allowed_peer_uids, check_region, enabled, HEADER_BYTES, Layout, PEER_UID_ENV, peer_uid, spin_seconds,
+    TOKEN_BYTES,
 )
 
 log = logging.getLogger("moesplit.shm")
@@ -87,122 +88,77 @@ def attach(servicer, path: str, token: bytes, socket_path: str, shm_dir: str | N
         except OSError as e:
             raise Refused(f"cannot map the region: {e}") from None
         sock.settimeout(None)
+        loop, whole, metrics = shard_loop(servicer, mm, lay, sock)
     except BaseException:
         sock.close()
         if mm is not None:
-            mm.close()
+            try:
+                mm.close()
+            except BufferError:  # the refused loop's view of it: the mapping goes with it
+                pass
         raise
     finally:
         for fd in fds:
             os.close(fd)  # the mapping keeps the memory
     name = f"shm-{os.path.basename(socket_path)}"
-    native = os.environ.get(NATIVE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
-    threading.Thread(target=_serve, args=(servicer, mm, lay, sock, native), name=name, daemon=True).start()
+    threading.Thread(target=_serve, args=(servicer, loop, whole, metrics, mm, sock), name=name, daemon=True).start()
     return name
 
 
-NATIVE_ENV = "MOESPLIT_SHM_NATIVE"  # "0": serve every doorbell in Python (comparisons, debugging)
 RING = 1 << 16  # metric records between two drains (cpu_expert_service.metrics drains every 0.1 s)
 
 
-def native_loop(servicer, mm, lay: Layout, sock: socket.socket, spin_s: float):
-    """The C doorbell loop (kernels/moe_shm.c) for this client where the backend is the kernels
-    (metered or not) and nothing overrides the servicer's checks; else None (Python serves)."""
+def shard_loop(servicer, mm, lay: Layout, sock: socket.socket):
+    """The C doorbell loop (kernels/moe_shm.c, the shard's only shared-memory loop) for this client:
+    all in C over the kernels backend's packed experts (metered or not), else calling the backend's
+    own forward for the compute only. Returns (loop, the mapping's array it keeps alive, metrics or
+    None); raises Refused where the kernels extension is not built."""
+    from checkpoint.names import compact_ranges
     from cpu_expert_service.metrics import MeteredBackend
     try:
         from cpu_expert_service.kernel_backend import KernelExperts
         from cpu_expert_service.kernels import _moe
-    except ImportError:  # no kernels on this machine: the numpy backend, served in Python
-        return None
+    except ImportError as e:
+        raise Refused(f"the shared-memory fast path is served by the C doorbell loop of the kernels extension, "
+                      f"which is not built on this shard ({e}); build it with `make build`") from None
     be, metrics = servicer.backend, None
-    if type(be) is MeteredBackend:
+    if type(be) is MeteredBackend:  # counted in C instead: the loop calls the backend under it
         be, metrics = be._backend, be._metrics
-    if type(be) is not KernelExperts or "check_and_forward" in vars(servicer):
-        return None
+    kernels = type(be) is KernelExperts and "forward" not in vars(be)
+    compute = dict(eng=be._engine) if kernels else dict(forward=be.forward)
     whole = np.frombuffer(mm, dtype=np.uint8)  # the mapping's address; kept alive with the loop
     layout = (lay.n_slots, lay.max_tokens, lay.max_k, HEADER_BYTES, lay.slot_bytes, lay.hidden_off, lay.ids_off,
               lay.w_off, lay.out_off)
     cfg = servicer.cfg
-    counts = metrics.counts.native_arrays(max(servicer.layers, default=0) + 1) if metrics is not None else None
-    loop = _moe.ShmServe(be._engine, whole.ctypes.data, sock.fileno(), layout, cfg.hidden_size, cfg.n_routed_experts,
-                         servicer.max_tokens, servicer.layers, spin_s, *(counts or (None, None, None)),
+    tokens, acts, held = (metrics.counts.native_arrays(max(servicer.layers, default=0) + 1) if metrics is not None
+                          else (None, None, None))
+    loop = _moe.ShmServe(whole.ctypes.data, sock.fileno(), layout, cfg.hidden_size, cfg.n_routed_experts,
+                         servicer.max_tokens, servicer.layers, spin_seconds(), str(servicer.shard_id),
+                         compact_ranges(servicer.layers) or "none", **compute, tokens=tokens, acts=acts, held=held,
                          ring=RING if metrics is not None else 0)
     if metrics is not None:
         metrics.attach_native(loop)
-    return loop, whole, metrics, _moe
+    return loop, whole, metrics
 
 
-def _serve(servicer, mm, lay: Layout, sock: socket.socket, native: bool = True) -> None:
-    """One client's fast path: doorbell in, slot validated and computed, doorbell out. With the
-    kernels backend the loop runs in C (native_loop) and hands Python only the calls it does not
-    take as plain valid calls (errors, odd dtypes): those are served here as before."""
-    from cpu_expert_service.metrics import mark_arrival
-    # the servicer's own module: the shard runs as `python -m cpu_expert_service.server` (__main__)
-    RequestError = sys.modules[type(servicer).__module__].RequestError
+def _serve(servicer, loop, whole, metrics, mm, sock: socket.socket) -> None:
+    """Run one client's C loop on this thread until the client goes or rings a bad doorbell, logging
+    each call it answered INTERNAL (it answers every call itself, then serves on)."""
+    from cpu_expert_service.kernels import _moe
 
-    H = lay.hidden_size
-    recv, send, pack, unpack = sock.recv, sock.send, DOORBELL.pack, DOORBELL.unpack
-    spin_s = spin_seconds()
-    native = native_loop(servicer, mm, lay, sock, spin_s) if native else None
     try:
-        while True:
-            t_start = None
-            if native is not None:
-                loop, _, _, M = native
-                rc = loop.serve()
-                if rc != M.SHM_PYTHON:
-                    if rc == M.SHM_BAD_DOORBELL:
-                        log.warning("shm fast path: bad doorbell (slot %d); closing it", loop.pending[0])
-                    elif rc == M.SHM_NOMEM:
-                        log.error("shard %s: shm fast path: out of memory in the kernels; closing it",
-                                  servicer.shard_id)
-                    break
-                slot, seq, arrived_ns = loop.pending
-                t_start = time.perf_counter() - max(0.0, (time.monotonic_ns() - arrived_ns) * 1e-9)
-                msg = pack(OP_FORWARD, slot, seq)
-            else:
-                msg = recv_spin(sock, spin_s) if spin_s else None
-                if msg is None:
-                    msg = recv(DOORBELL.size)
-            if len(msg) != DOORBELL.size:
-                break  # EOF (client gone) or garbage: end this fast path
-            if t_start is None:
-                t_start = time.perf_counter()
-            mark_arrival(t_start)  # metrics: queue wait counts from the doorbell (cpu_expert_service.metrics)
-            op, slot, seq = unpack(msg)
-            if op != OP_FORWARD or slot >= lay.n_slots:
-                log.warning("shm fast path: bad doorbell (op %d, slot %d); closing it", op, slot)
-                break
-            base = lay.slot_base(slot)
-            status, compute_us, err = OK, 0, b""
-            try:
-                layer, T, k, hc, ic, wc, oc, _, _, _ = CALL.unpack_from(mm, base)
-                if T > lay.max_tokens or k > lay.max_k:
-                    raise RequestError(f"{T} tokens x top-{k} exceed the shared slot ({lay.max_tokens} x {lay.max_k})")
-                if hc not in FLOAT_CODES or oc not in FLOAT_CODES or wc not in FLOAT_CODES or ic not in INT_CODES:
-                    raise RequestError(f"dtype codes hidden/ids/weights/output {hc}/{ic}/{wc}/{oc} not accepted")
-                x = view(mm, base + lay.hidden_off, (T, H), DTYPES[hc])  # [T, H]
-                ids = view(mm, base + lay.ids_off, (T, k), DTYPES[ic])  # [T, k]
-                w = view(mm, base + lay.w_off, (T, k), DTYPES[wc])  # [T, k]
-                out, compute_us = servicer.check_and_forward(layer, x, ids, w)  # [T, H] f32
-                view(mm, base + lay.out_off, (T, H), DTYPES[oc])[...] = out  # cast to the wire dtype
-            except RequestError as e:
-                status, err = INVALID_ARGUMENT, f"shard {servicer.shard_id}: seq {seq}: {e}".encode()
-            except Exception as e:  # noqa: BLE001 - a backend bug: say so, keep serving
-                log.exception("shard %s: shm seq %d failed", servicer.shard_id, seq)
-                status, err = INTERNAL, f"shard {servicer.shard_id}: seq {seq}: {type(e).__name__}: {e}".encode()
-            err = err[:SLOT_META_BYTES - MSG_OFFSET]
-            server_us = int((time.perf_counter() - t_start) * 1e6)
-            RESULT.pack_into(mm, base + RESULT_OFFSET, compute_us, server_us, len(err))
-            if err:
-                mm[base + MSG_OFFSET:base + MSG_OFFSET + len(err)] = err
-            send(pack(status, slot, seq))
-    except OSError:
-        pass  # client went away
+        while (rc := loop.serve()) == _moe.SHM_INTERNAL:
+            _slot, seq, msg = loop.last
+            e = loop.error  # the backend's exception (None: the kernels failed)
+            log.error("shard %s: shm seq %d failed: %s", servicer.shard_id, seq, msg,
+                      exc_info=(type(e), e, e.__traceback__) if e is not None else None)
+        if rc == _moe.SHM_BAD_DOORBELL:
+            slot, seq, _ = loop.last
+            log.warning("shm fast path: bad doorbell (slot %d, seq %d); closing it", slot, seq)
     finally:
-        if native is not None and native[2] is not None:
-            native[2].detach_native(native[0])
-        native = loop = None
+        if metrics is not None:
+            metrics.detach_native(loop)
+        loop = whole = None
         sock.close()
         try:
             mm.close()

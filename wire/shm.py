@@ -31,13 +31,17 @@ Layout of the file (little-endian):
 
 Doorbell: a SOCK_SEQPACKET Unix socket; every message is 16 bytes `<IIQ`: (op or status, slot,
 seq). The client writes a slot and sends (OP_FORWARD, slot, seq); the shard validates and computes
-exactly as for a gRPC `LayerRequest` (`ExpertServicer.check_and_forward`), writes the output (or
+as for a gRPC `LayerRequest` (`ExpertServicer.check_and_forward`'s checks and messages), writes the output (or
 the error message) into the slot and answers (status, slot, seq) with a gRPC status code: 0 OK,
 3 INVALID_ARGUMENT, 13 INTERNAL. A refused call does not end the fast path.
 
-The shard's doorbell loop runs this protocol in C (cpu_expert_service/kernels/moe_shm.c, with the
-kernels backend); it takes the doorbell and result constants from wire/shm_wire.h and the CALL
-layout from its own code: change them together.
+The shard serves this protocol with one loop per client, in C (cpu_expert_service/kernels/moe_shm.c)
+for every backend: the kernels compute there without the GIL, any other backend's forward is called
+back with the GIL. It makes check_and_forward's checks in its order with its messages (and the slot's
+own: rows and top-k over the slot, dtype codes), converts int32 ids and 16-bit hidden rows and
+weights itself, takes the doorbell and result constants from wire/shm_wire.h and the CALL layout and
+dtype codes from its own code: change them together. A shard without the kernels extension refuses
+AttachShm.
 
 Disable on the shard with `--shm-dir ''` or MOESPLIT_SHM=0 (AttachShm then refuses and the client
 stays on gRPC).

@@ -269,28 +269,41 @@ cdef class Engine:
 
 # ---- moe_shm.h: one client's shared-memory doorbell loop, without the GIL
 from libc.stdint cimport uint32_t, uint64_t
+from libc.string cimport memcpy
 
 cdef extern from "shm_wire.h" nogil:
-    int SHM_DOORBELL_BYTES, SHM_OP_FORWARD, SHM_RESULT_OFFSET
+    int SHM_DOORBELL_BYTES, SHM_OP_FORWARD, SHM_RESULT_OFFSET, SHM_MSG_OFFSET, SHM_MSG_MAX
 
 cdef extern from "moe_shm.h" nogil:
-    int MOE_SHM_CLOSED, MOE_SHM_BAD_DOORBELL, MOE_SHM_PYTHON, MOE_SHM_NOMEM
+    int MOE_SHM_CLOSED, MOE_SHM_BAD_DOORBELL, MOE_SHM_INTERNAL
     ctypedef struct MoeShmRec:
         int32_t layer, T
         int64_t wait_ns, kernel_ns
-    ctypedef struct MoeShm:
+    cdef struct MoeShm
+    ctypedef int (*MoeShmCompute)(MoeShm *s, int layer, int T, int k, char *err, size_t cap) noexcept
+    cdef struct MoeShm:
         unsigned char *base
         int fd, n_slots, max_tokens, max_k
         long header_bytes, slot_bytes, hidden_off, ids_off, w_off, out_off
-        int H, E, shard_max_tokens, fmt, n_layers
+        int H, E, shard_max_tokens, n_layers
+        const unsigned char *served
+        const char *shard_id
+        const char *served_text
+        double spin_s
+        MoeShmCompute compute
+        void *ctx
+        MoePool *pool
+        const MoeKernels *kern
+        int fmt
         MoeExpert *const *const *experts
         const int *cap
         const int *inter
-        double spin_s
+        const int *hid
         float *x
         float *w
         float *out
         int64_t *ids
+        int64_t *kids
         int64_t *tokens
         int64_t *acts
         const unsigned char *held
@@ -298,68 +311,92 @@ cdef extern from "moe_shm.h" nogil:
         uint64_t ring_cap, head, tail, dropped
         uint32_t slot
         uint64_t seq
-        int64_t arrived_ns
+        char msg[1]
     uint64_t moe_shm_head(const MoeShm *s)
     void moe_shm_set_tail(MoeShm *s, uint64_t t)
     uint64_t moe_shm_dropped(const MoeShm *s)
-    int moe_shm_serve(MoeShm *s, MoePool *pool, const MoeKernels *kern)
+    int moe_shm_kernels(MoeShm *s, int layer, int T, int k, char *err, size_t cap) noexcept
+    int moe_shm_serve(MoeShm *s)
 
-SHM_CLOSED, SHM_BAD_DOORBELL, SHM_PYTHON, SHM_NOMEM = MOE_SHM_CLOSED, MOE_SHM_BAD_DOORBELL, MOE_SHM_PYTHON, MOE_SHM_NOMEM
-# wire.shm's constants as moe_shm.h has them (tests compare them)
+SHM_CLOSED, SHM_BAD_DOORBELL, SHM_INTERNAL = MOE_SHM_CLOSED, MOE_SHM_BAD_DOORBELL, MOE_SHM_INTERNAL
+# wire.shm's constants as shm_wire.h has them (tests compare them)
 SHM_WIRE = {"doorbell_bytes": SHM_DOORBELL_BYTES, "op_forward": SHM_OP_FORWARD,
-            "result_offset": SHM_RESULT_OFFSET}
+            "result_offset": SHM_RESULT_OFFSET, "msg_offset": SHM_MSG_OFFSET, "msg_max": SHM_MSG_MAX}
+
+
+cdef int _py_compute(MoeShm *s, int layer, int T, int k, char *err, size_t cap) noexcept nogil:
+    """moe_shm.h's compute for a backend that is not the kernels: its forward, with the GIL."""
+    with gil:
+        return (<ShmServe><object>s.ctx).py_forward(layer, T, k, err, cap)
 
 
 cdef class ShmServe:
-    """One client's doorbell loop (moe_shm_serve) over this engine's experts. base: the mapping's
-    address (kept mapped by the caller); layout: wire.shm.Layout's (n_slots, max_tokens, max_k,
-    header_bytes, slot_bytes, hidden_off, ids_off, w_off, out_off); layers: the layer ids the shard
-    serves; tokens [n_layers] / acts [n_layers, E] int64 / held [E] uint8: metric counts (None: not
-    counted); ring: records the drainer takes (0: none)."""
+    """One client's doorbell loop (moe_shm_serve): the shard's only shared-memory loop.
+
+    base: the mapping's address (kept mapped by the caller); layout: wire.shm.Layout's (n_slots,
+    max_tokens, max_k, header_bytes, slot_bytes, hidden_off, ids_off, w_off, out_off); layers: the
+    layer ids the shard serves, served_text their compact form for the refusal message; the compute:
+    `eng` (an Engine: all in C) or `forward` (a backend's forward(layer, x, ids, w) -> [T, H], called
+    with the GIL on the converted rows); tokens [n_layers] / acts [n_layers, E] int64 / held [E]
+    uint8: metric counts (None: not counted); ring: records the drainer takes (0: none)."""
     cdef MoeShm S
     cdef Engine eng
+    cdef object forward
     cdef MoeExpert ***tab
     cdef int *capv
     cdef int *interv
-    cdef object keep
+    cdef int *hidv
+    cdef object keep, xs, ids, ws, outs
+    cdef public object error  # the exception of the last call answered INTERNAL by `forward`
 
-    def __init__(self, Engine eng, size_t base, int fd, tuple layout, int H, int E, int shard_max_tokens, layers,
-                 double spin_s, tokens=None, acts=None, held=None, int ring=0):
-        cdef _Layer L
-        cdef int n, i
+    def __init__(self, size_t base, int fd, tuple layout, int H, int E, int shard_max_tokens, layers,
+                 double spin_s, str shard_id, str served_text, Engine eng=None, forward=None, tokens=None,
+                 acts=None, held=None, int ring=0):
+        cdef int n
         cdef int64_t[::1] tv
         cdef int64_t[:, ::1] av
-        cdef const unsigned char[::1] hv
-        self.eng = eng
+        cdef const unsigned char[::1] hv, sv
+        if (eng is None) == (forward is None):
+            raise ValueError("ShmServe computes with an Engine or a forward callable: pass exactly one")
         S = &self.S
         (S.n_slots, S.max_tokens, S.max_k, S.header_bytes, S.slot_bytes, S.hidden_off, S.ids_off, S.w_off,
          S.out_off) = layout
-        S.base, S.fd, S.H, S.E, S.shard_max_tokens, S.fmt, S.spin_s = <unsigned char *>base, fd, H, E, \
-            shard_max_tokens, eng.fmt, spin_s
-        served = sorted(l for l in layers if l in eng.layers and l >= 0)
+        S.base, S.fd, S.H, S.E, S.shard_max_tokens, S.spin_s = <unsigned char *>base, fd, H, E, shard_max_tokens, \
+            spin_s
+        served = sorted(l for l in layers if l >= 0)
         n = (max(served) + 1) if served else 0
         S.n_layers = n
-        self.tab = <MoeExpert ***>calloc(max(1, n), sizeof(MoeExpert **))
-        self.capv = <int *>calloc(max(1, n), sizeof(int))
-        self.interv = <int *>calloc(max(1, n), sizeof(int))
-        S.x = <float *>calloc(S.max_tokens * H, sizeof(float))
-        S.out = <float *>calloc(S.max_tokens * H, sizeof(float))
-        S.w = <float *>calloc(S.max_tokens * S.max_k, sizeof(float))
-        S.ids = <int64_t *>calloc(S.max_tokens * S.max_k, sizeof(int64_t))
+        mask = np.zeros(max(1, n), dtype=np.uint8)
+        mask[served] = 1
+        sid, stext = shard_id.encode(), served_text.encode()
+        self.keep = [mask, sid, stext, tokens, acts, held]
+        sv = mask
+        S.served, S.shard_id, S.served_text = &sv[0], sid, stext
+        # scratch rows, owned here as numpy arrays (the views `forward` gets are read-only)
+        cdef float[::1] xv, wv, ov
+        cdef int64_t[::1] iv, kv
+        xs, ws = np.zeros(S.max_tokens * H, np.float32), np.zeros(S.max_tokens * S.max_k, np.float32)
+        outs = np.zeros(S.max_tokens * H, np.float32)
+        ids, kids = np.zeros(S.max_tokens * S.max_k, np.int64), np.zeros(S.max_tokens * S.max_k, np.int64)
+        xv, wv, ov, iv, kv = xs, ws, outs, ids, kids
+        S.x, S.w, S.out, S.ids, S.kids = &xv[0], &wv[0], &ov[0], &iv[0], &kv[0]
+        self.keep += [kids]
+        self.xs, self.ws, self.ids, self.outs = xs.view(), ws.view(), ids.view(), outs.reshape(S.max_tokens, H)
+        for a in (self.xs, self.ws, self.ids):
+            a.flags.writeable = False
+        self.xs = self.xs.reshape(S.max_tokens, H)
         if ring:
             if ring & (ring - 1):
                 raise ValueError("ring must be a power of two")
             S.ring = <MoeShmRec *>calloc(ring, sizeof(MoeShmRec))
+            if S.ring == NULL:
+                raise MemoryError()
             S.ring_cap = ring
-        if not (self.tab and self.capv and self.interv and S.x and S.out and S.w and S.ids) or (ring and not S.ring):
-            raise MemoryError()
-        for i in served:
-            L = eng.layers[i]
-            if L.H != H:
-                continue  # (a mismatch: Python refuses those calls with its message)
-            self.tab[i], self.capv[i], self.interv[i] = L.by_id, L.cap, L.I
-        S.experts, S.cap, S.inter = <MoeExpert *const *const *>self.tab, self.capv, self.interv
-        self.keep = (tokens, acts, held)
+        if forward is not None:
+            self.forward = forward
+            S.compute, S.ctx = _py_compute, <void *>self
+        else:
+            self._tables(eng, n)
         if tokens is not None:
             tv = tokens
             if tv.shape[0] < n:
@@ -372,31 +409,66 @@ cdef class ShmServe:
                     raise ValueError("acts [layers, E] and held [E]")
                 S.acts, S.held = &av[0, 0], &hv[0]
 
+    cdef _tables(self, Engine eng, int n):
+        """moe_shm_kernels' per-layer expert tables over `eng` (NULL where it holds no layer)."""
+        cdef _Layer L
+        cdef int i
+        S = &self.S
+        self.eng = eng
+        self.tab = <MoeExpert ***>calloc(max(1, n), sizeof(MoeExpert **))
+        self.capv = <int *>calloc(max(1, n), sizeof(int))
+        self.interv = <int *>calloc(max(1, n), sizeof(int))
+        self.hidv = <int *>calloc(max(1, n), sizeof(int))
+        if not (self.tab and self.capv and self.interv and self.hidv):
+            raise MemoryError()
+        for i in range(n):
+            if S.served[i] and i in eng.layers:
+                L = eng.layers[i]
+                self.tab[i], self.capv[i], self.interv[i], self.hidv[i] = L.by_id, L.cap, L.I, L.H
+        S.experts, S.cap, S.inter, S.hid = <MoeExpert *const *const *>self.tab, self.capv, self.interv, self.hidv
+        S.pool, S.kern, S.fmt, S.compute = eng.pool, &eng.kern, eng.fmt, moe_shm_kernels
+
+    cdef int py_forward(self, int layer, int T, int k, char *err, size_t cap) noexcept:
+        try:
+            self.outs[:T] = self.forward(layer, self.xs[:T], self.ids[:T * k].reshape(T, k),
+                                         self.ws[:T * k].reshape(T, k))  # [T, H], cast as numpy casts
+            return 0
+        except BaseException as e:  # noqa: BLE001 - a backend bug: an INTERNAL answer, the loop serves on
+            self.error = e
+            m = f"{type(e).__name__}: {e}".encode()[:cap - 1]
+            memcpy(err, <const char *>m, len(m))
+            err[len(m)] = 0
+            return -1
+
     def __dealloc__(self):
         free(self.tab)
         free(self.capv)
         free(self.interv)
-        free(self.S.x)
-        free(self.S.out)
-        free(self.S.w)
-        free(self.S.ids)
+        free(self.hidv)
         free(self.S.ring)
 
     def serve(self):
-        """Serve until the client goes or a call needs Python: SHM_CLOSED, SHM_BAD_DOORBELL,
-        SHM_PYTHON (then `pending` is (slot, seq, arrived_ns)) or SHM_NOMEM."""
+        """Serve until the client goes (SHM_CLOSED), a bad doorbell (SHM_BAD_DOORBELL) or right after
+        a call answered INTERNAL (SHM_INTERNAL: `last` says which and why; call serve() again)."""
         cdef int rc
+        self.error = None
         with nogil:
-            rc = moe_shm_serve(&self.S, self.eng.pool, &self.eng.kern)
+            rc = moe_shm_serve(&self.S)
         return rc
 
     @property
-    def pending(self):
-        return self.S.slot, self.S.seq, self.S.arrived_ns
+    def compute(self):
+        """"kernels" (moe_forward over the Engine, all in C) or "forward" (the backend's, with the GIL)."""
+        return "forward" if self.forward is not None else "kernels"
+
+    @property
+    def last(self):
+        """(slot, seq, message) of the bad doorbell or the call last answered INTERNAL."""
+        return self.S.slot, self.S.seq, self.S.msg.decode("utf-8", "replace")
 
     def drain(self):
-        """The records since the last drain: int64 [n, 4] (layer, T, queue wait ns, kernel ns), and
-        how many were dropped so far (the ring was full)."""
+        """The records since the last drain: int64 [n, 4] (layer, T, queue wait ns, kernel ns or -1
+        when the compute failed), and how many were dropped so far (the ring was full)."""
         cdef uint64_t head = moe_shm_head(&self.S), tail = self.S.tail, i
         cdef MoeShmRec *r
         out = np.empty((head - tail, 4), dtype=np.int64)

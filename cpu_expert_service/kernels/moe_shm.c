@@ -3,9 +3,15 @@
 #include "moe_shm.h"
 
 #include <errno.h>
+#include <inttypes.h>
+#include <math.h>
 #include <sched.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/socket.h>
+
+/* wire dtype codes (wire.shm.DTYPE_NAMES) */
+enum { CODE_F32 = 0, CODE_BF16 = 1, CODE_F16 = 2, CODE_I32 = 3, CODE_I64 = 4 };
 
 static int is_finite(float v) {
     uint32_t u;
@@ -13,26 +19,59 @@ static int is_finite(float v) {
     return (u & 0x7f800000u) != 0x7f800000u;
 }
 
-/* wire row -> f32; 0 where a value is NaN / Inf */
-static int get_row(float *y, const unsigned char *src, int code, int n) {
-    int ok = 1;
-    for (int i = 0; i < n; i++) {
-        float v;
-        if (code == 0) {
-            memcpy(&v, src + 4 * (size_t)i, 4);
-        } else if (code == 1) {
-            uint16_t h;
-            memcpy(&h, src + 2 * (size_t)i, 2);
-            v = moe_bf16_to_f32(h);
-        } else {
 #ifdef __FLT16_MAX__
-            _Float16 h;
-            memcpy(&h, src + 2 * (size_t)i, 2);
-            v = (float)h;
+static float f16_to_f32(uint16_t h) {
+    _Float16 v;
+    memcpy(&v, &h, 2);
+    return (float)v;
+}
+static uint16_t f32_to_f16(float f) {
+    _Float16 v = (_Float16)f;
+    uint16_t h;
+    memcpy(&h, &v, 2);
+    return h;
+}
 #else
-            return 0;
+/* without a compiler _Float16: numpy's casts in software (round to nearest even, subnormals) */
+static float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, u;
+    float f;
+    if (e == 0x1f) {
+        u = sign | 0x7f800000u | (m << 13);
+    } else if (e) {
+        u = sign | ((e + 112u) << 23) | (m << 13);
+    } else {
+        f = (float)m * 0x1p-24f; /* zero or subnormal: exact */
+        memcpy(&u, &f, 4);
+        u |= sign;
+    }
+    memcpy(&f, &u, 4);
+    return f;
+}
+static uint16_t f32_to_f16(float f) {
+    uint32_t u, a;
+    memcpy(&u, &f, 4);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | 0x7e00u | (uint16_t)(a >> 13);   /* NaN, quiet */
+    if (a >= 0x477ff000u) return sign | 0x7c00u;                         /* >= 65520: inf */
+    if (a < 0x38800000u) return sign | (uint16_t)lrintf(fabsf(f) * 0x1p24f); /* below 2^-14 */
+    return sign | (uint16_t)(((a + 0xfffu + ((a >> 13) & 1u)) >> 13) - (112u << 10));
+}
 #endif
-        }
+
+/* n wire values -> f32; 0 if one is NaN / Inf */
+static int get_floats(float *y, const unsigned char *src, uint32_t code, size_t n) {
+    int ok = 1;
+    if (code == CODE_F32) {
+        memcpy(y, src, n * 4);
+        for (size_t i = 0; i < n; i++) ok &= is_finite(y[i]);
+        return ok;
+    }
+    for (size_t i = 0; i < n; i++) {
+        uint16_t h;
+        memcpy(&h, src + 2 * i, 2);
+        float v = code == CODE_BF16 ? moe_bf16_to_f32(h) : f16_to_f32(h);
         ok &= is_finite(v);
         y[i] = v;
     }
@@ -40,30 +79,15 @@ static int get_row(float *y, const unsigned char *src, int code, int n) {
 }
 
 /* f32 -> wire (numpy / ml_dtypes casts: round to nearest even) */
-static void put_rows(unsigned char *dst, int code, const float *x, size_t n) {
-    if (code == 0) {
+static void put_floats(unsigned char *dst, uint32_t code, const float *x, size_t n) {
+    if (code == CODE_F32) {
         memcpy(dst, x, n * 4);
-    } else if (code == 1) {
-        for (size_t i = 0; i < n; i++) {
-            uint16_t h = moe_f32_to_bf16(x[i]);
-            memcpy(dst + 2 * i, &h, 2);
-        }
-    } else {
-#ifdef __FLT16_MAX__
-        for (size_t i = 0; i < n; i++) {
-            _Float16 h = (_Float16)x[i];
-            memcpy(dst + 2 * i, &h, 2);
-        }
-#endif
+        return;
     }
-}
-
-static int float_code_ok(uint32_t c) {
-#ifdef __FLT16_MAX__
-    return c <= 2;
-#else
-    return c <= 1;
-#endif
+    for (size_t i = 0; i < n; i++) {
+        uint16_t h = code == CODE_BF16 ? moe_f32_to_bf16(x[i]) : f32_to_f16(x[i]);
+        memcpy(dst + 2 * i, &h, 2);
+    }
 }
 
 /* receive one doorbell: 1, 0 at EOF / a wrong size, -1 on an error */
@@ -95,59 +119,116 @@ static void record(MoeShm *s, int layer, int T, int64_t wait_ns, int64_t kernel_
     __atomic_store_n(&s->head, head + 1, __ATOMIC_RELEASE);
 }
 
-/* one call: 1 answered, 0 for Python, -1 out of memory */
-static int serve_one(MoeShm *s, MoePool *pool, const MoeKernels *kern, uint32_t slot, uint64_t seq,
-                     int64_t arrived) {
+/* counted as the metered backend counts: every routed id of a computed call, held experts only */
+static void count(MoeShm *s, int layer, size_t T, size_t k) {
+    if (!s->tokens) return;
+    __atomic_fetch_add(&s->tokens[layer], (int64_t)T, __ATOMIC_RELAXED);
+    if (s->acts)
+        for (size_t i = 0; i < T * k; i++)
+            if (s->held[s->ids[i]]) __atomic_fetch_add(&s->acts[(long)layer * s->E + s->ids[i]], 1, __ATOMIC_RELAXED);
+}
+
+/* The validator's checks (ExpertServicer.check_and_forward, after the slot's bounds and dtype codes),
+ * in its order and with its messages, converting the slot into the scratch rows on the way: 0, or 1
+ * with the refusal in text. c: dtype codes hidden / ids / weights / output. */
+static int check(MoeShm *s, const unsigned char *b, int32_t layer, uint32_t T, uint32_t k, const uint32_t *c,
+                 char *text, size_t cap) {
+    if (T > (uint32_t)s->max_tokens || k > (uint32_t)s->max_k)
+        return snprintf(text, cap, "%" PRIu32 " tokens x top-%" PRIu32 " exceed the shared slot (%d x %d)", T, k,
+                        s->max_tokens, s->max_k), 1;
+    if (c[0] > CODE_F16 || c[3] > CODE_F16 || c[2] > CODE_F16 || (c[1] != CODE_I32 && c[1] != CODE_I64))
+        return snprintf(text, cap, "dtype codes hidden/ids/weights/output %" PRIu32 "/%" PRIu32 "/%" PRIu32 "/%" PRIu32
+                        " not accepted", c[0], c[1], c[2], c[3]), 1;
+    if (layer < 0 || layer >= s->n_layers || !s->served[layer])
+        return snprintf(text, cap, "layer %" PRId32 " is not an MoE layer served by shard %s (serves layers %s)", layer,
+                        s->shard_id, s->served_text), 1;
+    if (T > (uint32_t)s->shard_max_tokens)
+        return snprintf(text, cap, "hidden: %" PRIu32 " tokens exceed this shard's maximum of %d per request", T,
+                        s->shard_max_tokens), 1;
+    if (k < 1 || k > (uint32_t)s->E)
+        return snprintf(text, cap, "topk_ids: k=%" PRIu32 " must be in [1, %d]", k, s->E), 1;
+    size_t n = (size_t)T * k;
+    const unsigned char *ids = b + s->ids_off;
+    for (size_t i = 0; i < n; i++) {
+        int64_t id;
+        if (c[1] == CODE_I32) {
+            int32_t v;
+            memcpy(&v, ids + 4 * i, 4);
+            id = v;
+        } else {
+            memcpy(&id, ids + 8 * i, 8);
+        }
+        if (id < 0 || id >= s->E)
+            return snprintf(text, cap, "topk_ids: expert id %" PRId64 " outside [0, %d)", id, s->E), 1;
+        s->ids[i] = id;
+    }
+    if (!get_floats(s->x, b + s->hidden_off, c[0], (size_t)T * s->H))
+        return snprintf(text, cap, "hidden contains NaN or Inf"), 1;
+    if (!get_floats(s->w, b + s->w_off, c[2], n))
+        return snprintf(text, cap, "topk_weights contain NaN or Inf"), 1;
+    return 0;
+}
+
+int moe_shm_kernels(MoeShm *s, int layer, int T, int k, char *err, size_t cap) {
+    if (!s->experts[layer] || T == 0) return 0; /* no experts of that layer here: zeros (Engine.forward) */
+    if (s->hid[layer] != s->H)
+        return snprintf(err, cap, "ValueError: layer %d: x has hidden size %d, the experts have %d", layer, s->H,
+                        s->hid[layer]), -1;
+    for (size_t i = 0; i < (size_t)T * k; i++) /* weight 0: computed on the GPU side (KernelExperts.forward) */
+        s->kids[i] = s->w[i] == 0.0f ? -1 : s->ids[i];
+    int rc = moe_forward(s->pool, s->kern, s->experts[layer], s->cap[layer], s->fmt, s->H, s->inter[layer], s->x, T,
+                         s->kids, s->w, k, s->out);
+    if (rc != 0) return snprintf(err, cap, "MemoryError: moe_forward failed (%d)", rc), -1;
+    return 0;
+}
+
+/* one call, answered: 0, or 1 when its compute failed (INTERNAL; s->msg says why) */
+static int serve_one(MoeShm *s, uint32_t slot, uint64_t seq, int64_t arrived) {
     unsigned char *b = s->base + s->header_bytes + (long)slot * s->slot_bytes;
     int32_t layer;
     uint32_t h[6]; /* T, k, hidden / ids / weights / output dtype codes (wire.shm.CALL) */
     memcpy(&layer, b, 4);
     memcpy(h, b + 4, sizeof h);
-    uint32_t T = h[0], k = h[1];
-    if (layer < 0 || layer >= s->n_layers || !s->experts[layer] || T == 0 || T > (uint32_t)s->max_tokens
-        || T > (uint32_t)s->shard_max_tokens || k < 1 || k > (uint32_t)s->max_k || k > (uint32_t)s->E
-        || !float_code_ok(h[2]) || h[3] != 4 || h[4] != 0 || !float_code_ok(h[5]))
-        return 0;
-    int H = s->H;
-    const unsigned char *xs = b + s->hidden_off;
-    size_t es = h[2] == 0 ? 4 : 2;
-    for (uint32_t t = 0; t < T; t++)
-        if (!get_row(s->x + (size_t)t * H, xs + (size_t)t * H * es, (int)h[2], H)) return 0;
-    memcpy(s->ids, b + s->ids_off, (size_t)T * k * 8);
-    memcpy(s->w, b + s->w_off, (size_t)T * k * 4);
-    for (size_t i = 0; i < (size_t)T * k; i++) {
-        if (s->ids[i] < 0 || s->ids[i] >= s->E || !is_finite(s->w[i])) return 0;
+    uint32_t T = h[0], k = h[1], status = 0; /* gRPC status codes: 0 OK, 3 INVALID_ARGUMENT, 13 INTERNAL */
+    uint64_t compute_us = 0;
+    char text[SHM_MSG_MAX + 1];
+    if (check(s, b, layer, T, k, h + 2, text, sizeof text)) {
+        status = 3;
+    } else {
+        memset(s->out, 0, (size_t)T * s->H * 4);
+        int64_t t0 = shm_now_ns();
+        int rc = s->compute(s, layer, (int)T, (int)k, text, sizeof text);
+        int64_t t1 = shm_now_ns();
+        compute_us = (uint64_t)((t1 - t0) / 1000);
+        if (rc != 0) {
+            status = 13;
+            compute_us = 0;
+            record(s, layer, (int)T, t0 - arrived, -1); /* the queue wait only, as MeteredBackend */
+        } else {
+            count(s, layer, T, k);
+            put_floats(b + s->out_off, h[5], s->out, (size_t)T * s->H);
+            record(s, layer, (int)T, t0 - arrived, t1 - t0);
+        }
     }
-    if (s->tokens) {  /* counted as the metered backend counts: every routed id, held ones only */
-        __atomic_fetch_add(&s->tokens[layer], (int64_t)T, __ATOMIC_RELAXED);
-        if (s->acts)
-            for (size_t i = 0; i < (size_t)T * k; i++)
-                if (s->held[s->ids[i]]) __atomic_fetch_add(&s->acts[(long)layer * s->E + s->ids[i]], 1, __ATOMIC_RELAXED);
-    }
-    for (size_t i = 0; i < (size_t)T * k; i++)
-        if (s->w[i] == 0.0f) s->ids[i] = -1;  /* weight 0: computed on the GPU side (KernelExperts.forward) */
-    memset(s->out, 0, (size_t)T * H * 4);
-    int64_t t0 = shm_now_ns();
-    int rc = moe_forward(pool, kern, s->experts[layer], s->cap[layer], s->fmt, H, s->inter[layer], s->x, (int)T,
-                         s->ids, s->w, (int)k, s->out);
-    int64_t t1 = shm_now_ns();
-    if (rc != 0) return -1;
-    put_rows(b + s->out_off, (int)h[5], s->out, (size_t)T * H);
-    uint64_t compute_us = (uint64_t)((t1 - t0) / 1000), server_us = (uint64_t)((shm_now_ns() - arrived) / 1000);
     uint32_t mlen = 0;
+    if (status) { /* "shard S: seq N: ..." (the gRPC servicer's form), cut to the slot's message area */
+        char *m = s->msg;
+        int n = snprintf(m, sizeof s->msg, "shard %s: seq %" PRIu64 ": %s", s->shard_id, seq, text);
+        mlen = n < 0 ? 0 : (uint32_t)n < SHM_MSG_MAX ? (uint32_t)n : SHM_MSG_MAX;
+        memcpy(b + SHM_MSG_OFFSET, m, mlen);
+    }
+    uint64_t server_us = (uint64_t)((shm_now_ns() - arrived) / 1000);
     memcpy(b + SHM_RESULT_OFFSET, &compute_us, 8);
     memcpy(b + SHM_RESULT_OFFSET + 8, &server_us, 8);
     memcpy(b + SHM_RESULT_OFFSET + 16, &mlen, 4);
-    record(s, layer, (int)T, t0 - arrived, t1 - t0);
     unsigned char msg[SHM_DOORBELL_BYTES];
-    uint32_t status = 0;
     memcpy(msg, &status, 4), memcpy(msg + 4, &slot, 4), memcpy(msg + 8, &seq, 8);
     while (send(s->fd, msg, sizeof msg, MSG_NOSIGNAL) < 0 && errno == EINTR) {
     }
-    return 1;  /* a failed send shows as EOF at the next receive */
+    return status == 13; /* a failed send shows as EOF at the next receive */
 }
 
-int moe_shm_serve(MoeShm *s, MoePool *pool, const MoeKernels *kern) {
+int moe_shm_serve(MoeShm *s) {
     unsigned char msg[SHM_DOORBELL_BYTES];
     for (;;) {
         if (recv_doorbell(s, msg) <= 0) return MOE_SHM_CLOSED;
@@ -155,10 +236,8 @@ int moe_shm_serve(MoeShm *s, MoePool *pool, const MoeKernels *kern) {
         uint32_t op, slot;
         uint64_t seq;
         memcpy(&op, msg, 4), memcpy(&slot, msg + 4, 4), memcpy(&seq, msg + 8, 8);
-        s->slot = slot, s->seq = seq, s->arrived_ns = arrived;
+        s->slot = slot, s->seq = seq;
         if (op != SHM_OP_FORWARD || slot >= (uint32_t)s->n_slots) return MOE_SHM_BAD_DOORBELL;
-        int rc = serve_one(s, pool, kern, slot, seq, arrived);
-        if (rc == 0) return MOE_SHM_PYTHON;
-        if (rc < 0) return MOE_SHM_NOMEM;
+        if (serve_one(s, slot, seq, arrived)) return MOE_SHM_INTERNAL;
     }
 }

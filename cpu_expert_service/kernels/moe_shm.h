@@ -1,56 +1,76 @@
-/* moe_shm.h: the shard's shared-memory serving loop in C (issue 20).
+/* moe_shm.h: the shard's shared-memory serving loop, the only one (wire/shm.py has the protocol).
  *
- * cpu_expert_service.shm_transport served each doorbell in Python: ~100 us per call, of which the
- * kernels computed ~30 and the rest was the slot views, validation and the backend's numpy. Here one
- * client's doorbell loop runs without the GIL: receive (bounded spin, then block), validate, convert
- * the slot's hidden rows from the wire dtype, moe_forward, write the output back in the wire dtype,
- * answer. Anything it does not take as a plain valid call (an unknown layer, out-of-range ids,
- * NaN / Inf, int32 ids, T = 0, more rows than the shard takes) it hands back to Python with the
- * call's slot and seq: Python computes or refuses it exactly as before, with its own messages.
+ * One client's doorbell loop runs without the GIL: receive (bounded spin, then block), validate the
+ * slot's call exactly as the shard's validator does (ExpertServicer.check_and_forward, with its
+ * messages), convert hidden rows, ids and weights from their wire dtypes, compute, write the output
+ * back in the wire dtype, answer. A call it refuses is answered INVALID_ARGUMENT with the message in
+ * the slot; a failed compute INTERNAL; either way the loop serves on. Only the client going or a bad
+ * doorbell ends it.
  *
- * Metrics (cpu_expert_service.metrics, when the backend is metered): token and activation counts
- * are added here (atomically) into arrays the collector reads; each call's (layer, queue wait,
- * kernel time) goes into a single-producer ring that a Python thread drains into the histograms. */
+ * The compute is a function pointer: moe_shm_kernels (moe_forward over an Engine's packed experts,
+ * all in C) or, for a backend that is not the kernels, a Cython callback that takes the GIL and calls
+ * the backend's forward on the converted scratch rows (cpu_expert_service/kernels/_moe.pyx).
+ *
+ * Metrics (cpu_expert_service.metrics, when the backend is metered), counted as the metered backend
+ * counts: token and activation counts of every computed call are added here (atomically) into arrays
+ * the collector reads; each computed call's (layer, queue wait, kernel time; -1 when the compute
+ * failed) goes into a single-producer ring that a Python thread drains into the histograms. */
 #ifndef MOESPLIT_MOE_SHM_H
 #define MOESPLIT_MOE_SHM_H
 #include "moe.h"
-#include "shm_wire.h"  /* wire/: the doorbell and slot constants, shared with the GPU side's native step */
+#include "shm_wire.h"  /* wire/: the doorbell and slot constants */
 
-enum { MOE_SHM_CLOSED = 0, MOE_SHM_BAD_DOORBELL = 1, MOE_SHM_PYTHON = 2, MOE_SHM_NOMEM = 3 };
+enum { MOE_SHM_CLOSED = 0, MOE_SHM_BAD_DOORBELL = 1, MOE_SHM_INTERNAL = 2 };
 
 typedef struct { int32_t layer, T; int64_t wait_ns, kernel_ns; } MoeShmRec;
 
-typedef struct {
+typedef struct MoeShm MoeShm;
+/* one valid call's compute from the scratch rows (x [T, H], ids [T, k], w [T, k]) into out [T, H]
+ * (zeroed): 0, or -1 with "Type: text" in err (cap bytes) for an INTERNAL answer */
+typedef int (*MoeShmCompute)(MoeShm *s, int layer, int T, int k, char *err, size_t cap);
+
+struct MoeShm {
     /* the mapping and its layout (wire.shm.Layout) */
     unsigned char *base;
     int fd, n_slots, max_tokens, max_k;
     long header_bytes, slot_bytes, hidden_off, ids_off, w_off, out_off;
     /* the model and this shard */
-    int H, E, shard_max_tokens, fmt;
-    int n_layers;                    /* layer ids < n_layers */
-    MoeExpert *const *const *experts; /* [n_layers] by global expert id, NULL: not held / not served */
-    const int *cap, *inter;          /* [n_layers] table size and intermediate size */
+    int H, E, shard_max_tokens;
+    int n_layers;                     /* layer ids < n_layers */
+    const unsigned char *served;      /* [n_layers] 1: a layer this shard serves */
+    const char *shard_id, *served_text; /* for the messages: the shard's name, its layers ("1-3,5") */
     double spin_s;
+    MoeShmCompute compute;
+    void *ctx;                        /* the compute's (the Cython callback's ShmServe) */
+    /* moe_shm_kernels' experts */
+    MoePool *pool;
+    const MoeKernels *kern;
+    int fmt;
+    MoeExpert *const *const *experts; /* [n_layers] by global expert id, NULL: no experts of that layer */
+    const int *cap, *inter, *hid;     /* [n_layers] table size, intermediate and hidden size */
     /* scratch: max_tokens rows */
     float *x, *w, *out;
-    int64_t *ids;
+    int64_t *ids, *kids;              /* the call's ids; moe_shm_kernels' (-1 where the weight is 0) */
     /* metrics (NULL: none) */
-    int64_t *tokens;                 /* [n_layers] */
-    int64_t *acts;                   /* [n_layers][E], only experts held counted; NULL: not counted */
-    const unsigned char *held;       /* [E] */
-    MoeShmRec *ring;                 /* [ring_cap], ring_cap a power of two */
+    int64_t *tokens;                  /* [n_layers] */
+    int64_t *acts;                    /* [n_layers][E], only experts held counted; NULL: not counted */
+    const unsigned char *held;        /* [E] */
+    MoeShmRec *ring;                  /* [ring_cap], ring_cap a power of two */
     uint64_t ring_cap, head, tail, dropped;  /* head: written here, tail: by the drainer */
-    /* a call handed back (MOE_SHM_PYTHON) */
+    /* the last call answered INTERNAL (MOE_SHM_INTERNAL) or the bad doorbell (MOE_SHM_BAD_DOORBELL) */
     uint32_t slot;
     uint64_t seq;
-    int64_t arrived_ns;
-} MoeShm;
+    char msg[SHM_MSG_MAX + 1];
+};
 
 /* the drainer's side of the ring */
 static inline uint64_t moe_shm_head(const MoeShm *s) { return __atomic_load_n(&s->head, __ATOMIC_ACQUIRE); }
 static inline void moe_shm_set_tail(MoeShm *s, uint64_t t) { __atomic_store_n(&s->tail, t, __ATOMIC_RELEASE); }
 static inline uint64_t moe_shm_dropped(const MoeShm *s) { return __atomic_load_n(&s->dropped, __ATOMIC_RELAXED); }
-/* serve doorbells until the client goes (MOE_SHM_CLOSED), a bad doorbell (MOE_SHM_BAD_DOORBELL:
- * slot / seq say which) or a call for Python (MOE_SHM_PYTHON) */
-int moe_shm_serve(MoeShm *s, MoePool *pool, const MoeKernels *kern);
+/* the compute over an Engine's experts (pool, kern, fmt, experts, cap, inter, hid) */
+int moe_shm_kernels(MoeShm *s, int layer, int T, int k, char *err, size_t cap);
+/* serve doorbells until the client goes (MOE_SHM_CLOSED) or a bad doorbell (MOE_SHM_BAD_DOORBELL:
+ * slot / seq say which); returns MOE_SHM_INTERNAL after answering a call whose compute failed (msg
+ * says why) so that the caller can log it and serve on */
+int moe_shm_serve(MoeShm *s);
 #endif
