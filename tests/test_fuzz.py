@@ -305,7 +305,7 @@ def http_stack(model_dir):
     from checkpoint.reader import CheckpointReader
     from cpu_expert_service.server import load_shard
     from gpu_service.runtime.runner import LocalExperts, ModelRunner
-    from gpu_service.serving import ServingStack
+    from gpu_service.entrypoints.serving import ServingStack
     from gpu_service.api.tokenizer import Tokenizer
 
     _, backend, _ = load_shard(model_dir, None, None, "numpy")
