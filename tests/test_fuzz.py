@@ -348,7 +348,8 @@ def bad_request(draw, vocab):
         body["prompt"] = draw(st.one_of(
             st.lists(st.integers(vocab, 2**80) | st.integers(-(2**80), -1), min_size=1, max_size=5),
             st.just([]), st.integers(), st.floats(allow_nan=True), st.lists(st.floats(), min_size=1),
-            st.dictionaries(st.text(max_size=5), JSON, max_size=3), st.lists(st.lists(st.integers(0, 9)), min_size=2)))
+            st.dictionaries(st.text(max_size=5), JSON, max_size=3),
+            st.lists(st.lists(st.integers(0, 9)), min_size=2).filter(lambda b: not all(b))))  # a batch with an empty prompt
     elif kind in ("prompt", "messages"):
         body["messages"] = draw(st.one_of(
             st.just([]), st.text(max_size=10), st.integers(), st.lists(st.integers(), min_size=1, max_size=3),

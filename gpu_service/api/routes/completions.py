@@ -44,6 +44,7 @@ class _Answer:
 
     def __init__(self, ctx: ApiContext, prompts: list[list[int]], n: int, k: int | None, echo: bool,
                  want_ids: bool):
+        """A fresh completion id and creation time for these choices."""
         self.ctx, self.prompts, self.n, self.k, self.echo, self.want_ids = ctx, prompts, n, k, echo, want_ids
         self.rid = f"cmpl-{uuid.uuid4().hex}"
         self.now = int(time.time())

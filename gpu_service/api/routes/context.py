@@ -25,6 +25,7 @@ class ApiContext:
 
     def __init__(self, engine: Engine, tokenizer, model_name: str, chat_settings: ChatSettings,
                  max_chars: int | None):
+        """The context of one app; `created` is now."""
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.chat_settings, self.max_chars = chat_settings, max_chars
         self.created = int(time.time())
