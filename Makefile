@@ -34,7 +34,7 @@ soak: setup
 	MOESPLIT_SOAK_S=120 $(PY) -m pytest -q -s tests/test_soak.py
 
 demo: setup
-	$(PY) -m gpu_service.demo
+	$(PY) -m gpu_service.entrypoints.demo
 
 bench-kernels: build
 	$(PY) bench/bench_kernels.py

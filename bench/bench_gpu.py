@@ -74,7 +74,7 @@ def decode_batch(runner, prompts, steps):
 
 def graphs_vs_eager(reader, experts, batches=(1, 8), steps=32):
     """Decode steps on CUDA (bf16) with the decode segments as CUDA graphs (default) and eager
-    (--no-cuda-graphs): equal greedy tokens, median ms per step of each (issue 20)."""
+    (--no-cuda-graphs): equal greedy tokens, median ms per step of each."""
     rows = []
     V = reader.config.vocab_size
     for B in batches:

@@ -1,4 +1,4 @@
-"""Grammar-engine costs on the tiny checkpoint's vocabulary (issue 16's closing numbers; not a test).
+"""Grammar-engine costs on the tiny checkpoint's vocabulary (a benchmark, not a test).
 
     python bench/bench_grammar.py [--vocab-size V]
 

@@ -1,12 +1,12 @@
 """Benchmark the split pipeline: in-process experts vs shards over gRPC vs the shared-memory fast path.
 
-Two models: the tiny test model (gpu_service.tiny.make_tiny) and a wide synthetic one (DeepSeek-V3
+Two models: the tiny test model (gpu_service.local.tiny.make_tiny) and a wide synthetic one (DeepSeek-V3
 hidden size 7168, 3 MoE layers + 1 dense, 8 routed experts of intermediate 512, top-4, vocab
 512, random bf16 weights written on the fly with checkpoint.reader.write_safetensors). For each:
 decode and prefill tokens/s with the routed experts
 
-  in_process  gpu_service.runner.LocalExperts over the same backend (no RPC),
-  grpc        2 shard processes (gpu_service.local_stack), ExpertsClient(transport="grpc"),
+  in_process  gpu_service.runtime.runner.LocalExperts over the same backend (no RPC),
+  grpc        2 shard processes (gpu_service.local.stack), ExpertsClient(transport="grpc"),
   shm         the same 2 shards, ExpertsClient(transport="shm") (co-located fast path),
   tcp         the same 2 shards, ExpertsClient(transport="tcp") (the cross-host TCP data path),
 
@@ -18,7 +18,7 @@ floors measured in the same run: a TCP ping-pong of the same bytes over loopback
 Python gRPC bidi-stream echo of the same bytes (grpcio, no protobuf: what any Python gRPC stream
 costs on this machine) and a shared-memory ping-pong with the same Unix-socket doorbell; and the
 shard's compute time of a real one-token call on the wide model. The hidden state is handed to
-the client in the wire dtype, as gpu_service.runner.RemoteExperts does. Calls follow each other
+the client in the wire dtype, as gpu_service.runtime.runner.RemoteExperts does. Calls follow each other
 at once, so both ends' bounded doorbell spin (MOESPLIT_SHM_SPIN_US, set to 200 here: the shards
 are pinned to CPUs of their own) catches them; "shm_cold" are the same calls 2 ms apart, past the
 spin window: each end is woken by the kernel. Finally a projection of the transport's share of a

@@ -65,7 +65,7 @@ def resolve_format(fmt: str, source_format: str) -> str:
 
 
 def plan_shards(cfg: ModelConfig, count: int, split: str) -> list[dict]:
-    """The shards of a conversion: contiguous even expert ranges (as gpu_service.local_stack.
+    """The shards of a conversion: contiguous even expert ranges (as gpu_service.local.stack.
     expert_ranges) or even intermediate slices (as cpu_expert_service.server.slice_range)."""
     E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
     if split not in SPLITS:

@@ -20,7 +20,7 @@ Before serving, the checkpoint tensors this shard serves are verified (`Checkpoi
 present, inside their file, of the shape config.json implies) and every loaded weight must be
 finite; a truncated or corrupt file stops the start-up with an error naming file and tensor.
 With --tls-cert/--tls-key/--tls-ca the port speaks mutual TLS: clients need a certificate signed
-by the CA. Message-size limits and keepalive come from cpu_expert_service.transport.
+by the CA. Message-size limits and keepalive come from wire.channel.
 A co-located GPU service may move its layer calls to shared memory inside --shm-dir (AttachShm;
 cpu_expert_service.shm_transport): same validation, same backend, same errors.
 """

@@ -8,10 +8,11 @@
 - `api/`      the OpenAI-compatible HTTP API, the gRPC Generate API and its client, tokenizers;
 - `plan/`     the memory plan (byte model, auto search, report), Helm values, cluster check,
               hot experts — torch-free;
-- `local/`    one-machine tools: tiny checkpoints, the local shard stack, the tiny trainer.
+- `local/`    one-machine tools: tiny checkpoints, the local shard stack, the tiny trainer;
+- `entrypoints/` the commands (`generate`, `serve`, `server` = gpu-server, `chat`, `plan_cli`,
+              `demo`) and the serving stack they share (`serving`).
 
-Top level: the commands (`generate`, `serve`, `server` = gpu-server, `chat`, `plan_cli`, `demo`),
-the serving stack they share (`serving`) and the Prometheus metrics (`metrics`).
+Top level: the Prometheus metrics (`metrics`).
 
 Imports `checkpoint`, `wire` and `protos`, never `cpu_expert_service` (the local stack starts shard
 processes as subprocesses). Importing the package is cheap; torch is imported only by the

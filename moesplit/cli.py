@@ -10,13 +10,13 @@ import sys
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "generate": ("gpu_service.generate", "generate text with a local GPU service + shard processes"),
+    "generate": ("gpu_service.entrypoints.generate", "generate text with a local GPU service + shard processes"),
     "make-tiny": ("gpu_service.local.tiny", "write a tiny random DeepSeek-V3 checkpoint (bf16|fp8|int4)"),
     "expert-server": ("cpu_expert_service.server", "run one CPU expert shard (container entrypoint)"),
-    "gpu-server": ("gpu_service.server", "run the GPU service alone (container entrypoint)"),
-    "serve": ("gpu_service.serve", "start the local stack and serve the OpenAI HTTP + gRPC APIs"),
-    "chat": ("gpu_service.chat", "interactive chat over the gRPC Generate API"),
-    "plan": ("gpu_service.plan_cli", "compute a memory plan before loading anything"),
+    "gpu-server": ("gpu_service.entrypoints.server", "run the GPU service alone (container entrypoint)"),
+    "serve": ("gpu_service.entrypoints.serve", "start the local stack and serve the OpenAI HTTP + gRPC APIs"),
+    "chat": ("gpu_service.entrypoints.chat", "interactive chat over the gRPC Generate API"),
+    "plan": ("gpu_service.entrypoints.plan_cli", "compute a memory plan before loading anything"),
     "hot-experts": ("gpu_service.plan.hot_experts", "pick --gpu-experts' hot experts from the shards' activation counts"),
     "convert": ("cpu_expert_service.convert", "pack a checkpoint's experts into per-shard kernel files"),
 }

@@ -11,7 +11,7 @@ def replicated_stack(model_dir: str, model: str, *, kv_tokens: int, max_batch: i
                      expert_timeout: float, replicas: int = 2):
     """Yields a started ServingStack with `.shards` (the LocalShards) and `.client` (the ExpertsClient)."""
     from gpu_service.local.stack import start_shards
-    from gpu_service.serving import ServingStack, build_runner
+    from gpu_service.entrypoints.serving import ServingStack, build_runner
 
     shards = start_shards(model_dir, 2, split="experts", backend="auto", replicas=replicas)
     try:

@@ -173,7 +173,7 @@ def test_seed_plan_hardware_requirements_are_rendered(key, tmp_path):
     assert expr["nvidia.com/gpu.count"]["values"] == [str(n_gpus - 1)]
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}} in spec["volumes"]
     paths = {probe: c[probe]["httpGet"]["path"] for probe in ("startupProbe", "readinessProbe", "livenessProbe")}
-    assert paths == {"startupProbe": "/live", "readinessProbe": "/health", "livenessProbe": "/live"}  # issue 22
+    assert paths == {"startupProbe": "/live", "readinessProbe": "/health", "livenessProbe": "/live"}  # a shard outage fails readiness only
 
     # Expert pods: one StatefulSet per shard, Guaranteed QoS, plan memory, AMX labels, gRPC probes.
     stss = by_kind(docs, "StatefulSet")
@@ -371,7 +371,7 @@ if __name__ == "__main__" and "--regen" in sys.argv:
 
 
 def test_hardened_pods_secret_key_and_gpu_network_policy_in_every_ci_file(tmp_path):
-    """Issue 22: every pod runs non-root with the runtime's seccomp profile, every container with a
+    """Hardened pods: every pod runs non-root with the runtime's seccomp profile, every container with a
     read-only root filesystem (emptyDirs at /tmp and /dev/shm), no privilege escalation and no
     capabilities; the API key comes from a Secret (never args) and the helm test sends it; the GPU
     pods have a NetworkPolicy; liveness is /live, readiness /health, both with a timeout."""

@@ -54,7 +54,7 @@ def _serve(tmp_path_factory, kind, arch):
     from gpu_service.api.tokenizer import load_tokenizer
     from gpu_service.local.tiny import make_tiny
     from gpu_service.runtime.runner import LocalExperts, ModelRunner
-    from gpu_service.serving import ServingStack
+    from gpu_service.entrypoints.serving import ServingStack
 
     d = make_tiny(str(tmp_path_factory.mktemp(kind) / kind), "bf16", seed=0, arch=arch, tokenizer=kind,
                   overrides={"max_position_embeddings": 4096})  # V3.2's tools preamble is long in tiny BPE

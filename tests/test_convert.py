@@ -1,6 +1,6 @@
 """`moesplit convert` and shards served from its packed per-shard files.
 
-Tiny checkpoints (gpu_service.tiny.make_tiny bf16, fp8, int4; moe_intermediate_size 64 so that
+Tiny checkpoints (gpu_service.local.tiny.make_tiny bf16, fp8, int4; moe_intermediate_size 64 so that
 two INT4 slices are group-aligned) are converted into 2 shards by either split; shards served from
 the packed files must answer exactly like shards loaded from the original checkpoint in the same
 weight format (bit-exact, all formats: bf16 copies bits, fp8 -> bf16 rounds like the bf16

@@ -45,7 +45,7 @@ MAX_TOKENS = 64  # --max-tokens of the whole shard
 
 # ---- checkpoints ------------------------------------------------------------------------------
 def _own_tiny(out_dir: str, fmt: str, seed: int) -> str:
-    """Expert weights + config.json only (used when gpu_service.tiny is not available)."""
+    """Expert weights + config.json only (used when gpu_service.local.tiny is not available)."""
     from checkpoint.formats import quant_fp8_block
     from checkpoint.reader import write_safetensors
 

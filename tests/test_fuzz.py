@@ -305,7 +305,7 @@ def http_stack(model_dir):
     from checkpoint.reader import CheckpointReader
     from cpu_expert_service.server import load_shard
     from gpu_service.runtime.runner import LocalExperts, ModelRunner
-    from gpu_service.serving import ServingStack
+    from gpu_service.entrypoints.serving import ServingStack
     from gpu_service.api.tokenizer import Tokenizer
 
     _, backend, _ = load_shard(model_dir, None, None, "numpy")
@@ -348,7 +348,8 @@ def bad_request(draw, vocab):
         body["prompt"] = draw(st.one_of(
             st.lists(st.integers(vocab, 2**80) | st.integers(-(2**80), -1), min_size=1, max_size=5),
             st.just([]), st.integers(), st.floats(allow_nan=True), st.lists(st.floats(), min_size=1),
-            st.dictionaries(st.text(max_size=5), JSON, max_size=3), st.lists(st.lists(st.integers(0, 9)), min_size=2)))
+            st.dictionaries(st.text(max_size=5), JSON, max_size=3),
+            st.lists(st.lists(st.integers(0, 9)), min_size=2).filter(lambda b: not all(b))))  # a batch with an empty prompt
     elif kind in ("prompt", "messages"):
         body["messages"] = draw(st.one_of(
             st.just([]), st.text(max_size=10), st.integers(), st.lists(st.integers(), min_size=1, max_size=3),

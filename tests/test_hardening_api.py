@@ -1,4 +1,4 @@
-"""Issue 22, API side: each probe of a hostile client reproduced against a serving stack.
+"""Hardening, API side: each probe of a hostile client reproduced against a serving stack.
 
 One in-process stack (tiny fp32 checkpoint, experts in-process, API key set, small limits) on
 127.0.0.1: body-size cap (413 before reading), prompt cap, /health responsive meanwhile, clients
@@ -50,7 +50,7 @@ def runner_factory(model_dir):
 def stack(runner_factory, model_dir):
     from gpu_service.api.guard import ServerLimits
     from gpu_service.api.tokenizer import Tokenizer
-    from gpu_service.serving import ServingStack
+    from gpu_service.entrypoints.serving import ServingStack
 
     st = ServingStack(runner_factory(), Tokenizer(model_dir), MODEL, port=0, grpc_port=0, api_key=KEY,
                       max_batch=24, chunk_tokens=64, max_waiting=64,

@@ -1,4 +1,4 @@
-"""Issue 22, shard side: each probe of a hostile peer reproduced against real shard processes.
+"""Hardening, shard side: each probe of a hostile peer reproduced against real shard processes.
 
 Shared memory: a region without seals, a plain file, the old path form and a doorbell owned by
 another uid are refused, a sealed region cannot be truncated under the shard, hostile doorbells

@@ -1,4 +1,4 @@
-"""A peer's test suite as the oracle (issue 16): lm-evaluation-harness against `moesplit serve`.
+"""A peer's test suite as the oracle: lm-evaluation-harness against `moesplit serve`.
 
 `lm_eval --model local-completions` (its OpenAI-completions client, token-id prompts, batched
 prompt arrays) is pointed at `moesplit serve` on a tiny seeded bf16 checkpoint (2 shard processes,

@@ -1,4 +1,4 @@
-"""The memory plan holds at peak, not only after load (issue 21), measured on CPU.
+"""The memory plan holds at peak, not only after load, measured on CPU.
 
 A byte tracker over torch's dispatch (tests/memtrack.py) is wrapped around load, a long chunked
 prefill at the plan's chunk size and tens of decode steps; each planned GPU is simulated by the CPU
@@ -110,7 +110,7 @@ if __name__ == "__main__":  # python -m tests.test_peak_memory [OPTION...]: prin
     import sys
     import tempfile
 
-    old = os.environ.get("PEAK_OLD_PLAN") == "1"  # code without the plan's dtype (before issue 21)
+    old = os.environ.get("PEAK_OLD_PLAN") == "1"  # the plan as it was before it counted the compute dtype
     with tempfile.TemporaryDirectory() as tmp:
         for name in sys.argv[1:] or list(OPTIONS):
             arch = OPTIONS[name].get("arch", "deepseek_v3")

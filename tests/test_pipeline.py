@@ -1,4 +1,4 @@
-"""The co-located shared-memory fast path (gpu_service/shm_transport.py) on real shard processes.
+"""The co-located shared-memory fast path (gpu_service/experts/shm.py, cpu_expert_service/shm_transport.py) on real shard processes.
 
 Same tokens and logits with and without it; automatic fallback to gRPC when a shard refuses it
 (a directory it does not share, disabled on the shard) or when it breaks mid-run; an invalid call

@@ -1,4 +1,4 @@
-"""The memory planner (gpu_service/plan.py) and `moesplit plan`: seed cases from the user reports,
+"""The memory planner (gpu_service/plan/) and `moesplit plan`: seed cases from the user reports,
 parameter counts against an independent count, JSON schema, table and exit codes."""
 import json
 import os

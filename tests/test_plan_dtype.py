@@ -1,4 +1,4 @@
-"""The plan counts the compute dtype (issue 21): `moesplit plan --dtype`, and generate/serve plan in
+"""The plan counts the compute dtype: `moesplit plan --dtype`, and generate/serve plan in
 the dtype they will run; `--device cuda --dtype float32` with a plan that only fits in bf16 is
 refused before CUDA is touched; preflight checks the device count first, subtracts only the
 CUDA context and runs on the `--device cuda:N` given."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gpu_service import plan as P
-from gpu_service import generate, plan_cli
+from gpu_service.entrypoints import generate, plan_cli
 from gpu_service.model import placement as PL
 
 MODEL = "deepseek-v3.2"  # on 24 GiB: fits in bf16, not in fp32 (even with the KV cache at its minimum)

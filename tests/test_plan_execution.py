@@ -211,7 +211,7 @@ def test_serve_executes_a_two_gpu_plan(ckpt):
     from openai import OpenAI
 
     from gpu_service.local.stack import start_shards
-    from gpu_service.serving import ServingStack, build_runner
+    from gpu_service.entrypoints.serving import ServingStack, build_runner
 
     d, reader, _ = ckpt
     plan = _plan(reader, gpus=["1GiB", "1GiB"])
@@ -228,7 +228,7 @@ def test_serve_executes_a_two_gpu_plan(ckpt):
 @pytest.fixture(scope="module")
 def trained_dense_routing(tmp_path_factory):
     """The `dense_routing` checkpoint (same config and seeded init), trained for 500 AdamW steps on
-    real text (gpu_service.tiny_train, ~25 s on one core), so its logits have a trained model's margins."""
+    real text (gpu_service.local.tiny_train, ~25 s on one core), so its logits have a trained model's margins."""
     from gpu_service.local.tiny_train import DENSE_ROUTING, train_tiny
 
     r = train_tiny(str(tmp_path_factory.mktemp("trained") / "bf16"), fmt="bf16", seed=7, overrides=DENSE_ROUTING,
@@ -243,7 +243,7 @@ def trained_dense_routing(tmp_path_factory):
 
 
 def test_quantised_attention_on_a_trained_model(trained_dense_routing):
-    """Issue #4's bar, on a briefly trained tiny model instead of random weights (whose near-flat
+    """The quantised-attention bar (>= 90% greedy agreement), on a briefly trained tiny model instead of random weights (whose near-flat
     logits make FP8's ~2.6% weight noise flip ~20% of greedy near-ties): FP8 re-quantised from BF16
     and INT8 both agree on >= 90% of the 64 teacher-forced greedy steps, last-step cosine >= 0.999.
     Here FP8 gets 59/64 (58 needed), cosine 0.9997; INT8 64/64, 0.99995. Over seeds 1/2/7 x 300/400/

@@ -413,7 +413,7 @@ def test_plan_reports_the_host_tier():
 def test_serving_host_kv_arguments():
     import argparse
 
-    from gpu_service.serving import add_serving_arguments, host_kv_bytes
+    from gpu_service.entrypoints.serving import add_serving_arguments, host_kv_bytes
 
     p = argparse.ArgumentParser()
     add_serving_arguments(p)

@@ -1,5 +1,5 @@
-"""Weight-only quantised linears dequantise one row block at a time into a reused scratch buffer
-(issue 21): the same numbers as the full rebuild they replace, and no more bytes per call than
+"""Weight-only quantised linears dequantise one row block at a time into a reused scratch buffer:
+the same numbers as the full rebuild they replace, and no more bytes per call than
 their output plus that buffer (measured by the dispatch byte tracker)."""
 from __future__ import annotations
 

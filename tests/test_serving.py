@@ -33,7 +33,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def stack(model_dir):
     from gpu_service.local.stack import start_shards
-    from gpu_service.serving import ServingStack, build_runner, shard_health_fn
+    from gpu_service.entrypoints.serving import ServingStack, build_runner, shard_health_fn
 
     shards = start_shards(model_dir, 2, split="experts", backend="auto")
     try:
@@ -83,7 +83,7 @@ def test_health_503_when_a_shard_is_down(stack):
     from fastapi.testclient import TestClient
 
     from gpu_service.api.http_api import create_app
-    from gpu_service.serving import shard_health_fn
+    from gpu_service.entrypoints.serving import shard_health_fn
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
@@ -250,7 +250,7 @@ def test_grpc_matches_http(stack, oai):
 
 
 def test_chat_cli_keeps_conversation(stack):
-    from gpu_service.chat import chat_loop
+    from gpu_service.entrypoints.chat import chat_loop
     from gpu_service.api.grpc_client import GenerateClient
 
     seen = []

@@ -1,4 +1,4 @@
-"""Structured outputs and the OpenAI sampling surface (issue 16), on a tiny random model.
+"""Structured outputs and the OpenAI sampling surface, on a tiny random model.
 
 The model emits garbage unless constrained, so every structural property checked here comes
 from the grammar engine: json_schema outputs are validated with `jsonschema`, logprobs are
@@ -74,7 +74,7 @@ def make_runner(model_dir):
 @pytest.fixture(scope="module")
 def stack(model_dir, make_runner):
     from gpu_service.api.tokenizer import Tokenizer
-    from gpu_service.serving import ServingStack
+    from gpu_service.entrypoints.serving import ServingStack
 
     st = ServingStack(make_runner(), Tokenizer(model_dir), MODEL, port=0, grpc_port=0, api_key=API_KEY,
                       max_batch=8, chunk_tokens=64).start()

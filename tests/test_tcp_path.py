@@ -1,4 +1,4 @@
-"""The cross-host TCP data path (cpu_expert_service/tcp_transport.py, gpu_service/tcp_path.py) on
+"""The cross-host TCP data path (cpu_expert_service/tcp_transport.py, gpu_service/experts/tcp.py) on
 real shard processes.
 
 Same answers, tokens and logits as gRPC; refused (and gRPC used) when the shard has it off; a

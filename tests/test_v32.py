@@ -1,7 +1,7 @@
 """DeepSeek-V3.2 sparse attention (DSA): our model with the lightning indexer against transformers'
 `DeepseekV32ForCausalLM`, fp32 on CPU.
 
-In process (fast): the reference is built in memory by `gpu_service.tiny.build_hf_model`, our model
+In process (fast): the reference is built in memory by `gpu_service.local.tiny.build_hf_model`, our model
 is loaded from its state dict and the routed experts run as a plain torch loop. End to end: tiny
 V3.2 checkpoints through `moesplit generate --json` with 2 real shard processes.
 Both with index_topk smaller than the sequence (selection matters) and larger (dense)."""

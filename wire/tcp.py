@@ -38,7 +38,7 @@ answered with INVALID_ARGUMENT and the connection kept, like the shared-memory p
 and compute are the gRPC path's (`ExpertServicer.check_and_forward`).
 
 Receivers poll without blocking for MOESPLIT_SHM_SPIN_US before they block, as on the
-shared-memory path (cpu_expert_service.shm_transport.recv_spin).
+shared-memory path (wire.shm.recv_spin).
 """
 from __future__ import annotations
 

@@ -93,8 +93,8 @@ class ExpertsClient:
         # optional per-call hook (gpu_service.metrics.ExpertsObserver):
         # observer(layer, replica address, rtt seconds, bytes sent, bytes received, ok)
         self.observer = None
-        # layer calls off the gRPC stream: shared memory with co-located shards (gpu_service.shm_transport),
-        # else the TCP data path (gpu_service.tcp_path; mTLS when `tls`); transport "auto"
+        # layer calls off the gRPC stream: shared memory with co-located shards (gpu_service.experts.shm),
+        # else the TCP data path (gpu_service.experts.tcp; mTLS when `tls`); transport "auto"
         # (the first a shard accepts), "grpc" (never), "shm" / "tcp" (required)
         self.fast = FastPaths(transport, shm_dir, wire_dtype, tls=tls, tls_server_name=tls_server_name,
                               tcp_max_tokens=max_tokens)

@@ -1,7 +1,7 @@
 """Which Kubernetes nodes can run a memory plan's pods, and why the others cannot.
 
 `check_cluster(plan)` reads the nodes of the current kubeconfig (or takes recorded node objects) and, for each
-node, checks the same requirements the Helm chart encodes (gpu_service.helm_values): GPU Feature Discovery
+node, checks the same requirements the Helm chart encodes (gpu_service.plan.helm_values): GPU Feature Discovery
 labels and allocatable `nvidia.com/gpu` for the GPU pod; Node Feature Discovery CPU labels and allocatable whole
 CPUs, memory and hugepages for each expert shard pod. It checks each pod on its own against a node's
 allocatable resources, not what other pods already use.

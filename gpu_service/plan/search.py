@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from checkpoint.config import ModelConfig
 from gpu_service.plan.bytes import (
@@ -314,22 +314,10 @@ def _quant_choice(cfg: ModelConfig) -> str:
     return "fp8" if cfg.quantization is not None and cfg.quantization.method == "fp8" else "int8"
 
 
-def make_plan(cfg: ModelConfig, gpus: list[int | str], host_ram: int | str | None = None, numa_nodes: int = 1,
-              kv_tokens: int | None = None, min_kv_tokens: int = DEFAULT_MIN_KV_TOKENS,
-              chunk_tokens: int = DEFAULT_CHUNK_TOKENS, attention_weights: str = "auto",
-              embeddings: str = "auto", gpu_experts: int | str = "auto", expert_format: str = "auto",
-              max_batch: int = DEFAULT_MAX_BATCH, shard_split: str = "slice", model: str | None = None,
-              suggest: bool = True, dtype: str = "bfloat16", host_kv_cache: int | str | None = "auto") -> Plan:
-    """Plan GPU and CPU memory for `cfg` on GPUs of the given total capacities (bytes or "24GiB").
-
-    Options left at "auto" (and kv_tokens, a target) are searched in the documented order of
-    least harm; explicit options are kept as given. When nothing fits, the returned plan has
-    fits=False, the most memory-saving configuration tried, and `suggestions` of changed options
-    that do fit (each verified by re-planning). `dtype` is the compute dtype (bfloat16, float16,
-    float32): the bytes per element of unquantised weights, the KV cache and the activations.
-    `host_kv_cache`: the prefix cache's host tier (gpu_service.plan.host_tier), reported in `plan.host`."""
-    caps = [parse_size(g) for g in gpus]
-    host = parse_size(host_ram) if host_ram is not None else None
+def _check_plan_args(cfg: ModelConfig, caps: list[int], gpus, attention_weights: str, embeddings: str,
+                     gpu_experts: int | str, expert_format: str, numa_nodes: int, chunk_tokens: int,
+                     max_batch: int, dtype: str, kv_tokens: int | None) -> None:
+    """make_plan's arguments checked up front: a ValueError naming the bad value and what is expected."""
     if not caps:
         raise ValueError("no GPU given; pass at least one --gpu SIZE (e.g. --gpu 24GiB)")
     if any(c <= 0 for c in caps):
@@ -351,29 +339,65 @@ def make_plan(cfg: ModelConfig, gpus: list[int | str], host_ram: int | str | Non
     dtype_bytes(dtype)  # ValueError naming the choices
     if kv_tokens is not None and kv_tokens < 1:
         raise ValueError(f"kv_tokens must be positive, got {kv_tokens}")
-    name = model or cfg.model_type
-    choices: list[str] = []
-    is_int4 = cfg.quantization is not None and cfg.quantization.method == "int4"
 
-    # expert format (CPU shards; also the hot experts' format on the GPU)
-    if expert_format == "auto":
-        if is_int4:
-            efmt = "int4"
-            choices.append("expert format int4: the checkpoint's own format (lossless)")
-        elif host is None:
-            efmt = "int8"
-            choices.append("expert format int8: no --host-ram given; 1 B/param with per-channel scales")
+
+def _expert_format(cfg: ModelConfig, expert_format: str, host: int | None, numa_nodes: int, chunk_tokens: int,
+                   shard_split: str, choices: list[str]) -> str:
+    """The CPU shards' expert format (also the hot experts' format on the GPU); "auto": the checkpoint's
+    int4, else int8 without --host-ram, else the most precise whose shards fit the host. Appends the why."""
+    if expert_format != "auto":
+        return expert_format
+    if cfg.quantization is not None and cfg.quantization.method == "int4":
+        choices.append("expert format int4: the checkpoint's own format (lossless)")
+        return "int4"
+    if host is None:
+        choices.append("expert format int8: no --host-ram given; 1 B/param with per-channel scales")
+        return "int8"
+    efmt = "int4"
+    for f in ("bf16", "int8", "int4"):
+        if host_summary(cfg, shard_plans(cfg, f, numa_nodes, chunk_tokens, shard_split), "cpu", host)["fits"]:
+            efmt = f
+            break
+    choices.append(f"expert format {efmt}: the most precise of bf16/int8/int4 whose shards fit "
+                   f"--host-ram {fmt_gib(host)}")
+    return efmt
+
+
+def _most_kv(fits: Callable[[int], bool], floor: int, target: int) -> int | None:
+    """The most KV tokens in [floor, target] (multiples of KV_ROUND above the floor) for which `fits`
+    holds, by bisection; None when even `floor` does not fit."""
+    if not fits(floor):
+        return None
+    lo, hi = floor // KV_ROUND, target // KV_ROUND  # search multiples of KV_ROUND
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if mid * KV_ROUND > floor and fits(mid * KV_ROUND):
+            lo = mid
         else:
-            efmt = "int4"
-            for f in ("bf16", "int8", "int4"):
-                if host_summary(cfg, shard_plans(cfg, f, numa_nodes, chunk_tokens, shard_split), "cpu", host)["fits"]:
-                    efmt = f
-                    break
-            choices.append(f"expert format {efmt}: the most precise of bf16/int8/int4 whose shards fit "
-                           f"--host-ram {fmt_gib(host)}")
-    else:
-        efmt = expert_format
+            hi = mid - 1
+    return max(floor, lo * KV_ROUND)
 
+
+def _most_gpu_experts(fits: Callable[[int], bool], n_routed: int) -> int:
+    """The most hot experts per MoE layer in [0, n_routed] for which `fits` holds (0 when none does)."""
+    lo, hi = 0, n_routed
+    if not fits(0):
+        hi = 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _gpu_stage(cfg: ModelConfig, caps: list[int], opts: Callable[[str, str, int, int], Options],
+               attention_weights: str, embeddings: str, kv_tokens: int | None, min_kv_tokens: int, n_exp: int,
+               choices: list[str]) -> tuple[str, str, int]:
+    """(attention weights, embeddings, KV tokens): the first stage of least harm (checkpoint attention
+    before re-quantised, GPU embeddings before CPU ones) that fits the KV target, else the last stage
+    with the most KV tokens that fit (at least the floor). Appends the why of each choice."""
     target = kv_tokens if kv_tokens is not None else DEFAULT_KV_TARGET
     floor = min(min_kv_tokens, target)
     quant = _quant_choice(cfg)
@@ -381,29 +405,10 @@ def make_plan(cfg: ModelConfig, gpus: list[int | str], host_ram: int | str | Non
     aw_opts = [attention_weights] if attention_weights != "auto" else (
         ["checkpoint"] if quant == "fp8" and cfg.quantization is not None else ["checkpoint", quant])
     stages = [(a, e) for a in aw_opts for e in emb_opts]
-    n_exp = 0 if gpu_experts == "auto" else gpu_experts
-
-    def opts(a: str, e: str, kv: int, x: int) -> Options:
-        return Options(a, e, efmt, x, kv, chunk_tokens, max_batch, dtype)
-
-    chosen = None
-    for a, e in stages:
-        if _fits_gpus(cfg, opts(a, e, target, n_exp), caps):
-            chosen = (a, e, target)
-            break
+    chosen = next(((a, e, target) for a, e in stages if _fits_gpus(cfg, opts(a, e, target, n_exp), caps)), None)
     if chosen is None:
         a, e = stages[-1]
-        lo, hi = floor // KV_ROUND, target // KV_ROUND  # search multiples of KV_ROUND
-        best = None
-        if _fits_gpus(cfg, opts(a, e, floor, n_exp), caps):
-            best = floor
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if mid * KV_ROUND > floor and _fits_gpus(cfg, opts(a, e, mid * KV_ROUND, n_exp), caps):
-                    lo = mid
-                else:
-                    hi = mid - 1
-            best = max(floor, lo * KV_ROUND)
+        best = _most_kv(lambda kv: _fits_gpus(cfg, opts(a, e, kv, n_exp), caps), floor, target)
         chosen = (a, e, best if best is not None else floor)
         if best is not None and best < target:
             choices.append(f"kv tokens {best}: the most that fits (target {target}, minimum {floor})")
@@ -423,20 +428,41 @@ def make_plan(cfg: ModelConfig, gpus: list[int | str], host_ram: int | str | Non
     if embeddings == "auto":
         choices.append("embeddings gpu: they fit" if e == "gpu" else
                        "embeddings cpu: the GPU cannot hold them (only lm_head stays on the GPU)")
+    return chosen
+
+
+def make_plan(cfg: ModelConfig, gpus: list[int | str], host_ram: int | str | None = None, numa_nodes: int = 1,
+              kv_tokens: int | None = None, min_kv_tokens: int = DEFAULT_MIN_KV_TOKENS,
+              chunk_tokens: int = DEFAULT_CHUNK_TOKENS, attention_weights: str = "auto",
+              embeddings: str = "auto", gpu_experts: int | str = "auto", expert_format: str = "auto",
+              max_batch: int = DEFAULT_MAX_BATCH, shard_split: str = "slice", model: str | None = None,
+              suggest: bool = True, dtype: str = "bfloat16", host_kv_cache: int | str | None = "auto") -> Plan:
+    """Plan GPU and CPU memory for `cfg` on GPUs of the given total capacities (bytes or "24GiB").
+
+    Options left at "auto" (and kv_tokens, a target) are searched in the documented order of
+    least harm; explicit options are kept as given. When nothing fits, the returned plan has
+    fits=False, the most memory-saving configuration tried, and `suggestions` of changed options
+    that do fit (each verified by re-planning). `dtype` is the compute dtype (bfloat16, float16,
+    float32): the bytes per element of unquantised weights, the KV cache and the activations.
+    `host_kv_cache`: the prefix cache's host tier (gpu_service.plan.host_tier), reported in `plan.host`."""
+    caps = [parse_size(g) for g in gpus]
+    host = parse_size(host_ram) if host_ram is not None else None
+    _check_plan_args(cfg, caps, gpus, attention_weights, embeddings, gpu_experts, expert_format, numa_nodes,
+                     chunk_tokens, max_batch, dtype, kv_tokens)
+    name = model or cfg.model_type
+    choices: list[str] = []
+    efmt = _expert_format(cfg, expert_format, host, numa_nodes, chunk_tokens, shard_split, choices)
+    n_exp = 0 if gpu_experts == "auto" else gpu_experts
+
+    def opts(a: str, e: str, kv: int, x: int) -> Options:
+        """The options under search with the searched ones filled in."""
+        return Options(a, e, efmt, x, kv, chunk_tokens, max_batch, dtype)
+
+    a, e, kv = _gpu_stage(cfg, caps, opts, attention_weights, embeddings, kv_tokens, min_kv_tokens, n_exp, choices)
     if len(caps) > 1:
         choices.append(f"layers split over {len(caps)} GPUs in contiguous ranges balanced by free bytes")
-
     if gpu_experts == "auto":
-        lo, hi = 0, cfg.n_routed_experts
-        if not _fits_gpus(cfg, opts(a, e, kv, 0), caps):
-            hi = 0
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if _fits_gpus(cfg, opts(a, e, kv, mid), caps):
-                lo = mid
-            else:
-                hi = mid - 1
-        n_exp = lo
+        n_exp = _most_gpu_experts(lambda x: _fits_gpus(cfg, opts(a, e, kv, x), caps), cfg.n_routed_experts)
         choices.append(f"gpu experts {n_exp} per MoE layer: as many hot {efmt} experts as fit after the KV cache")
 
     o = opts(a, e, kv, n_exp)

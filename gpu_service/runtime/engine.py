@@ -16,7 +16,7 @@ tokens in all (chunked prefill mixed with decode). KV lives in the runner's page
   longest cached prefix of the prompt (per `cache_salt`) and prefills only the rest; pages are
   inserted as they fill, and cached pages are evicted (LRU) only when a reservation needs them.
 
-Sampling uses gpu_service.sampling with one generator per request, so a seeded request gives the
+Sampling uses gpu_service.runtime.sampling with one generator per request, so a seeded request gives the
 same tokens whatever it is batched with. The model computes attention per chunk, so batching
 changes numerics only by float reassociation (greedy tokens identical alone or batched).
 

@@ -11,21 +11,27 @@ Special-token strings in `prompt` are parsed as special tokens. The API key appl
 """
 from __future__ import annotations
 
-from fastapi import Request
+from fastapi import APIRouter, Request
 
 from gpu_service.api.chat_request import normalize_messages, validate_tools
 from gpu_service.api.errors import APIError
+from gpu_service.api.routes.context import ApiContext
 
 
-def add_routes(app, engine, tokenizer, body_fn) -> None:
-    """Register the two routes on `app`; `body_fn(request)` parses and checks the JSON body."""
+def router(ctx: ApiContext) -> APIRouter:
+    """The two routes over `ctx`."""
+    r = APIRouter()
+    engine, tokenizer = ctx.engine, ctx.tokenizer
+
     def need_tokenizer(param: str):
+        """400 naming `param` when the model has no tokenizer."""
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer (tokenizer.json or tiktoken.model)", param=param)
 
-    @app.post("/tokenize")
+    @r.post("/tokenize")
     async def tokenize(request: Request):
-        body = await body_fn(request)
+        """A prompt, or messages rendered by the chat format, as token ids."""
+        body = await ctx.body(request)
         if ("prompt" in body) == ("messages" in body):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
         if "prompt" in body:
@@ -53,9 +59,10 @@ def add_routes(app, engine, tokenizer, body_fn) -> None:
                 raise APIError(400, f"chat template: {e}", param="messages") from None
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_request_tokens}
 
-    @app.post("/detokenize")
+    @r.post("/detokenize")
     async def detokenize(request: Request):
-        body = await body_fn(request)
+        """Token ids as text, special tokens included."""
+        body = await ctx.body(request)
         need_tokenizer("tokens")
         ids = body.get("tokens")
         V = engine.cfg.vocab_size
@@ -65,3 +72,5 @@ def add_routes(app, engine, tokenizer, body_fn) -> None:
         if bad is not None:
             raise APIError(400, f"token id {bad} out of range: ids must be in [0, {V})", param="tokens")
         return {"prompt": tokenizer.decode(ids, skip_special_tokens=False)}
+
+    return r

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gpu_service.serving import add_serving_arguments, check_serving_args, plan_or_exit, run_stack, setup_logging
+from gpu_service.entrypoints.serving import (add_serving_arguments, check_serving_args, plan_or_exit, run_stack,
+                                             setup_logging)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 MODEL = os.path.join(ROOT, "build", "demo-tiny-fp8")
 PROMPT = "The experts live on the CPU and the attention lives on the GPU."
 
