@@ -1,20 +1,23 @@
 """Attention backends: MLA over the paged KV pool, chosen once at start-up.
 
-A backend has three parts, all over a step's metadata (`meta.StepMeta`, built once per step and
+A backend has four parts, all over a step's metadata (`meta.StepMeta`, built once per step and
 device from the chunks' page lists):
 
-    decode(q, kv, meta, keep, scaling, r, out)  one absorbed query per decode sequence
-                                                 (q = q_nope W_UK ++ q_pe, [B, nh, r + rope])
+    plan_step(meta, pool, device)               what the backend plans once per step
+    decode(mla, q, kv, meta, keep, out=None)    one absorbed query per decode sequence of `mla`'s
+                                                 layer (q = q_nope W_UK ++ q_pe, [B, nh, r + rope])
                                                  -> o_lat [B, nh, r]
-    prefill(q_nope, q_pe, cache, start, keep, wkv, nh, nope, v, scaling, key_block)
+    prefill(mla, q_nope, q_pe, cache, start, keep, wkv)
                                                  one chunk of n > 1 queries over its history,
-                                                 K/V expanded per key block -> [n, nh, v]
+                                                 K/V expanded per key block -> [n, nh * v]
     select_decode(indexer, q, w, ik, meta)       DeepSeek-V3.2: each decode query's top-k keys
 
 `TorchBackend` (torch_paged.py) runs everywhere (CPU and CUDA); `FlashInferBackend`
 (flashinfer_mla.py) takes the decode part on CUDA where `flashinfer` imports and the MLA dims
-are the ones its kernels are built for. `select_backend(device, cfg, force_torch)` picks one;
-`--attention-backend torch` (MOESPLIT_ATTENTION=torch) forces the torch backend.
+are the ones its kernels are built for. `select_backend(device, cfg, name)` picks one per device,
+the first time a step runs there; MOESPLIT_ATTENTION=torch (or `DeepseekV3.attention_backend =
+"torch"`) forces the torch backend, "flashinfer" requires FlashInfer (a ValueError naming the fix
+where it cannot run).
 """
 from __future__ import annotations
 

@@ -51,7 +51,7 @@ Workspace of one GPU: what the forward pass keeps alive at once beyond weights a
              + 16*B*rope   the batched decode attention at B = max_batch rows over K = kv + B*MIN_KEYS
              padded keys (gpu_service.attention's torch backend: the gather, the scores, their fp32 copy and softmax; the
              step's padded slots and mask; when the padded batch would exceed K keys it is attended
-             in row groups of at most K keys), plus the fused decode segments' rows and step buffers
+             in row groups of at most K keys), plus the decode pieces' rows and step buffers
              (A' = q_lora + kv_lora + rope + heads*(qk_head_dim + 2*rope + kv_lora)). A decode step
              runs after the step's prefill chunks have dropped theirs: max(common + attn, decode)
     graphs = 2 * sum(buckets) * (e*(heads*(2*kv_lora + rope) + kv_lora + rope + 6H) + 12*top_k + 8*rope
@@ -256,7 +256,7 @@ class Options:
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     max_batch: int = DEFAULT_MAX_BATCH
     dtype: str = "bfloat16"  # compute dtype: bytes of unquantised weights, KV cache and activations
-    cuda_graphs: bool = True  # decode segments as CUDA graphs per batch-size bucket (their pools)
+    cuda_graphs: bool = True  # decode pieces as CUDA graphs per batch-size bucket (their pools)
 
     @property
     def eb(self) -> int:
