@@ -16,6 +16,7 @@ from gpu_service import plan as P
 from gpu_service.model import fast_decode as fd
 from gpu_service.model.cuda_graphs import Graphs
 from gpu_service.model.deepseek import MoE
+from gpu_service.model.experts_api import Ready
 from gpu_service.model.kv import Chunk, KVPool, SeqKV
 from tests.test_paged_attention import _setup, ARCHS, greedy_decode, PAGE
 
@@ -42,7 +43,7 @@ def test_fused_decode_32_steps_equal_unfused_and_plain(arch):
 
 def _row_independent_experts(layer, h, ids, w):
     out = h * 0.5 + w[:, :1] * 0.25  # elementwise: each row from its own inputs only
-    return lambda: out
+    return Ready(out)
 
 
 def decode_step_from_prefilled(cfg, model):

@@ -7,6 +7,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from checkpoint.config import ModelConfig
 from gpu_service.model.kv import Chunk, KVPool, SeqKV
 from gpu_service.model.deepseek import build_model
+from gpu_service.model.experts_api import Ready
 
 BASE = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=512, hidden_size=96,
             intermediate_size=160, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
@@ -45,7 +46,7 @@ def _setup(over):
             for j in range(ids.shape[1]):
                 e = int(ids[t, j])
                 out[t] += w[t, j] * (dn[e] @ (torch.nn.functional.silu(gu[e, :I] @ h[t]) * (gu[e, I:] @ h[t])))
-        return lambda: out
+        return Ready(out)
 
     return hf, cfg, model, experts
 
@@ -135,13 +136,14 @@ def test_ping_pong_micro_batches_overlap_and_match(setup):
 
     def recording(layer, h, ids, w):
         events.append(("send", layer, h.shape[0]))
-        wait = experts(layer, h, ids, w)
+        handle = experts(layer, h, ids, w)
 
-        def done():
-            events.append(("wait", layer, h.shape[0]))
-            return wait()
+        class Recorded:
+            def wait(self):
+                events.append(("wait", layer, h.shape[0]))
+                return handle.wait()
 
-        return done
+        return Recorded()
 
     pa, pb = list(range(5, 17)), list(range(40, 49))
     outs = {}

@@ -16,6 +16,7 @@ from checkpoint.config import ModelConfig
 from gpu_service.local.tiny import build_hf_model, tiny_config
 from gpu_service.model import paged_attention as pa
 from gpu_service.model.deepseek import build_model
+from gpu_service.model.experts_api import Ready
 from gpu_service.model.kv import Chunk, KVPool, SeqKV
 
 PAGE = 4
@@ -36,7 +37,7 @@ def _setup(arch: str):
         g = torch.einsum("eih,th->tei", gu, h)  # every expert, then pick: [T, E, 2I]
         y = torch.einsum("ehi,tei->teh", dn, torch.nn.functional.silu(g[..., :I]) * g[..., I:])  # [T, E, H]
         out = (y.gather(1, ids[..., None].expand(-1, -1, h.shape[1])) * w[..., None]).sum(1)
-        return lambda: out
+        return Ready(out)
 
     return cfg, model, experts
 
@@ -184,8 +185,8 @@ def test_batched_attention_on_cuda_equals_plain():
     model = copy.deepcopy(model_cpu).cuda()
 
     def experts_cuda(layer, h, ids, w):
-        out = experts(layer, h.cpu(), ids.cpu(), w.cpu())()
-        return lambda: out.to(h.device)
+        out = experts(layer, h.cpu(), ids.cpu(), w.cpu()).wait()
+        return Ready(out.to(h.device))
 
     prompts = [[5, 9, 17, 33, 2, 8, 100], [400, 21, 22], list(range(30, 49))]
 

@@ -17,6 +17,7 @@ import torch
 from checkpoint.config import ModelConfig
 from gpu_service.model.kv import Chunk, KVPool, SeqKV
 from gpu_service.model.deepseek import build_model
+from gpu_service.model.experts_api import Ready
 from gpu_service.local.tiny import build_hf_model, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,7 +45,7 @@ def _setup(topk: int, seed: int = 0):
             for j in range(ids.shape[1]):
                 e = int(ids[t, j])
                 out[t] += w[t, j] * (dn[e] @ (torch.nn.functional.silu(gu[e, :I] @ h32[t]) * (gu[e, I:] @ h32[t])))
-        return lambda: out.to(h.dtype)
+        return Ready(out.to(h.dtype))
 
     return hf, cfg, model, experts
 

@@ -35,9 +35,10 @@ exactly as for a gRPC `LayerRequest` (`ExpertServicer.check_and_forward`), write
 the error message) into the slot and answers (status, slot, seq) with a gRPC status code: 0 OK,
 3 INVALID_ARGUMENT, 13 INTERNAL. A refused call does not end the fast path.
 
-The shard's doorbell loop runs this protocol in C (cpu_expert_service/kernels/moe_shm.c, with the
-kernels backend); it takes the doorbell and result constants from wire/shm_wire.h and the CALL
-layout from its own code: change them together.
+Both ends run this protocol in C: the shard's doorbell loop (cpu_expert_service/kernels/moe_shm.c,
+with the kernels backend) and the GPU side's client (gpu_service/experts/shm_client.c, the only
+client); they take the doorbell and result constants from wire/shm_wire.h and the CALL layout from
+their own code: change them together.
 
 Disable on the shard with `--shm-dir ''` or MOESPLIT_SHM=0 (AttachShm then refuses and the client
 stays on gRPC).

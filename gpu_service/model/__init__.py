@@ -2,6 +2,8 @@
 
 - `deepseek`: embeddings, RMSNorm, YaRN RoPE, MLA attention, dense MLP, router, shared experts,
   lm_head, micro-batch ping-pong, `build_model` from a checkpoint;
+- `experts_api`: what the model asks of the routed experts (`ExpertsFn` -> `ExpertsHandle.wait()`),
+  implemented in gpu_service.experts.handoff;
 - `kv`: the paged pool of MLA's compressed KV cache (and V3.2's index keys), sequences, chunks;
 - `indexer`: DeepSeek-V3.2's lightning indexer (sparse attention);
 - `paged_attention`: batched paged MLA attention for all decode sequences of a step;

@@ -14,7 +14,7 @@ only to the top-`index_topk` positions its `Indexer` selects (gpu_service/indexe
 from __future__ import annotations
 
 import math
-from typing import Callable, Protocol
+from typing import Callable
 
 import numpy as np
 import torch
@@ -22,18 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from checkpoint.config import ModelConfig
+from gpu_service.model.experts_api import ExpertsFn
 from gpu_service.model.qlinear import make_quantized, weight_of
 from gpu_service.model.indexer import Indexer
 from gpu_service.model.kv import Chunk, KVPool
 from gpu_service.model import fast_decode, paged_attention
-
-
-class ExpertsFn(Protocol):
-    """Routed experts of one MoE layer, started asynchronously: returns a zero-argument callable
-    that waits for and returns sum_k w[t,k] * expert_{ids[t,k]}(h[t]) as [T, H] on h's device.
-    The caller computes the shared expert between the call and the wait (overlap)."""
-
-    def __call__(self, layer: int, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> Callable[[], torch.Tensor]: ...
 
 
 # --------------------------------------------------------------------------------------- basics
@@ -292,11 +285,11 @@ class MoE(nn.Module):
         caller may compute something else (the other micro-batch's attention: ping-pong)."""
         ids, w = self.gate(x)  # [T, k], [T, k] float32
         w_remote = w if self.experts is None else self.remote_weights(ids, w)
-        wait = experts(self.layer, x, ids, w_remote)  # shards work while we compute the rest
+        handle = experts(self.layer, x, ids, w_remote)  # shards work while we compute the rest
 
         def finish() -> torch.Tensor:
             shared = self.shared_experts(x) if self.shared_experts is not None else None
-            routed = wait()
+            routed = handle.wait()
             if self.experts is not None:
                 routed = routed + self.hot_output(x, ids, w, routed)
             return routed if shared is None else routed + shared

@@ -393,12 +393,12 @@ def block_steps(fb: FastBlock, x: torch.Tensor, st: DecodeStep, kv: torch.Tensor
     hb, ib, wb = (h[:B], ids[:B], w[:B]) if Bp > B else (h, ids, w)
     moe = fb.moe
     w_remote = wb if moe.experts is None else moe.remote_weights(ib, wb)
-    wait = experts(moe.layer, hb, ib, w_remote)
+    handle = experts(moe.layer, hb, ib, w_remote)
     yield
     shared = None
     if fb.mlp is not None:
         shared = fb.shared(h) if g is None else g.run(layer, "shared", fb.shared, h)[0]
-    routed = wait()
+    routed = handle.wait()
     if moe.experts is not None:
         routed = routed + moe.hot_output(hb, ib, wb, routed)
     if Bp > B:
