@@ -70,8 +70,9 @@ class NullExperts:
     """An experts function that starts nothing and returns zeros: the step's own cost only."""
 
     def __call__(self, layer, h, ids, w):
-        z = h.new_zeros(h.shape)
-        return lambda: z
+        from gpu_service.model.experts_api import Ready
+
+        return Ready(h.new_zeros(h.shape))
 
 
 def time_steps(runner, batch: int, steps: int) -> float:
@@ -102,7 +103,8 @@ def fixed_cost(rounds: int, steps: int, transports: tuple[str, ...]) -> dict:
     from checkpoint.reader import CheckpointReader
     from gpu_service.experts.client import ExpertsClient
     from gpu_service.local.stack import start_shards
-    from gpu_service.runtime.runner import ModelRunner, RemoteExperts
+    from gpu_service.experts.handoff import RemoteExperts
+    from gpu_service.runtime.runner import ModelRunner
 
     runners, experts, stacks, clients = {}, {}, [], []
     try:

@@ -313,7 +313,8 @@ def gen_rates(model_dir: str, shards, backend_name: str, prompt_len: int, new_to
     from checkpoint.reader import CheckpointReader
     from cpu_expert_service.server import load_shard
     from gpu_service.experts.client import ExpertsClient
-    from gpu_service.runtime.runner import LocalExperts, ModelRunner, RemoteExperts
+    from gpu_service.experts.handoff import LocalExperts, RemoteExperts
+    from gpu_service.runtime.runner import ModelRunner
 
     torch.manual_seed(0)
     _, be, _ = load_shard(model_dir, None, None, backend_name)
@@ -371,14 +372,15 @@ def _one_token_calls(c, layer: int, x, ids, w, n: int, gap_s: float = 0.0) -> tu
         fut = c.forward_async(layer, x, ids, w)
         c.result(fut, layer)
         rtt.append(time.perf_counter() - t0)
-        comp.append(fut.shard_futures[0][1].result().compute_us)
+        comp.append(fut.responses()[0].compute_us)
     return rtt, comp
 
 
 def _raw_calls(c, transport: str, layer: int, x, ids, w, n: int) -> tuple[list[float], list[float]]:
     """n one-token calls on shard 0's transport itself (no client routing / futures chain): the
     fast path (shm, tcp) or the replica's Forward stream with the request encoded per call (grpc)."""
-    from gpu_service.experts.client import _array, _tensor
+    from gpu_service.experts.call import array_of
+    from gpu_service.experts.client import _tensor
     from protos.moesplit.v1 import experts_pb2
 
     r = next(r for r in c.replicas if 0 in r.desc.experts)
@@ -395,7 +397,7 @@ def _raw_calls(c, transport: str, layer: int, x, ids, w, n: int) -> tuple[list[f
             req = experts_pb2.LayerRequest(seq=10**9 + i, layer=layer, hidden=_tensor(x, c.wire_dtype),
                                            topk_ids=_tensor(ids, "int64"), topk_weights=_tensor(w, "float32"))
             resp = r.stream.send(req, 60.0).result()
-            _array(resp.output)  # decoded as the client does
+            array_of(resp.output)  # decoded as the client does
         rtt.append(time.perf_counter() - t0)
         comp.append(resp.compute_us)
     return rtt, comp

@@ -27,7 +27,8 @@ from gpu_service.local.tiny import make_tiny  # noqa: E402
 from gpu_service.model.host_kv import page_bytes  # noqa: E402
 from gpu_service.model.prefix_cache import make_prefix_cache  # noqa: E402
 from gpu_service.runtime.engine import Engine  # noqa: E402
-from gpu_service.runtime.runner import LocalExperts, ModelRunner  # noqa: E402
+from gpu_service.experts.handoff import LocalExperts  # noqa: E402
+from gpu_service.runtime.runner import ModelRunner  # noqa: E402
 
 TURNS, SESSIONS, MAX_TOKENS, PAGE = 8, 2, 32, 64
 

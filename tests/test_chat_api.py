@@ -53,7 +53,8 @@ def _serve(tmp_path_factory, kind, arch):
     from cpu_expert_service.server import load_shard
     from gpu_service.api.tokenizer import load_tokenizer
     from gpu_service.local.tiny import make_tiny
-    from gpu_service.runtime.runner import LocalExperts, ModelRunner
+    from gpu_service.experts.handoff import LocalExperts
+    from gpu_service.runtime.runner import ModelRunner
     from gpu_service.entrypoints.serving import ServingStack
 
     d = make_tiny(str(tmp_path_factory.mktemp(kind) / kind), "bf16", seed=0, arch=arch, tokenizer=kind,

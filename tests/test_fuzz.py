@@ -304,7 +304,8 @@ def http_stack(model_dir):
 
     from checkpoint.reader import CheckpointReader
     from cpu_expert_service.server import load_shard
-    from gpu_service.runtime.runner import LocalExperts, ModelRunner
+    from gpu_service.experts.handoff import LocalExperts
+    from gpu_service.runtime.runner import ModelRunner
     from gpu_service.entrypoints.serving import ServingStack
     from gpu_service.api.tokenizer import Tokenizer
 

@@ -7,7 +7,8 @@ from checkpoint.reader import CheckpointReader
 from cpu_expert_service.server import load_shard
 from gpu_service import plan as P
 from gpu_service.model.placement import Placement
-from gpu_service.runtime.runner import LocalExperts, ModelRunner
+from gpu_service.experts.handoff import LocalExperts
+from gpu_service.runtime.runner import ModelRunner
 from gpu_service.local.tiny import make_tiny
 
 pytestmark = pytest.mark.gpu
@@ -169,7 +170,7 @@ def test_cuda_decode_over_shm_graphs_equal_eager(tmp_path_factory):
     from cpu_expert_service.server import create_server
     from gpu_service.experts.client import ExpertsClient
     from gpu_service.model.kv import Chunk
-    from gpu_service.runtime.runner import RemoteExperts
+    from gpu_service.experts.handoff import RemoteExperts
 
     d = make_tiny(str(tmp_path_factory.mktemp("gpu") / "handoff"), fmt="bf16", seed=4)
     reader = CheckpointReader(d)

@@ -141,7 +141,8 @@ def test_scraped_counts_pick_the_routed_experts_and_the_placement_holds_them(sta
     from gpu_service import plan as P
     from moesplit.cli import main
     from gpu_service.model.placement import add_plan_arguments, Placement, placement_from_args
-    from gpu_service.runtime.runner import ModelRunner, RemoteExperts
+    from gpu_service.experts.handoff import RemoteExperts
+    from gpu_service.runtime.runner import ModelRunner
 
     d, client, ports = stack
     E, k, T, calls = cfg.n_routed_experts, cfg.num_experts_per_tok, 7, 3

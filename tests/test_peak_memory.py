@@ -21,7 +21,8 @@ from gpu_service import plan as P
 from gpu_service.local.tiny import make_tiny
 from gpu_service.model.kv import Chunk
 from gpu_service.model.placement import allocated_bytes_by_gpu, Placement
-from gpu_service.runtime.runner import LocalExperts, ModelRunner
+from gpu_service.experts.handoff import LocalExperts
+from gpu_service.runtime.runner import ModelRunner
 from tests.memtrack import attribute_layers, ByteTracker
 
 # long prompt and many heads: the prefill attention workspace dominates every other transient

@@ -17,7 +17,8 @@ from wire import shm as P
 from gpu_service.experts.client import ExpertsClient
 from gpu_service.experts.errors import ExpertsClientError, ShardError
 from gpu_service.local.stack import start_shards
-from gpu_service.runtime.runner import ModelRunner, RemoteExperts
+from gpu_service.experts.handoff import RemoteExperts
+from gpu_service.runtime.runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(not P.enabled(), reason="MOESPLIT_SHM=0")
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
@@ -167,8 +168,8 @@ def test_remote_experts_cuda_pinned_copies_match_cpu():
         h = torch.randn(T, 64, generator=g).to(torch.bfloat16)
         ids = torch.randint(0, 16, (T, 4), generator=g)
         w = torch.rand(T, 4, generator=g)
-        want = cpu(2, h, ids, w)()
-        got = gpu(2, h.cuda(), ids.cuda(), w.cuda())()
+        want = cpu(2, h, ids, w).wait()
+        got = gpu(2, h.cuda(), ids.cuda(), w.cuda()).wait()
         assert got.device.type == "cuda" and got.dtype == torch.bfloat16
         torch.testing.assert_close(got.cpu(), want, atol=0, rtol=0)
     assert all(b is None or b[0].is_pinned() for b in gpu._pinned)

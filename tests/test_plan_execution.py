@@ -11,7 +11,8 @@ from cpu_expert_service.server import load_shard
 from gpu_service import plan as P
 from gpu_service.model.kv import Chunk
 from gpu_service.model.placement import allocated_bytes_by_gpu, Placement
-from gpu_service.runtime.runner import LocalExperts, ModelRunner
+from gpu_service.experts.handoff import LocalExperts
+from gpu_service.runtime.runner import ModelRunner
 from gpu_service.local.tiny import make_tiny
 from tests.hf_reference import load_reference
 

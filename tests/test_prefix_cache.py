@@ -41,7 +41,7 @@ class CountingExperts:
     """LocalExperts that counts the tokens sent to the first MoE layer (what the CPU shards compute)."""
 
     def __init__(self, backend, layer):
-        from gpu_service.runtime.runner import LocalExperts
+        from gpu_service.experts.handoff import LocalExperts
 
         self.inner, self.layer, self.tokens = LocalExperts(backend), layer, 0
 

@@ -103,7 +103,8 @@ def test_model_logits_equal_the_full_rebuild(tmp_path, monkeypatch, fmt):
     from cpu_expert_service.server import load_shard
     from gpu_service.local.tiny import make_tiny
     from gpu_service.model.placement import Placement
-    from gpu_service.runtime.runner import LocalExperts, ModelRunner
+    from gpu_service.experts.handoff import LocalExperts
+    from gpu_service.runtime.runner import ModelRunner
 
     d = make_tiny(str(tmp_path / "m"), fmt="bf16", seed=5, overrides={"intermediate_size": 300})
     reader = CheckpointReader(d)

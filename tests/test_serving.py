@@ -274,7 +274,8 @@ def test_chat_cli_keeps_conversation(stack):
 def local_runner_factory(model_dir):
     from checkpoint.reader import CheckpointReader
     from cpu_expert_service.server import load_shard
-    from gpu_service.runtime.runner import LocalExperts, ModelRunner
+    from gpu_service.experts.handoff import LocalExperts
+    from gpu_service.runtime.runner import ModelRunner
 
     _, backend, _ = load_shard(model_dir, None, None, "auto")
 

@@ -20,7 +20,8 @@ from wire import tcp as TT
 from gpu_service.experts.client import ExpertsClient
 from gpu_service.experts.errors import ExpertsClientError, ShardError
 from gpu_service.local.stack import start_shards
-from gpu_service.runtime.runner import ModelRunner, RemoteExperts
+from gpu_service.experts.handoff import RemoteExperts
+from gpu_service.runtime.runner import ModelRunner
 from protos.moesplit.v1 import experts_pb2, experts_pb2_grpc
 from tests.test_pipeline import _call, _invalid_calls, cfg, model_dir, shards  # noqa: F401 - the same tiny model and 2 shards
 

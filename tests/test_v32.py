@@ -19,6 +19,7 @@ from gpu_service.model.experts_api import Ready
 from checkpoint.config import ModelConfig
 from gpu_service.model.kv import Chunk, KVPool, SeqKV
 from gpu_service.model.deepseek import build_model
+from gpu_service.model.experts_api import Ready
 from gpu_service.local.tiny import build_hf_model, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -42,6 +42,7 @@ own: rows and top-k over the slot, dtype codes), converts int32 ids and 16-bit h
 weights itself, takes the doorbell and result constants from wire/shm_wire.h and the CALL layout and
 dtype codes from its own code: change them together. A shard without the kernels extension refuses
 AttachShm.
+The GPU side's client is C as well (gpu_service/experts/shm_client.c, the only client).
 
 Disable on the shard with `--shm-dir ''` or MOESPLIT_SHM=0 (AttachShm then refuses and the client
 stays on gRPC).

@@ -1,6 +1,6 @@
-/* shm_wire.h: wire/shm.py's doorbell and slot-result constants for the protocol's C end, the
- * shard's doorbell loop (cpu_expert_service/kernels/moe_shm.c); tests/test_shm_shard_loop.py
- * compares them with wire/shm.py. */
+/* shm_wire.h: wire/shm.py's doorbell and slot-result constants for the protocol's two C ends, the
+ * shard's doorbell loop (cpu_expert_service/kernels/moe_shm.c) and the GPU side's client
+ * (gpu_service/experts/shm_client.c); tests/test_shm_handoff.py compares both with wire/shm.py. */
 #ifndef MOESPLIT_SHM_WIRE_H
 #define MOESPLIT_SHM_WIRE_H
 #include <stdint.h>

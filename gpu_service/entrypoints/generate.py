@@ -49,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     from checkpoint.reader import CheckpointReader
     from gpu_service.experts.client import ExpertsClient
     from gpu_service.local.stack import start_shards
-    from gpu_service.runtime.runner import ModelRunner, RemoteExperts
+    from gpu_service.experts.handoff import RemoteExperts
+    from gpu_service.runtime.runner import ModelRunner
     from gpu_service.runtime.sampling import SamplingParams
 
     if args.max_new_tokens < 1:

@@ -162,7 +162,8 @@ def build_runner(model_dir: str, addresses: list[str], device=None, dtype=None, 
 
     from checkpoint.reader import CheckpointReader
     from gpu_service.experts.client import ExpertsClient
-    from gpu_service.runtime.runner import ModelRunner, RemoteExperts
+    from gpu_service.experts.handoff import RemoteExperts
+    from gpu_service.runtime.runner import ModelRunner
     from gpu_service.api.tokenizer import TokenizerError, load_tokenizer
 
     reader = CheckpointReader(model_dir)

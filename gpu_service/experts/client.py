@@ -5,8 +5,10 @@ shard of another model (`FingerprintError`) and a set of shards that does not co
 (MoE layer, expert, intermediate slice) exactly once (`CoverageError`). Then
 `forward(layer, hidden, ids, w)` sends the rows each shard needs over one persistent bidi stream
 per shard (requests fed by a queue, responses matched by seq), in parallel, and sums the partial
-outputs. `forward_async` returns a `concurrent.futures.Future` so the caller can compute the
-shared expert meanwhile. numpy in, numpy out; no torch here.
+outputs. `forward_async` returns a `LayerCall` (gpu_service.experts.call) whose `result()` waits, so
+the caller can compute the shared expert meanwhile: a part goes straight onto the picked replica's
+fast path when it takes it, else (and when it fails) through the per-call failover below. numpy
+in, numpy out; no torch here.
 
 Reliability: addresses with identical coverage are replicas of one shard group (load spread
 round-robin per call); a replica that fails mid-call is replaced by another for that call; every
@@ -36,6 +38,7 @@ import numpy as np
 
 from checkpoint.config import ModelConfig
 from checkpoint.names import compact_ranges
+from gpu_service.experts.call import Hold, LayerCall, Moved, Part, WIRE_NP
 from gpu_service.experts.errors import CoverageError, ExpertsClientError, FingerprintError, ShardError
 from gpu_service.experts.fast import FastPaths
 from gpu_service.experts.health import check_parallel, HealthCache
@@ -47,9 +50,6 @@ from wire.channel import (
 )
 
 log = logging.getLogger("moesplit.experts_client")
-
-
-_WIRE = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
 class ExpertsClient:
@@ -69,8 +69,8 @@ class ExpertsClient:
                  reconnect_max_s: float = 5.0, transport: str = "auto", shm_dir: str | None = None):
         if not addresses:
             raise ValueError("ExpertsClient needs at least one shard address")
-        if wire_dtype not in _WIRE:
-            raise ValueError(f"wire_dtype {wire_dtype!r}: expected one of {list(_WIRE)}")
+        if wire_dtype not in WIRE_NP:
+            raise ValueError(f"wire_dtype {wire_dtype!r}: expected one of {list(WIRE_NP)}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.addresses = list(addresses)
@@ -98,7 +98,7 @@ class ExpertsClient:
         # (the first a shard accepts), "grpc" (never), "shm" / "tcp" (required)
         self.fast = FastPaths(transport, shm_dir, wire_dtype, tls=tls, tls_server_name=tls_server_name,
                               tcp_max_tokens=max_tokens)
-        self._wire_np = np.dtype(_WIRE[wire_dtype])
+        self._wire_np = np.dtype(WIRE_NP[wire_dtype])
 
     # ---- set-up -------------------------------------------------------------------------------
     def _channel(self, address: str) -> grpc.Channel:
@@ -315,9 +315,12 @@ class ExpertsClient:
                 return None
             return live[next(g.rr) % len(live)]
 
-    def _call_group(self, g: _Group, layer: int, x, i, ww) -> Future:
-        """One layer call on group g: a replica, then another one if it fails (same request)."""
-        out: Future = Future()
+    def _call_group(self, g: _Group, layer: int, x, i, ww, failed: tuple | None = None,
+                    first: _Replica | None = None) -> Future:
+        """One layer call on group g: a replica (`first` if given), then another one if it fails
+        (same request). failed: (replica, error) of a direct fast-path attempt already made
+        (LayerCall): that failure is handled first, as if it had happened here."""
+        out: Future = self.fast.future()  # waiting on it receives fast-path answers in place
         tensors: list = []  # encoded on the first gRPC send (the fast path does not need them)
         src = [x, i, ww]  # after a fast-path send: its copies in shared memory (the caller may reuse x)
         tried: list[_Replica] = []
@@ -352,8 +355,8 @@ class ExpertsClient:
         errors: list[str] = []
         unary_tried: list[_Replica] = []
 
-        def attempt():
-            r = self._pick(g, tried)
+        def attempt(r: _Replica | None = None):
+            r = r or self._pick(g, tried)
             if r is None:
                 why = "; ".join(errors) or "; ".join(f"{x.address}: {x.last_error}" for x in g.replicas)
                 out.set_exception(ShardError(g.addresses, grpc.StatusCode.UNAVAILABLE,
@@ -389,8 +392,48 @@ class ExpertsClient:
             else:
                 out.set_exception(e)
 
-        attempt()
+        if failed is None:
+            attempt(first)
+        else:
+            tried.append(failed[0])
+            f0: Future = Future()
+            f0.set_exception(failed[1])
+            finished(failed[0], f0)
         return out
+
+    def resend(self, p: Part, err: BaseException) -> Future:
+        """A direct part that failed (LayerCall): through the failover with the inputs the shard saw;
+        a part whose fast path broke (Moved) over gRPC to the same replica first (as a Future's
+        fallback would be), then the failover."""
+        if isinstance(err, Moved):
+            return self._call_group(p.group, p.args[0], *p.hold.inputs, first=p.replica)
+        return self._call_group(p.group, p.args[0], *p.hold.inputs, failed=(p.replica, err))
+
+    def observe_direct(self, layer: int, p: Part, hold: Hold) -> None:
+        """Report a direct part's answer (or failure) to the observer, as _observe does for the others."""
+        if self.observer is None or isinstance(hold.err, Moved):
+            return
+        ok = hold.err is None
+        x, i, ww = p.args[1:]
+        try:
+            self.observer(layer, p.replica.address, time.perf_counter() - p.t_send, x.nbytes + i.nbytes + ww.nbytes,
+                          hold.res.ByteSize() if ok else 0, ok)
+        except Exception:  # noqa: BLE001 - metrics never break a forward
+            pass
+
+    def _start(self, g: _Group, layer: int, rows, x, i, ww) -> Part:
+        """Group g's part of a layer call: straight onto the picked replica's fast path when it
+        takes it, else through the failover (_call_group)."""
+        p = Part(rows, g, (layer, x, i, ww))
+        r = self._pick(g, [])
+        if r is not None:
+            hold = Hold()
+            p.t_send = time.perf_counter()
+            if self.fast.send(r, self.cfg, layer, x, i, ww, self.timeout_s, None, hold) is not None:
+                p.replica, p.fp, p.hold = r, self.fast.paths[r.address][0], hold
+                return p
+        p.fut = self._call_group(g, layer, x, i, ww, first=r)  # (r over gRPC: its stream, or its failure)
+        return p
 
     @property
     def max_wait_s(self) -> float:
@@ -398,8 +441,8 @@ class ExpertsClient:
         n = max((len(g.replicas) for g in self.groups), default=1)
         return self.timeout_s * n + 1.0
 
-    def forward_async(self, layer: int, hidden: np.ndarray, ids: np.ndarray, w: np.ndarray) -> Future:
-        """Start the layer's routed experts on the shards; the future's result is [T, H] float32."""
+    def forward_async(self, layer: int, hidden: np.ndarray, ids: np.ndarray, w: np.ndarray) -> LayerCall:
+        """Start the layer's routed experts on the shards; `result()` of the answer is [T, H] float32."""
         if not self.groups:
             raise ExpertsClientError("ExpertsClient.forward before connect()")
         # hidden may come already in the wire dtype (the runner casts on its device): no second cast
@@ -411,12 +454,9 @@ class ExpertsClient:
                 f"forward: expected hidden [T, H], ids [T, k], w [T, k]; got {hidden.shape}, {ids.shape}, {w.shape}"
             )
         T, H = hidden.shape
-        result: Future = self.fast.future()  # waiting on it receives shared-memory answers in place
+        parts: list[Part] = []
         if T == 0:
-            result.set_result(np.zeros((T, H), np.float32))
-            return result
-        parts: list[tuple[np.ndarray | None, Future]] = []
-        sent: list[_Group] = []
+            return LayerCall(self, layer, T, H, parts)
         E = self.cfg.n_routed_experts
         one = T == 1 and 0 < ids.size <= 64  # decode: k Python ints are cheaper than numpy calls per group
         row = ids[0].tolist() if one else None
@@ -439,55 +479,15 @@ class ExpertsClient:
                     continue
                 rows = None if hit.all() else np.nonzero(hit)[0]
             x, i, ww = (hidden, ids, w) if rows is None else (hidden[rows], ids[rows], w[rows])
-            parts.append((rows, self._call_group(g, layer, x, i, ww)))
-            sent.append(g)
-        if not parts:
-            result.set_result(np.zeros((T, H), np.float32))
-            return result
+            parts.append(self._start(g, layer, rows, x, i, ww))
+        return LayerCall(self, layer, T, H, parts)
 
-        remaining = [len(parts)]
-        lock = threading.Lock()
-
-        def _done(_f):
-            with lock:
-                remaining[0] -= 1
-                if remaining[0]:
-                    return
-            if result.done():
-                return
-            out = None  # [T, H] f32
-            try:
-                for (rows, f), g in zip(parts, sent):
-                    resp = f.result()
-                    y = _array(resp.output)  # [T_s, H]
-                    want = (T if rows is None else len(rows), H)
-                    if y.shape != want:
-                        raise ShardError(g.addresses, None, f"layer {layer}: output shape {y.shape} != {want}")
-                    if out is None and rows is None:  # the first full answer is the sum so far (own copy)
-                        out = y if y.flags.writeable else y.copy()
-                        continue
-                    if out is None:
-                        out = np.zeros((T, H), dtype=np.float32)
-                    if rows is None:
-                        out += y
-                    else:
-                        out[rows] += y
-            except BaseException as e:  # noqa: BLE001
-                result.set_exception(e)
-                return
-            result.set_result(out)
-
-        result.shard_futures = [(g.addresses, f) for g, (_, f) in zip(sent, parts)]
-        for _, f in parts:
-            f.add_done_callback(_done)
-        return result
-
-    def result(self, fut: Future, layer: int | None = None) -> np.ndarray:
-        """Wait for a `forward_async` future, bounded: never longer than `max_wait_s`."""
+    def result(self, call: LayerCall, layer: int | None = None) -> np.ndarray:
+        """Wait for a `forward_async` call, bounded: never longer than `max_wait_s`."""
         try:
-            return fut.result(timeout=self.max_wait_s)
+            return call.result(timeout=self.max_wait_s)
         except FutureTimeout:
-            late = [a for a, f in getattr(fut, "shard_futures", []) if not f.done()]
+            late = call.late()
             raise ShardError(
                 ",".join(late) or ",".join(self.addresses), grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"layer {layer}: no answer within {self.max_wait_s:.1f}s",
@@ -539,13 +539,3 @@ def _tensor(a: np.ndarray, dtype: str) -> experts_pb2.Tensor:
     np_dt = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "int64": np.int64}[dtype]
     arr = np.ascontiguousarray(a, dtype=np_dt)
     return experts_pb2.Tensor(dtype=dtype, shape=list(arr.shape), data=arr.tobytes())
-
-
-def _array(t: experts_pb2.Tensor | np.ndarray) -> np.ndarray:
-    if isinstance(t, np.ndarray):  # shared-memory fast path: already a private float32 copy
-        return t
-    dt = _WIRE.get(t.dtype)
-    if dt is None:
-        raise ExpertsClientError(f"shard answered with dtype {t.dtype!r}")
-    # a read-only view of the message bytes when float32 (no copy: it is only added into the sum)
-    return np.asarray(np.frombuffer(t.data, dtype=dt).reshape(tuple(t.shape)), dtype=np.float32)

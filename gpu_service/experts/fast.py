@@ -106,11 +106,12 @@ class FastPaths:
         fp = self.paths.get(address, (None, None))[0]
         return fp.kind if fp is not None and fp.usable else "grpc"
 
-    def send(self, r, cfg, layer: int, x, ids, w, timeout_s: float, fallback) -> Future | None:
-        """A fast-path call to replica r, or None (use the gRPC stream)."""
+    def send(self, r, cfg, layer: int, x, ids, w, timeout_s: float, fallback, hold=None):
+        """A fast-path call to replica r (a Future, or `hold` resolved in its place), or None (use
+        the gRPC stream)."""
         entry = self.paths.get(r.address)
         if entry is not None and entry[0] is not None and entry[0].usable and entry[1] is r.stream:
-            return entry[0].send(layer, x, ids, w, timeout_s, fallback)
+            return entry[0].send(layer, x, ids, w, timeout_s, fallback, hold)
         if self.mode != "grpc" and (entry is None or entry[1] is not r.stream):
             self._renegotiate(r, cfg)  # the replica reconnected since: offer it a fresh fast path
         return None

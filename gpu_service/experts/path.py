@@ -18,6 +18,7 @@ from concurrent.futures import wait as futures_wait
 import grpc
 import numpy as np
 
+from gpu_service.experts.call import Moved
 from gpu_service.experts.errors import ShardError
 from wire import shm as P
 
@@ -114,7 +115,10 @@ class _Path:
             log.warning("%s fast path to %s stopped (%s); using gRPC", self.kind, self.address, why)
         self._close()
         for _, fut, _, _, fallback in moved:
-            _chain(fut, fallback, self.address)
+            if fallback is None:  # a direct part (call.Hold): its LayerCall re-sends it
+                fut.set_exception(Moved(why))
+            else:
+                _chain(fut, fallback, self.address)
 
     def _close(self) -> None:
         try:

@@ -2,7 +2,8 @@
 cpu_expert_service.shm_transport).
 
 A replica on the same host that accepts `AttachShm` gets a sealed memfd of slots, passed over a
-doorbell socket (`negotiate`); `FastPath` sends layer calls through it.
+doorbell socket (`negotiate`); `FastPath` sends layer calls through it with the C client
+(`_shm_client`, built from shm_client.c by setup.py): the only client of this protocol.
 """
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import logging
 import mmap
 import os
 import secrets
-import select
 import socket
 import time
 from concurrent.futures import Future
@@ -18,15 +18,24 @@ from concurrent.futures import Future
 import grpc
 import numpy as np
 
-from gpu_service.experts.path import _Path, DEFAULT_MAX_TOKENS, DEFAULT_SLOTS, FastResponse, shard_error, WATCH_S
+from gpu_service.experts.path import _Path, DEFAULT_MAX_TOKENS, DEFAULT_SLOTS, FastResponse, shard_error
 from protos.moesplit.v1 import experts_pb2, experts_pb2_grpc
 from wire import shm as P
 
+try:
+    from gpu_service.experts import _shm_client as _C
+except ImportError:  # not built: every replica stays on TCP / gRPC, and transport="shm" says why
+    _C = None
+
 log = logging.getLogger("moesplit.shm")
+NOT_BUILT = ("the C shared-memory client gpu_service.experts._shm_client is not built: "
+             "run `make build` (python setup.py build_ext --inplace)")
 
 
 class FastPath(_Path):
-    """One replica's shared mapping (n_slots slots) and doorbell socket (same host)."""
+    """One replica's shared mapping (n_slots slots) and doorbell socket (same host). Slots, pending
+    calls, deadlines and breaks are kept here; every call is written and its doorbell rung, and
+    every answer received, by the C client (`_shm_client.Client`: the GIL released while waiting)."""
 
     kind = "shm"
 
@@ -34,81 +43,94 @@ class FastPath(_Path):
         super().__init__(address, sock)
         self.mm, self.lay = mm, lay
         self.hc = P.code_of(wire_dtype)
+        self.wire = P.DTYPES[self.hc]
         H, M, K = lay.hidden_size, lay.max_tokens, lay.max_k
         bases = [lay.slot_base(s) for s in range(lay.n_slots)]
-        # zero-copy views of every slot, made once: hidden [M, H], ids / weights flat [M * K], output [M, H]
-        self.hidden = [P.view(mm, b + lay.hidden_off, (M, H), P.DTYPES[self.hc]) for b in bases]
+        # zero-copy views of every slot's inputs, made once (a gRPC re-send encodes what the shard saw):
+        # hidden [M, H], ids / weights flat [M * K]
+        self.hidden = [P.view(mm, b + lay.hidden_off, (M, H), self.wire) for b in bases]
         self.ids = [P.view(mm, b + lay.ids_off, (M * K,), np.dtype(np.int64)) for b in bases]
         self.w = [P.view(mm, b + lay.w_off, (M * K,), np.dtype(np.float32)) for b in bases]
-        self.out = [P.view(mm, b + lay.out_off, (M, H), P.DTYPES[self.hc]) for b in bases]
         self.bases = bases
         self.free = list(range(lay.n_slots))
-        sock.setblocking(False)  # receivers poll (spin), then wait in select() up to WATCH_S
+        self.c = _C.Client(mm, sock.fileno(), (lay.n_slots, M, K, P.HEADER_BYTES, lay.slot_bytes, lay.hidden_off,
+                                               lay.ids_off, lay.w_off, lay.out_off), H, self.hc)
+        self.spin_ns = int(self.spin_s * 1e9)
+        self.send_timeout_ms = 1000
+        sock.setblocking(False)  # (several busy paths: DrivenFuture selects the ready doorbells)
 
     def describe(self) -> str:
-        return f"shared-memory fast path ({self.lay.n_slots} slots x {self.lay.max_tokens} tokens)"
+        return f"shared-memory fast path ({self.lay.n_slots} slots x {self.lay.max_tokens} tokens, C client)"
 
     def send(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray, timeout_s: float,
-             fallback) -> Future | None:
-        """Start one layer call (x [T, H] f32, ids [T, k] int64, w [T, k] f32); None: use gRPC.
-        `fallback()` re-sends the call over gRPC (a Future of a LayerResponse) if the fast path breaks."""
+             fallback, hold=None):
+        """Start one layer call (x [T, H] f32 or the wire dtype, ids [T, k] int64, w [T, k] f32): a
+        Future, or `hold` (call.Hold) resolved in its place; None: use gRPC. `fallback()` re-sends the
+        call over gRPC (a Future of a LayerResponse) if the fast path breaks (None: `hold` gets Moved)."""
         T, k = ids.shape
         if not self.usable or T > self.lay.max_tokens or k > self.lay.max_k:
             return None
-        fut: Future = Future()
+        if x.dtype != self.wire and x.dtype != np.float32 or not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x, dtype=np.float32)  # (C casts float32 to the wire dtype like numpy)
+        if ids.dtype != np.int64 or not ids.flags.c_contiguous:
+            ids = np.ascontiguousarray(ids, dtype=np.int64)
+        if w.dtype != np.float32 or not w.flags.c_contiguous:
+            w = np.ascontiguousarray(w, dtype=np.float32)
+        fut = Future() if hold is None else hold
         with self.lock:
             if not self.free or not self.usable:
                 return None
             slot = self.free.pop()
             seq = next(self.seq)
-            self.pending[seq] = (slot, fut, time.monotonic() + timeout_s, T, fallback)
-        self.hidden[slot][:T] = x  # [T, H], cast to the wire dtype like gRPC's encoding
-        self.ids[slot][:T * k] = ids.reshape(-1)
-        self.w[slot][:T * k] = w.reshape(-1)
-        P.CALL.pack_into(self.mm, self.bases[slot], layer, T, k, self.hc, 4, 0, self.hc, 0, 0, 0)
         # the call as the shard sees it, stable while it is pending (a gRPC re-send encodes these)
         fut.inputs = (self.hidden[slot][:T], self.ids[slot][:T * k].reshape(T, k), self.w[slot][:T * k].reshape(T, k))
+        with self.lock:
+            self.pending[seq] = (slot, fut, time.monotonic() + timeout_s, T, fallback)
         try:
-            self.sock.send(P.DOORBELL.pack(P.OP_FORWARD, slot, seq))
-        except OSError as e:
-            self._send_failed(seq, f"doorbell send failed: {e}")
+            self.c.send(slot, seq, layer, x, ids, w, max(1, int(timeout_s * 1000)))
+        except OSError as e:  # ConnectionError / TimeoutError: the doorbell failed or stayed full
+            self._send_failed(seq, str(e))
             return None
         self.calls += 1
         return fut
 
     def _receive(self) -> tuple | None:
-        try:
-            msg = P.recv_spin(self.sock, self.spin_s)  # poll first: no wake-up when the answer is quick
-            if msg is None:
-                if not select.select([self.sock], [], [], WATCH_S)[0]:
-                    self.expire(time.monotonic())
-                    return None
-                msg = self.sock.recv(P.DOORBELL.size)
-        except (BlockingIOError, InterruptedError):
-            return None  # a spurious wake-up: the caller pumps again
-        except (OSError, ValueError) as e:  # ValueError: select() on a socket closed meanwhile
-            msg, why = b"", f"doorbell failed: {e}"
-        else:
-            why = "the shard closed the fast path"
-        if len(msg) != P.DOORBELL.size:
-            self._break(why)
-            return None
-        status, slot, seq = P.DOORBELL.unpack(msg)
         with self.lock:
-            entry = self.pending.pop(seq, None)
+            if not self.pending:
+                return None
+            deadline = next(iter(self.pending.values()))[2]  # the oldest call's: deadlines grow with seq
+        try:
+            msg = self.c.wait(self.spin_ns, int(deadline * 1e9))  # spin, then poll() to the deadline
+        except OSError as e:  # ConnectionError: the shard closed the doorbell, or it failed
+            self._break(str(e))
+            return None
+        if msg is None:  # nothing by the deadline (or a signal, handled): expire what is past it
+            self.expire(time.monotonic())
+            return None
+        status = msg[0]
+        with self.lock:
+            entry = self.pending.pop(msg[2], None)
         if entry is None:
             return None
-        _, fut, _, T, _ = entry
+        slot, fut, _, T, _ = entry
         base = self.bases[slot]
         compute_us, server_us, mlen = P.RESULT.unpack_from(self.mm, base + P.RESULT_OFFSET)
         if status == P.OK:
-            done = (fut, FastResponse(self.out[slot][:T].astype(np.float32), compute_us, server_us), None)
+            done = (fut, FastResponse(self.c.read(slot, T), compute_us, server_us), None)
         else:
+            mlen = min(mlen, P.SLOT_META_BYTES - P.MSG_OFFSET)
             text = bytes(self.mm[base + P.MSG_OFFSET:base + P.MSG_OFFSET + mlen]).decode(errors="replace")
             done = (fut, None, shard_error(self.address, status, text))
         with self.lock:
             self.free.append(slot)
         return done
+
+    def _close(self) -> None:
+        try:  # wakes a C wait on this doorbell in another thread (its own descriptor: EOF)
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        super()._close()
 
 
 def negotiate(channel: grpc.Channel, address: str, hidden_size: int, max_k: int, shm_dir: str, wire_dtype: str,
@@ -117,6 +139,8 @@ def negotiate(channel: grpc.Channel, address: str, hidden_size: int, max_k: int,
     """Offer `address` a shared file + doorbell in shm_dir. (FastPath, "") or (None, why not)."""
     if not P.enabled():
         return None, f"disabled ({P.SHM_ENV}=0)"
+    if _C is None:
+        return None, NOT_BUILT
     if not os.path.isdir(shm_dir) or not os.access(shm_dir, os.W_OK):
         return None, f"shared directory {shm_dir!r} missing or not writable here"
     lay = P.Layout(n_slots, hidden_size, max_tokens, max_k)

@@ -43,16 +43,17 @@ class TcpPath(_Path):
         return f"TCP data path ({host}:{port})"
 
     def send(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray, timeout_s: float,
-             fallback) -> Future | None:
-        """Start one layer call (x [T, H], ids [T, k] int64, w [T, k] f32); None: use gRPC.
-        `fallback()` re-sends it over gRPC (a Future of a LayerResponse) if the connection breaks."""
+             fallback, hold=None):
+        """Start one layer call (x [T, H], ids [T, k] int64, w [T, k] f32): a Future, or `hold`
+        (call.Hold) resolved in its place; None: use gRPC. `fallback()` re-sends it over gRPC (a
+        Future of a LayerResponse) if the connection breaks (None: `hold` gets Moved)."""
         n, k = ids.shape
         if not self.usable or n > self.max_tokens:
             return None
         xw = np.ascontiguousarray(x, dtype=self.wire)  # [T, H], cast like gRPC's encoding
         iw = np.ascontiguousarray(ids, dtype=np.int64)
         ww = np.ascontiguousarray(w, dtype=np.float32)
-        fut: Future = Future()
+        fut = Future() if hold is None else hold
         # the call as sent, for a gRPC re-send (own copies: the caller may reuse its arrays)
         fut.inputs = (xw.copy() if xw is x else xw, iw.copy() if iw is ids else iw, ww.copy() if ww is w else ww)
         with self.tx:

@@ -1,7 +1,6 @@
 """runtime/: running the model for requests.
 
-- `runner`: `ModelRunner` (model + KV pool + experts, one batched step), `RemoteExperts` (the
-  shards through the experts client) and `LocalExperts` (an in-process backend);
+- `runner`: `ModelRunner` (model + KV pool + experts, one batched step);
 - `sampling`: greedy / temperature / top-p / top-k sampling of a batch;
 - `engine`: continuous batching (chunked prefill mixed with decode, preemption, stop rules).
 

@@ -9,14 +9,11 @@ import os
 import time
 from dataclasses import dataclass, field
 
-import ml_dtypes
-import numpy as np
 import torch
 
 from checkpoint.config import ModelConfig
 from gpu_service.model.kv import Chunk, KVPool, SeqKV
 from gpu_service.model.deepseek import build_model, DeepseekV3
-from gpu_service.model.experts_api import Ready
 from gpu_service.model.prefix_cache import make_prefix_cache
 from gpu_service.model.placement import Placement
 from gpu_service.runtime.sampling import sample, SamplingParams
@@ -28,84 +25,6 @@ def default_device() -> torch.device:
 
 def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
-class RemoteExperts:
-    """ExpertsFn over the gRPC experts client: tensors go to the shards as numpy arrays.
-
-    On CUDA, hidden / ids / weights are copied device->host with non_blocking=True into pinned
-    host buffers (a few sets used in turn, grown as needed) and synchronised once per call; the
-    client encodes or copies them before forward_async returns, so a set is free again by its turn."""
-
-    PINNED_SETS = 4  # > calls in flight at once (micro-batch ping-pong: 2)
-
-    def __init__(self, client):
-        self.client = client
-        # hidden states leave the device already in the wire dtype (half the bytes for bf16; the
-        # client then copies them without a numpy cast)
-        self._wire = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(getattr(client, "wire_dtype", ""),
-                                                                               torch.float32)
-        self._pinned: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * self.PINNED_SETS
-        self._turn = 0
-
-    def _to_host_cuda(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor):
-        T, H = h.shape
-        k = ids.shape[1]
-        i = self._turn % self.PINNED_SETS
-        self._turn += 1
-        bufs = self._pinned[i]
-        if bufs is None or bufs[0].shape[0] < T or bufs[0].shape[1] != H or bufs[1].shape[1] != k:
-            cap = max(T, 2 * bufs[0].shape[0] if bufs is not None else 16)
-            bufs = (torch.empty((cap, H), dtype=self._wire, pin_memory=True),  # [cap, H]
-                    torch.empty((cap, k), dtype=torch.int64, pin_memory=True),  # [cap, k]
-                    torch.empty((cap, k), dtype=torch.float32, pin_memory=True))  # [cap, k]
-            self._pinned[i] = bufs
-        hb, ib, wb = bufs[0][:T], bufs[1][:T], bufs[2][:T]
-        hb.copy_(h.detach().to(self._wire), non_blocking=True)
-        ib.copy_(ids, non_blocking=True)
-        wb.copy_(w.detach().float(), non_blocking=True)
-        torch.cuda.current_stream(h.device).synchronize()
-        return _numpy(hb), ib.numpy(), wb.numpy()
-
-    def __call__(self, layer: int, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor):
-        if h.device.type == "cuda":
-            fut = self.client.forward_async(layer, *self._to_host_cuda(h, ids, w))
-        else:
-            fut = self.client.forward_async(layer, _numpy(h.detach().to(self._wire).cpu().contiguous()),
-                                            ids.cpu().numpy(), w.float().cpu().numpy())
-
-        return _Pending(self.client, fut, layer, h)
-
-
-class _Pending:
-    """One layer call in flight on the client; `wait` is bounded by the client's deadline."""
-
-    __slots__ = ("client", "fut", "layer", "h")
-
-    def __init__(self, client, fut, layer: int, h: torch.Tensor):
-        self.client, self.fut, self.layer, self.h = client, fut, layer, h
-
-    def wait(self) -> torch.Tensor:
-        return torch.from_numpy(self.client.result(self.fut, self.layer)).to(device=self.h.device, dtype=self.h.dtype)
-
-
-def _numpy(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of a CPU tensor; bfloat16 as ml_dtypes.bfloat16 (numpy has no bf16 of its own)."""
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
-
-
-class LocalExperts:
-    """ExpertsFn over an in-process `ExpertBackend` (no RPC): for benchmarks and tests."""
-
-    def __init__(self, backend):
-        self.backend = backend
-
-    def __call__(self, layer, h, ids, w):
-        out = self.backend.forward(layer, h.detach().float().cpu().numpy(), ids.cpu().numpy().astype(np.int64),
-                                   w.float().cpu().numpy())
-        return Ready(torch.from_numpy(out).to(device=h.device, dtype=h.dtype))
 
 
 @dataclass
