@@ -9,6 +9,8 @@ check hit DEADLINE_EXCEEDED and the GPU service's /health went 503 until they cl
   the unary `ForwardOne`);
 - a stream with no request or answer for `idle_s` is cancelled by a watchdog (the GPU client
   opens a new stream on its next call);
+- Forward / ForwardOne are registered raw (`add_servicer`): a message that does not parse is the
+  servicer's INVALID_ARGUMENT, not gRPC's INTERNAL;
 - the pool has `RESERVED_WORKERS` threads more than streams may take, so health checks,
   Describe, Attach* and ForwardOne always find one; `maximum_concurrent_rpcs` bounds the rest
   (RESOURCE_EXHAUSTED beyond, instead of an unbounded queue).
@@ -23,6 +25,7 @@ import time
 import grpc
 
 log = logging.getLogger("moesplit.expert_server")
+SERVICE_NAME = "moesplit.v1.ExpertService"
 
 RESERVED_WORKERS = 8  # threads no stream can take: health, Describe, Attach*, ForwardOne
 IDLE_ENV = "MOESPLIT_STREAM_IDLE_S"
@@ -105,3 +108,29 @@ class StreamLimits(grpc.ServerInterceptor):
                 e[1].cancel()
             if idle:
                 log.info("closed %d Forward streams idle for over %.0f s", len(idle), self.idle_s)
+
+
+RAW_METHODS = ("Forward", "ForwardOne")  # requests parsed by the servicer, not by gRPC
+
+
+def add_servicer(servicer, server: grpc.Server) -> None:
+    """Register every ExpertService method (like the generated add_ExpertServiceServicer_to_server),
+    except that Forward / ForwardOne receive raw bytes: a message that does not even parse gets
+    INVALID_ARGUMENT from the servicer instead of gRPC's INTERNAL deserialization failure (whose
+    error path also leaked memory per call under fuzzing)."""
+    from google.protobuf import symbol_database
+
+    from protos.moesplit.v1 import experts_pb2
+
+    db = symbol_database.Default()
+    handlers = {}
+    for m in experts_pb2.DESCRIPTOR.services_by_name["ExpertService"].methods:
+        req_cls = db.GetSymbol(m.input_type.full_name)
+        resp_cls = db.GetSymbol(m.output_type.full_name)
+        kind = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+                (True, False): grpc.stream_unary_rpc_method_handler,
+                (True, True): grpc.stream_stream_rpc_method_handler}[(m.client_streaming, m.server_streaming)]
+        handlers[m.name] = kind(getattr(servicer, m.name),
+                                request_deserializer=None if m.name in RAW_METHODS else req_cls.FromString,
+                                response_serializer=resp_cls.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

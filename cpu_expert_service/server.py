@@ -8,7 +8,7 @@ tensor by tensor, through `CheckpointReader.get`, so its memory is its share of 
     moesplit expert-server --model DIR (--experts 0-7,9 | --slice 1/2) [--host H] [--port P]
                            [--port-file F] [--shard-id NAME] [--backend auto|kernels|numpy]
                            [--tls-cert F --tls-key F --tls-ca F] [--metrics-port N] [--shm-dir DIR]
-                           [--weight-format auto|bf16|int8|int4]
+                           [--weight-format auto|bf16|int8|int4] [--auth-token-file F]
     moesplit expert-server --packed OUTDIR --shard-index I [--model DIR] ...   (moesplit convert output)
     python -m cpu_expert_service.server ...   (same arguments)
 
@@ -42,12 +42,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from checkpoint.config import ModelConfig, load_config
 from checkpoint.names import compact_ranges
 from wire import channel as transport
+from wire.ratelog import RateLimitedLog
+from cpu_expert_service import auth
 from cpu_expert_service.backend import ExpertBackend, make_backend
+from cpu_expert_service.rpc_limits import add_servicer, SERVICE_NAME
 from protos.moesplit.v1 import experts_pb2, experts_pb2_grpc
 
 log = logging.getLogger("moesplit.expert_server")
 
-SERVICE_NAME = "moesplit.v1.ExpertService"
 DEFAULT_MAX_TOKENS = transport.DEFAULT_MAX_TOKENS
 DEFAULT_MAX_WORKERS = 32  # Forward streams at once (each holds a thread); health etc. keep threads of their own
 
@@ -62,6 +64,7 @@ WIRE_DTYPES: dict[str, np.dtype] = {
 FLOAT_WIRE = ("float32", "bfloat16", "float16")
 WEIGHT_FORMATS = ("auto", "bf16", "int8", "int4")  # --weight-format: how the shard holds its experts
 INT_WIRE = ("int32", "int64")
+MAX_DIM = 1 << 24  # largest size of one tensor dimension on the wire (T is bounded further by --max-tokens)
 # modules whose presence in a shard process is reported by Describe (torch must never be there)
 WATCHED_MODULES = ("torch", "transformers", "numpy", "grpc", "safetensors")
 
@@ -87,8 +90,8 @@ def from_tensor(t: experts_pb2.Tensor, field: str, allowed: tuple[str, ...]) -> 
         raise RequestError(f"{field}: dtype {t.dtype!r} not accepted; expected one of {', '.join(allowed)}")
     dt = WIRE_DTYPES[t.dtype]
     shape = tuple(int(s) for s in t.shape)
-    if len(shape) != 2 or any(s < 0 for s in shape):
-        raise RequestError(f"{field}: shape {list(shape)} must be 2-D with non-negative sizes")
+    if len(shape) != 2 or not all(0 <= s <= MAX_DIM for s in shape):  # [0, 2**62] holds no data yet cannot be made
+        raise RequestError(f"{field}: shape {list(shape)} must be 2-D with sizes in [0, {MAX_DIM}]")
     n = shape[0] * shape[1]
     if len(t.data) != n * dt.itemsize:
         raise RequestError(
@@ -255,6 +258,7 @@ class ExpertServicer(experts_pb2_grpc.ExpertServiceServicer):
         self.shard_id = shard_id
         self.max_tokens = int(max_tokens)
         self.layers = frozenset(info["layers"])
+        self._errors = RateLimitedLog(log)
 
     # request -> response; raises RequestError for anything invalid
     def _compute(self, req: experts_pb2.LayerRequest) -> experts_pb2.LayerResponse:
@@ -324,8 +328,10 @@ class ExpertServicer(experts_pb2_grpc.ExpertServiceServicer):
             return self._compute(req)
         except RequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"shard {self.shard_id}: seq {req.seq}: {e}")
-        except Exception as e:  # noqa: BLE001 - a bug in the backend: say so, keep serving
-            log.exception("shard %s: layer %d seq %d failed", self.shard_id, req.layer, req.seq)
+        except Exception as e:  # noqa: BLE001 - a bug in the backend: say so (once per interval), keep serving
+            if self._errors.warning(type(e).__name__, "shard %s: layer %d seq %d failed: %s: %s", self.shard_id,
+                                    req.layer, req.seq, type(e).__name__, e):
+                log.debug("traceback", exc_info=True)
             context.abort(grpc.StatusCode.INTERNAL, f"shard {self.shard_id}: seq {req.seq}: {type(e).__name__}: {e}")
 
     def Forward(self, request_iterator, context):
@@ -389,30 +395,6 @@ def _default_shard_id(experts: list[int] | None, slice_spec: tuple[int, int] | N
     return "_".join(parts) or "all"
 
 
-RAW_METHODS = ("Forward", "ForwardOne")  # requests parsed by the servicer, not by gRPC
-
-
-def add_servicer(servicer: ExpertServicer, server: grpc.Server) -> None:
-    """Register every ExpertService method (like the generated add_ExpertServiceServicer_to_server),
-    except that Forward / ForwardOne receive raw bytes: a message that does not even parse gets
-    INVALID_ARGUMENT from the servicer instead of gRPC's INTERNAL deserialization failure (whose
-    error path also leaked memory per call under fuzzing)."""
-    from google.protobuf import symbol_database
-
-    db = symbol_database.Default()
-    handlers = {}
-    for m in experts_pb2.DESCRIPTOR.services_by_name["ExpertService"].methods:
-        req_cls = db.GetSymbol(m.input_type.full_name)
-        resp_cls = db.GetSymbol(m.output_type.full_name)
-        kind = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
-                (True, False): grpc.stream_unary_rpc_method_handler,
-                (True, True): grpc.stream_stream_rpc_method_handler}[(m.client_streaming, m.server_streaming)]
-        handlers[m.name] = kind(getattr(servicer, m.name),
-                                request_deserializer=None if m.name in RAW_METHODS else req_cls.FromString,
-                                response_serializer=resp_cls.SerializeToString)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-
-
 def create_server(
     model_dir: str,
     experts: list[int] | None = None,
@@ -430,11 +412,13 @@ def create_server(
     packed: str | None = None,
     shard_index: int | None = None,
     data_port: int | None = None,
+    auth_token: bytes | None = None,
 ) -> tuple[grpc.Server, int]:
     """Load this shard's experts and return a started server and its bound port.
     With `tls`, the port requires a client certificate signed by `tls.ca` (mutual TLS).
     With `packed` (a `moesplit convert` output), shard `shard_index` is read from its layer files
-    (cpu_expert_service.packed.load_packed; `model_dir`, if given, must be the model converted)."""
+    (cpu_expert_service.packed.load_packed; `model_dir`, if given, must be the model converted).
+    With `auth_token`, every ExpertService call must carry it (cpu_expert_service.auth)."""
     creds = transport.server_credentials(tls) if tls is not None else None  # bad files: fail before loading
     if packed is not None:
         from cpu_expert_service.packed import load_packed
@@ -453,6 +437,10 @@ def create_server(
     from cpu_expert_service.rpc_limits import server_kwargs, StreamLimits
 
     interceptors = [StreamLimits(max_workers)]  # streams can never take the threads health needs
+    if auth_token:  # first: a refused call takes no stream slot
+        from cpu_expert_service.auth import TokenAuth
+
+        interceptors.insert(0, TokenAuth(auth_token))
     if metrics_registry is not None:  # Prometheus: metered backend + arrival-stamping interceptor
         from cpu_expert_service.metrics import ShardMetrics
 
@@ -512,6 +500,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus /metrics on this port of --host (default 0: off)")
     transport.add_tls_arguments(p, "server")
+    auth.add_arguments(p)
     p.add_argument("--shm-dir", default=None,
                    help="shared directory for the co-located shared-memory fast path (default $MOESPLIT_SHM_DIR "
                         "or /dev/shm; '' disables it, as does MOESPLIT_SHM=0)")
@@ -531,6 +520,7 @@ def run(args: argparse.Namespace) -> int:
         experts = parse_experts(args.experts, cfg.n_routed_experts) if args.experts else None
         slice_spec = parse_slice(args.slice_spec) if args.slice_spec else None
         tls = transport.TLSFiles.from_args(args.tls_cert, args.tls_key, args.tls_ca, "moesplit expert-server")
+        token = auth.resolve_token(args.auth_token_file)
     except ValueError as e:
         print(f"moesplit expert-server: {e}", file=sys.stderr)
         return 2
@@ -547,7 +537,7 @@ def run(args: argparse.Namespace) -> int:
             backend=args.backend, max_workers=args.max_workers, max_tokens=args.max_tokens,
             shard_id=args.shard_id, tls=tls, metrics_registry=registry,
             shm_dir=_shm_dir(args.shm_dir), weight_format=args.weight_format, packed=args.packed,
-            shard_index=args.shard_index, data_port=args.data_port,
+            shard_index=args.shard_index, data_port=args.data_port, auth_token=token,
         )
     except (CheckpointError, KeyError, ValueError, OSError) as e:  # never reported ready
         print(f"moesplit expert-server: {e}", file=sys.stderr)

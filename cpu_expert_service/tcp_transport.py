@@ -2,9 +2,15 @@
 
 Frames, the token hello and the TLS contexts are in `wire.tcp` (shared with the GPU side); see its
 docstring for the protocol.
+
+A connection is served only after it presents a one-time token from `AttachTcp` (a gRPC call,
+itself refused without the shard's shared token when it has one). Connections still in their
+hello do not hold serving slots: at most MAX_PENDING of them wait at once, and one more closes
+the oldest, so idle or silent sockets cannot keep the GPU service's connection out.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import secrets
 import socket
@@ -18,14 +24,18 @@ from wire.tcp import (
     ACK, DTYPES, FLOAT_CODES, frame_timeout_s, HELLO_TIMEOUT_S, INTERNAL, INVALID_ARGUMENT, MAX_CONNECTIONS,
     MAX_MESSAGE, OK, recv_exact, REQUEST, RESPONSE, send_parts, server_context, TOKEN_BYTES, TOKEN_TTL_S,
 )
+from wire.ratelog import RateLimitedLog
 from wire.shm import spin_seconds
 
 log = logging.getLogger("moesplit.tcp")
+client_errors = RateLimitedLog(log)
+MAX_PENDING = 16  # connections in their hello at once; one more closes the oldest
 
 
 class DataServer:
     """The shard's data port: accepts connections that present a token from `offer()` and serves
-    each on its own thread; at most `max_connections` at once (more are closed on arrival)."""
+    each on its own thread; at most `max_connections` served at once (more are closed after their
+    hello) and MAX_PENDING in their hello (the oldest closed beyond)."""
 
     def __init__(self, servicer, host: str, port: int, tls=None, max_connections: int = MAX_CONNECTIONS):
         self.servicer = servicer
@@ -36,6 +46,8 @@ class DataServer:
         self.lock = threading.Lock()
         self.slots = threading.BoundedSemaphore(max_connections)
         self.max_connections = max_connections
+        self.pending: collections.OrderedDict[int, socket.socket] = collections.OrderedDict()  # in their hello
+        self.evicted = 0
         self.frame_timeout_s = frame_timeout_s()
         threading.Thread(target=self._accept, name=f"tcp-data-{self.port}", daemon=True).start()
 
@@ -53,21 +65,22 @@ class DataServer:
                 conn, peer = self.sock.accept()
             except OSError:
                 return  # closed
-            if not self.slots.acquire(blocking=False):
-                log.warning("tcp data path: %s:%s closed: %d data connections open already", peer[0], peer[1],
-                            self.max_connections)
-                conn.close()
-                continue
-            threading.Thread(target=self._hello, args=(conn, peer), name=f"tcp-data-{peer[0]}:{peer[1]}",
+            with self.lock:
+                self.pending[id(conn)] = conn
+                oldest = self.pending.popitem(last=False)[1] if len(self.pending) > MAX_PENDING else None
+            if oldest is not None:  # its recv returns at once: that thread closes it
+                self.evicted += 1
+                client_errors.warning("evict", "tcp data path: %d connections in their hello; closed the oldest",
+                                      MAX_PENDING)
+                try:
+                    oldest.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            threading.Thread(target=self._hello_and_serve, args=(conn, peer), name=f"tcp-data-{peer[0]}:{peer[1]}",
                              daemon=True).start()
 
-    def _hello(self, conn: socket.socket, peer) -> None:
-        try:
-            self._hello_and_serve(conn, peer)
-        finally:
-            self.slots.release()
-
     def _hello_and_serve(self, conn: socket.socket, peer) -> None:
+        key = id(conn)
         try:
             conn.settimeout(HELLO_TIMEOUT_S)
             if self.ctx is not None:  # the handshake (client certificate required) before anything else
@@ -75,18 +88,38 @@ class DataServer:
             tok = bytearray(TOKEN_BYTES)
             ok = recv_exact(conn, memoryview(tok))
             with self.lock:
+                self.pending.pop(key, None)
                 expiry = self.tokens.pop(bytes(tok), 0.0) if ok else 0.0
             if expiry <= time.monotonic():
-                log.warning("tcp data path: %s:%s presented no valid token; closed", *peer[:2])
+                client_errors.warning(("token", peer[0]), "tcp data path: %s:%s presented no valid token; closed",
+                                      *peer[:2])
                 conn.close()
                 return
             conn.settimeout(None)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.sendall(ACK)
         except OSError as e:  # ssl.SSLError included: no or a wrong client certificate
-            log.warning("tcp data path: %s:%s: %s; closed", peer[0], peer[1], e)
+            with self.lock:
+                self.pending.pop(key, None)
+            client_errors.warning(("hello", peer[0]), "tcp data path: %s:%s: %s; closed", peer[0], peer[1], e)
             conn.close()
             return
+        if not self.slots.acquire(blocking=False):
+            client_errors.warning("full", "tcp data path: %s:%s closed: %d data connections open already",
+                                  peer[0], peer[1], self.max_connections)
+            conn.close()
+            return
+        try:
+            conn.sendall(ACK)
+        except OSError:
+            self.slots.release()
+            conn.close()
+            return
+        try:
+            self._log_and_serve(conn, peer)
+        finally:
+            self.slots.release()
+
+    def _log_and_serve(self, conn: socket.socket, peer) -> None:
         log.info("shard %s: tcp data path from %s:%s%s", self.servicer.shard_id, peer[0], peer[1],
                  " (TLS)" if self.ctx is not None else "")
         _serve(self.servicer, conn, self.frame_timeout_s)
@@ -144,7 +177,8 @@ def _serve(servicer, conn: socket.socket, frame_timeout_s: float = 10.0) -> None
             except RequestError as e:
                 status, body = INVALID_ARGUMENT, f"shard {servicer.shard_id}: seq {seq}: {e}".encode()[:MAX_MESSAGE]
             except Exception as e:  # noqa: BLE001 - a backend bug: say so, keep serving
-                log.exception("shard %s: tcp seq %d failed", servicer.shard_id, seq)
+                client_errors.warning(type(e).__name__, "shard %s: tcp seq %d failed: %s: %s", servicer.shard_id,
+                                      seq, type(e).__name__, e)
                 status = INTERNAL
                 body = f"shard {servicer.shard_id}: seq {seq}: {type(e).__name__}: {e}".encode()[:MAX_MESSAGE]
             server_us = int((time.perf_counter() - t_start) * 1e6)

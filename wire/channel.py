@@ -9,11 +9,15 @@
 - Mutual TLS: `server_credentials` requires a client certificate signed by the CA;
   `channel_credentials` presents the client's own. Files are PEM (the Helm chart mounts
   tls.crt / tls.key / ca.crt from one Secret).
+- Shared token: with MOESPLIT_SHARD_TOKEN (or MOESPLIT_SHARD_TOKEN_FILE, a file holding it) set,
+  `make_channel` sends it as `x-moesplit-shard-token` metadata on every call; a shard started
+  with the same token refuses calls without it (cpu_expert_service.auth).
 
 No torch here (the shard imports it).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import grpc
@@ -30,6 +34,9 @@ SERVER_KEEPALIVE_MS = 30_000
 MIN_PING_INTERVAL_MS = 5_000  # the server tolerates client pings this often (< CLIENT_KEEPALIVE_MS)
 RECONNECT_INITIAL_MS = 200  # the channel's own reconnect backoff (gRPC default: 1 s .. 120 s)
 RECONNECT_MAX_MS = 5_000
+TOKEN_ENV = "MOESPLIT_SHARD_TOKEN"
+TOKEN_FILE_ENV = "MOESPLIT_SHARD_TOKEN_FILE"
+TOKEN_METADATA = "x-moesplit-shard-token"
 
 
 def max_message_bytes(cfg: ModelConfig, max_tokens: int = DEFAULT_MAX_TOKENS) -> int:
@@ -115,11 +122,70 @@ def channel_credentials(tls: TLSFiles) -> grpc.ChannelCredentials:
     return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
 
 
+def shard_token() -> bytes | None:
+    """The shared shard token from MOESPLIT_SHARD_TOKEN or the file MOESPLIT_SHARD_TOKEN_FILE names
+    (None when neither is set); ValueError naming the fix when both are, or the file is unusable."""
+    raw, path = os.environ.get(TOKEN_ENV), os.environ.get(TOKEN_FILE_ENV)
+    if raw and path:
+        raise ValueError(f"set {TOKEN_ENV} or {TOKEN_FILE_ENV}, not both")
+    if path:
+        try:
+            with open(path, "rb") as f:
+                raw = f.read().decode("ascii").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{TOKEN_FILE_ENV}={path}: cannot read an ASCII token ({e})") from None
+        if not raw:
+            raise ValueError(f"{TOKEN_FILE_ENV}={path} is empty; write the shared token into it")
+    if raw and not (raw.isascii() and raw.isprintable()):
+        raise ValueError(f"{TOKEN_ENV}: the token must be printable ASCII (gRPC metadata), e.g. 32 hex digits")
+    return raw.encode() if raw else None
+
+
+class _TokenMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                     grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds the shard token to every call's metadata."""
+
+    def __init__(self, token: bytes):
+        self.pair = (TOKEN_METADATA, token.decode("ascii"))
+
+    def _details(self, d):
+        md = list(d.metadata or ()) + [self.pair]
+        return _CallDetails(d.method, d.timeout, md, d.credentials, getattr(d, "wait_for_ready", None),
+                            getattr(d, "compression", None))
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+
+@dataclass(frozen=True)
+class _CallDetails(grpc.ClientCallDetails):
+    method: str
+    timeout: float | None
+    metadata: list
+    credentials: object
+    wait_for_ready: bool | None
+    compression: object
+
+
 def make_channel(address: str, options, tls: TLSFiles | None = None,
-                 creds: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+                 creds: grpc.ChannelCredentials | None = None, token: bytes | None = None) -> grpc.Channel:
+    """A channel to a shard: mutual TLS with `tls` / `creds`, the shared token (`token`, else
+    shard_token() from the environment) on every call when there is one."""
     if tls is None and creds is None:
-        return grpc.insecure_channel(address, options=options)
-    return grpc.secure_channel(address, creds or channel_credentials(tls), options=options)
+        ch = grpc.insecure_channel(address, options=options)
+    else:
+        ch = grpc.secure_channel(address, creds or channel_credentials(tls), options=options)
+    token = token or shard_token()
+    return grpc.intercept_channel(ch, _TokenMetadata(token)) if token else ch
 
 
 def add_tls_arguments(p, side: str) -> None:

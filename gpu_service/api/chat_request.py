@@ -24,6 +24,7 @@ from gpu_service.api.errors import APIError, check_prompt_chars
 from gpu_service.api.parsers import OutputParser, ChatStream, reasoning_parser_for, tool_parser_for
 from gpu_service.api.tool_grammar import tool_call_grammar
 
+MAX_TOOLS = 128  # functions one request may list (each is rendered into the prompt and may be compiled)
 ROLES = ("system", "user", "assistant", "developer", "tool")
 RESERVED_KWARGS = ("messages", "tools", "add_generation_prompt", "documents")
 
@@ -120,6 +121,12 @@ def normalize_messages(messages, keep_developer: bool = False) -> list[dict]:
 def _check_schema(schema, where: str) -> None:
     if not isinstance(schema, dict):
         raise APIError(400, f"{where} must be a JSON schema object", param=where)
+    from gpu_service.runtime.grammar import check_schema_depth, InvalidSchema
+
+    try:
+        check_schema_depth(schema, where)
+    except InvalidSchema as e:
+        raise APIError(400, str(e), param=where) from None
     try:
         import jsonschema
     except ImportError:  # the shape check above is all we can do
@@ -133,6 +140,8 @@ def _check_schema(schema, where: str) -> None:
 def validate_tools(tools) -> list[dict]:
     if not isinstance(tools, list):
         raise APIError(400, "'tools' must be an array of {type: 'function', function: {...}}", param="tools")
+    if len(tools) > MAX_TOOLS:
+        raise APIError(400, f"'tools' lists {len(tools)} functions; at most {MAX_TOOLS} are accepted", param="tools")
     out, names = [], set()
     for i, t in enumerate(tools):
         where = f"tools[{i}]"

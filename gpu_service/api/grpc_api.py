@@ -28,6 +28,7 @@ from gpu_service.api.chat_request import ChatPlan, ChatSettings, chat_plan
 from gpu_service.api.errors import APIError, check_prompt_chars
 from gpu_service.api.guard import KeyCheck, UNAUTHORIZED
 from gpu_service.api.parsers.stream import merge_deltas
+from gpu_service.api.openai_params import check_token_lists
 from gpu_service.runtime.engine import Engine, EngineStopped, QueueFull, RequestError
 from gpu_service.runtime.grammar import GrammarError, GrammarSpec, InvalidSchema
 from gpu_service.runtime.sampling import SamplingParams
@@ -140,7 +141,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         if kind == "json_schema":
             try:
                 spec = GrammarSpec.json_schema(json.loads(request.json_schema))
-            except json.JSONDecodeError as e:
+            except (json.JSONDecodeError, RecursionError) as e:
                 raise GrammarError(f"json_schema is not valid JSON: {e}") from None
         elif kind == "choice":
             spec = GrammarSpec.choice(list(request.choice.options))
@@ -163,6 +164,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                     raise GrammarError("tool_choice 'required' or a named function cannot be combined with a "
                                        "structured-output constraint: drop one")
                 grammar = self.engine.grammars.compile(plan.grammar).result()
+            check_token_lists(request.stop_token_ids, list(request.logit_bias.items()))
             params = SamplingParams(
                 request.temperature, request.top_p if request.HasField("top_p") else 1.0, request.top_k,
                 request.seed if request.HasField("seed") else None, presence_penalty=request.presence_penalty,

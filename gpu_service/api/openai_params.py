@@ -10,6 +10,12 @@ Structured outputs (one of, else 400):
   structured_outputs (vLLM)  {"json": schema} | {"regex": str} | {"choice": [str]} | {"grammar": lark/GBNF}
                              | {"json_object": true}
   guided_json / guided_regex / guided_choice / guided_grammar (vLLM's older extras)
+
+Bounded cost: every per-step constraint a request carries is capped, so one request cannot slow
+the others' steps (tests/test_hostile_cost.py measures it): at most MAX_STOP_TOKEN_IDS
+`stop_token_ids`, MAX_LOGIT_BIAS `logit_bias` entries with canonical decimal keys ("5", never
+"05" or " 5 ", so no two keys alias one id and no id's bias can sum past +-100), and JSON
+schemas at most MAX_SCHEMA_DEPTH containers deep (gpu_service.runtime.grammar).
 """
 from __future__ import annotations
 
@@ -30,6 +36,8 @@ CHAT_FIELDS = frozenset(_COMMON | {"messages", "max_completion_tokens", "logprob
 COMPLETION_FIELDS = frozenset(_COMMON | {"prompt", "logprobs", "echo", "best_of"})
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 MAX_N = 16
+MAX_STOP_TOKEN_IDS = 1024  # ids checked per generated token
+MAX_LOGIT_BIAS = 1024  # entries added to the logits per step (OpenAI documents no higher need)
 
 
 class ParamError(ValueError):
@@ -93,25 +101,57 @@ def logprobs_k(body: dict, chat: bool) -> int | None:
     return _int(body, "logprobs", None, 0, 20)
 
 
+def _bias_id(k, vocab_size: int) -> int:
+    """A logit_bias key: a canonical decimal token id ("5"; not "05", " 5", "+5", "5.0")."""
+    if isinstance(k, int) and not isinstance(k, bool):
+        t = k
+    elif isinstance(k, str) and k.isascii() and k.isdigit() and (k == "0" or k[0] != "0"):
+        t = int(k)
+    else:
+        raise ParamError(f"logit_bias key {k!r} is not a token id: write ids as plain decimal strings, "
+                         f"e.g. \"5\" (no sign, spaces or leading zeros)", "logit_bias")
+    if not 0 <= t < vocab_size:
+        raise ParamError(f"logit_bias token id {t} out of range [0, {vocab_size})", "logit_bias")
+    return t
+
+
+def check_token_lists(stop_ids, bias_pairs) -> None:
+    """ParamError unless `stop_token_ids` and the (id, bias) pairs are within the per-request
+    caps, with each biased id given once (shared by the HTTP and gRPC APIs)."""
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise ParamError(f"'stop_token_ids' has {len(stop_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are accepted",
+                         "stop_token_ids")
+    if len(bias_pairs) > MAX_LOGIT_BIAS:
+        raise ParamError(f"'logit_bias' has {len(bias_pairs)} entries; at most {MAX_LOGIT_BIAS} are accepted",
+                         "logit_bias")
+    seen = set()
+    for t, _ in bias_pairs:
+        if t in seen:
+            raise ParamError(f"logit_bias gives token id {t} more than once; give each id one bias", "logit_bias")
+        seen.add(t)
+
+
 def sampling_fields(body: dict, vocab_size: int) -> dict:
     """The SamplingParams fields beyond temperature / top_p / top_k / seed, validated."""
     bias = body.get("logit_bias") or {}
     if not isinstance(bias, dict):
         raise ParamError("'logit_bias' must be an object {token id: bias}", "logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS:  # before any per-key work
+        raise ParamError(f"'logit_bias' has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are accepted",
+                         "logit_bias")
     pairs = []
     for k, v in bias.items():
-        try:
-            t = int(k)
-        except (TypeError, ValueError):
-            raise ParamError(f"logit_bias key {k!r} is not a token id", "logit_bias") from None
-        if not 0 <= t < vocab_size:
-            raise ParamError(f"logit_bias token id {t} out of range [0, {vocab_size})", "logit_bias")
+        t = _bias_id(k, vocab_size)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
             raise ParamError(f"logit_bias[{k}] must be a number in [-100, 100], got {v!r}", "logit_bias")
         pairs.append((t, float(v)))
     stop_ids = body.get("stop_token_ids") or []
     if not (isinstance(stop_ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids)):
         raise ParamError("'stop_token_ids' must be an array of token ids", "stop_token_ids")
+    check_token_lists(stop_ids, pairs)
+    bad = next((t for t in stop_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ParamError(f"stop_token_ids: token id {bad} out of range [0, {vocab_size})", "stop_token_ids")
     return dict(presence_penalty=_num(body, "presence_penalty", 0.0, -2, 2),
                 frequency_penalty=_num(body, "frequency_penalty", 0.0, -2, 2),
                 repetition_penalty=_num(body, "repetition_penalty", 1.0, 0.01, 2),
@@ -130,7 +170,7 @@ def _schema_arg(v, param: str):
     if isinstance(v, str):
         try:
             v = json.loads(v)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, RecursionError) as e:
             raise ParamError(f"'{param}' is not valid JSON: {e}", param) from None
     if not isinstance(v, (dict, bool)):
         raise ParamError(f"'{param}' must be a JSON schema object", param)

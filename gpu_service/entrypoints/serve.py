@@ -4,6 +4,8 @@ OpenAI HTTP API and the gRPC Generate API; serve until Ctrl-C/SIGTERM, then stop
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
 import sys
 
 from gpu_service.entrypoints.serving import (add_serving_arguments, check_serving_args, plan_or_exit, run_stack,
@@ -34,6 +36,8 @@ def run(args: argparse.Namespace) -> int:
     tls_args = [a for f in ("cert", "key", "ca") for a in (f"--tls-{f}", getattr(args, f"tls_{f}"))] \
         if args.tls_cert else []
     placement = plan_or_exit(args, "moesplit serve")  # before any shard or weight is loaded
+    if not (os.environ.get("MOESPLIT_SHARD_TOKEN") or os.environ.get("MOESPLIT_SHARD_TOKEN_FILE")):
+        os.environ["MOESPLIT_SHARD_TOKEN"] = secrets.token_hex(16)  # the local shards take calls from us only
     try:
         shards = start_shards(args.model, args.shards, split=args.split, backend=args.backend,
                               replicas=args.replicas, extra_args=tls_args)

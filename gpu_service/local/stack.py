@@ -8,6 +8,8 @@ Each shard is `python -m cpu_expert_service.server` on 127.0.0.1, port 0, with a
 Expert split: contiguous even ranges of expert ids; intermediate split: `--slice i/n`.
 `replicas=R` starts R processes per shard; addresses are replica set 0 of every shard, then
 replica set 1, ... (the Helm chart's order). `kill(i)` / `restart(i)` (same port) are for tests.
+`auth_token`: the shards require it on every call (MOESPLIT_SHARD_TOKEN in their environment; the
+GPU side sends it when the same variable is set in its own, see wire.channel).
 """
 from __future__ import annotations
 
@@ -132,6 +134,7 @@ def start_shards(
     replicas: int = 1,
     metrics_ports: list[int] | None = None,
     packed: str | None = None,
+    auth_token: str | None = None,
 ) -> LocalShards:
     """Launch n shards (x `replicas` processes each) splitting the model's routed experts; wait
     until all serve. With `packed` (a `moesplit convert` output of this model, with n shards),
@@ -159,6 +162,9 @@ def start_shards(
     workdir = tempfile.mkdtemp(prefix="moesplit-shards-")
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    if auth_token:
+        env.pop("MOESPLIT_SHARD_TOKEN_FILE", None)
+        env["MOESPLIT_SHARD_TOKEN"] = auth_token
     procs, logs, port_files, what = [], [], [], []
     shards = LocalShards([], procs, workdir, logs, env=env)
     try:

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+MAX_SCHEMA_DEPTH = 64  # JSON containers a schema may nest (llguidance's parser stops near 128, jsonschema's
+# metaschema check recurses past Python's limit near 200): refused before anything compiles it
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "lark", "llguidance")
 # compact JSON (no free whitespace): a bounded schema then always ends, and outputs stay short
 JSON_OPTIONS = {"whitespace_flexible": False, "lenient": False}
@@ -67,6 +69,7 @@ class GrammarSpec:
         Checked against its metaschema when compiled (~0.1 s for a large one: on the compiler's threads)."""
         if not isinstance(schema, (dict, bool)):
             raise InvalidSchema(f"a JSON schema must be an object, got {type(schema).__name__}")
+        check_schema_depth(schema)
         return cls("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")))
 
     @classmethod
@@ -125,6 +128,29 @@ def check_json_schema(schema) -> None:
     except jsonschema.SchemaError as e:
         where = "/".join(str(p) for p in e.absolute_path) or "(root)"
         raise InvalidSchema(f"invalid JSON schema at {where}: {e.message}") from None
+
+
+def json_depth(value, limit: int = MAX_SCHEMA_DEPTH) -> int:
+    """Nesting depth of JSON containers in `value` (iterative: no recursion, stops past `limit`)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, dict):
+            v = v.values()
+        elif not isinstance(v, list):
+            continue
+        deepest = max(deepest, d)
+        if deepest > limit:
+            return deepest
+        todo.extend((c, d + 1) for c in v if isinstance(c, (dict, list)))
+    return deepest
+
+
+def check_schema_depth(schema, where: str = "the JSON schema") -> None:
+    """InvalidSchema when `schema` nests more than MAX_SCHEMA_DEPTH containers."""
+    if json_depth(schema) > MAX_SCHEMA_DEPTH:
+        raise InvalidSchema(f"{where} nests JSON objects / arrays more than {MAX_SCHEMA_DEPTH} deep; flatten it "
+                            f"(move shared parts to $defs and refer to them with $ref)")
 
 
 class GrammarMatcher:
@@ -198,7 +224,10 @@ class GrammarCompiler:
         try:
             if spec.kind == "json_schema":
                 check_json_schema(json.loads(spec.source))
-            text = spec.to_llguidance()
+            try:
+                text = spec.to_llguidance()
+            except RecursionError:  # a nested grammar (a schema's depth is refused before this)
+                raise GrammarError("the grammar nests too deeply for the grammar engine; flatten it") from None
             m = llguidance.LLMatcher(self.vocab.lltokenizer(), text, log_level=0)  # drops the GIL while building
             if m.is_error():
                 raise GrammarError(m.get_error())
