@@ -30,6 +30,7 @@ from gpu_service.api.guard import KeyCheck, UNAUTHORIZED
 from gpu_service.api.parsers.stream import merge_deltas
 from gpu_service.api.openai_params import check_token_lists
 from gpu_service.runtime.engine import Engine, EngineStopped, QueueFull, RequestError
+from gpu_service.runtime.logits import grammar_reason
 from gpu_service.runtime.grammar import GrammarError, GrammarSpec, InvalidSchema
 from gpu_service.runtime.sampling import SamplingParams
 from gpu_service.api.tokenizer import TokenizerError
@@ -153,7 +154,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         except InvalidSchema:
             raise
         except GrammarError as e:
-            raise GrammarError(f"{kind}: the grammar engine cannot compile this: {e}") from None
+            raise GrammarError(f"{kind}: the grammar engine cannot compile this: {grammar_reason(str(e))}") from None
 
     def Generate(self, request, context):
         ids, plan = self._prompt(request, context)
@@ -189,9 +190,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 if context.is_active():
                     context.abort(grpc.StatusCode.UNAVAILABLE, "the request was cancelled (server stopping)")
                 return
-            if out.finish_reason == "error":
-                code = grpc.StatusCode.UNAVAILABLE if out.unavailable else grpc.StatusCode.INTERNAL
-                context.abort(code, out.error or "generation failed")
+            if out.finish_reason == "error":  # the request's own doing (param) or the server's
+                code = (grpc.StatusCode.UNAVAILABLE if out.unavailable else grpc.StatusCode.INVALID_ARGUMENT
+                        if out.param is not None else grpc.StatusCode.INTERNAL)
+                context.abort(code, f"{out.param}: {out.error}" if out.param else out.error or "generation failed")
             resp = generate_pb2.GenerateResponse(token_ids=out.token_ids, text=out.text,
                                                  finish_reason=out.finish_reason or "")
             if parsed is not None:  # chat: the answer, its reasoning and its tool calls apart

@@ -275,9 +275,15 @@ class ServingStack:
         self.stop()
 
 
+WATCHDOG_S = 0.5  # how often serve_until_signal checks that the engine's scheduler thread still runs
+
+
 def serve_until_signal(stack: ServingStack, prog: str) -> int:
-    """Print where we serve, block until SIGINT/SIGTERM, then stop the stack."""
+    """Print where we serve, block until SIGINT/SIGTERM (then 0) or until the engine's scheduler
+    thread is gone (the watchdog: /live is 503 by then; stop and return 1, so the process exits
+    non-zero and Kubernetes restarts it instead of keeping a server that answers nothing)."""
     stop = threading.Event()
+    rc = 0
 
     def on_signal(signum, frame):
         log.info("signal %d: shutting down", signum)
@@ -287,15 +293,19 @@ def serve_until_signal(stack: ServingStack, prog: str) -> int:
     try:
         print(f"{prog}: serving '{stack.model_name}' — OpenAI API {stack.http_url}/v1, gRPC {stack.grpc_address}",
               file=sys.stderr, flush=True)
-        while not stop.wait(1.0):
-            pass
+        while not stop.wait(WATCHDOG_S):
+            if not stack.engine.alive:
+                log.critical("%s: the engine's scheduler thread is gone (%s); exiting so the server is restarted",
+                             prog, stack.engine.last_error or "no error recorded")
+                rc = 1
+                break
     finally:
         t0 = time.monotonic()
         stack.stop()
         for s, h in old.items():
             signal.signal(s, h)
         log.info("stopped in %.1fs", time.monotonic() - t0)
-    return 0
+    return rc
 
 
 def run_stack(args: argparse.Namespace, prog: str, addresses: list[str], closers: list[Callable[[], None]],

@@ -16,6 +16,12 @@ tokens in all (chunked prefill mixed with decode). KV lives in the runner's page
   longest cached prefix of the prompt (per `cache_salt`) and prefills only the rest; pages are
   inserted as they fill, and cached pages are evicted (LRU) only when a reservation needs them.
 
+One request never stops the engine: whatever raises while admitting, stepping past, sampling or
+emitting for one request (a cache key, a grammar, a sampling value) fails that request alone with
+the reason (`Output.param` names the field when the request caused it) and the others go on. The
+scheduler thread ends only when stopped or killed; then `alive` is False and every request still
+queued is answered (the server's watchdog exits the process so it is restarted).
+
 Sampling uses gpu_service.runtime.sampling with one generator per request, so a seeded request gives the
 same tokens whatever it is batched with. The model computes attention per chunk, so batching
 changes numerics only by float reassociation (greedy tokens identical alone or batched).
@@ -37,13 +43,14 @@ import traceback
 from gpu_service.model.kv import Chunk, PoolExhausted
 from gpu_service.model.prefix_cache import check_pool
 from gpu_service.runtime.grammar import compiler_for
-from gpu_service.runtime.logits import choose_tokens, prompt_logprobs, TokenLogprob
+from gpu_service.runtime.logits import choose_tokens, grammar_reason, prompt_logprobs, RowFailed, TokenLogprob
 from gpu_service.runtime.requests import (
-    _Request, EngineStopped, Output, QueueFull, RequestError, RequestHandle,
+    _Request, check_request, EngineStopped, Output, QueueFull, RequestError, RequestHandle,
 )
 from gpu_service.runtime.sampling import SamplingParams
 
 log = logging.getLogger("moesplit.engine")
+
 
 
 class Engine:
@@ -112,7 +119,13 @@ class Engine:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        """Liveness: the scheduler thread runs (also while it drains on stop). False once it is gone."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def serving(self) -> bool:
+        """Readiness: the scheduler runs and takes new requests."""
+        return self.alive and not self._stopping
 
     def _wake(self) -> None:
         self._wake_ev.set()
@@ -125,8 +138,7 @@ class Engine:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, max_tokens: int | None = None,
                stop: list[str] | tuple[str, ...] = (), ignore_eos: bool = False, grammar=None,
-               prompt_logprobs: int | None = None, _leader: _Request | None = None,
-               cache_salt: str | None = None) -> RequestHandle:
+               prompt_logprobs: int | None = None, cache_salt: str | None = None) -> RequestHandle:
         """Queue a request. `max_tokens=None` means up to `max_new_tokens` (within the context / pool).
         Requests share cached prefixes only with requests of the same `cache_salt`.
 
@@ -135,7 +147,30 @@ class Engine:
         `prompt_logprobs=k`: report each prompt token's logprob (and top k) in the first Output;
         then `max_tokens=0` is allowed (score the prompt only, finish "length").
         Raises RequestError for a request that can never be served, QueueFull when `max_waiting`
-        requests wait already, EngineStopped when stopping."""
+        requests wait already, EngineStopped when stopping (or when the scheduler thread died)."""
+        return self._enqueue([self._make(prompt_ids, params, max_tokens, stop, ignore_eos, grammar,
+                                         prompt_logprobs, cache_salt)])[0]
+
+    def submit_n(self, prompt_ids: list[int], params: list[SamplingParams], **kw) -> list[RequestHandle]:
+        """len(params) requests on one prompt (OpenAI's `n`), queued as one unit: all or none, each
+        counted against `max_waiting`, admitted together (room in the batch for all of them). The
+        first prefills the prompt; then the others copy its KV pages for all but the last prompt
+        token and compute only that one (their own first logits), so the prompt is prefilled once.
+        A choice that cannot fork then (pool full, the first choice cancelled) is prefilled on its
+        own: same tokens, more work. Each handle cancels on its own; cancel them all to drop the unit."""
+        if len(params) > self.max_waiting:
+            raise RequestError(f"n={len(params)} choices, but this server queues at most {self.max_waiting} "
+                               f"requests (--max-waiting); lower n", "n")
+        reqs = [self._make(prompt_ids, p, **kw) for p in params]
+        reqs[0].followers = reqs[1:]  # linked before the engine can see the first: forked once, all of them
+        return self._enqueue(reqs[:1], choices=len(reqs))
+
+    def _make(self, prompt_ids: list[int], params: SamplingParams | None, max_tokens: int | None = None,
+              stop=(), ignore_eos: bool = False, grammar=None, prompt_logprobs: int | None = None,
+              cache_salt: str | None = None) -> _Request:
+        """A validated request record (not queued yet); RequestError naming the field otherwise."""
+        if self._thread is not None and not self._thread.is_alive() and self.last_error is not None:
+            raise EngineStopped(f"the engine has stopped ({self.last_error}); the server is restarting")
         if self._stopping:
             raise EngineStopped("the engine is shutting down")
         stop = tuple(stop or ())
@@ -143,81 +178,43 @@ class Engine:
             raise RequestError(f"at most {self.MAX_STOP} stop strings of at most {self.MAX_STOP_CHARS} characters "
                                f"each, got {len(stop)} (longest {max((len(s) for s in stop if isinstance(s, str)), default=0)})",
                                "stop")
-        if len(self.waiting) + len(self._inbox) >= self.max_waiting:
-            raise QueueFull(f"{self.max_waiting} requests are waiting already (--max-waiting); retry shortly")
         prompt_ids = [int(t) for t in prompt_ids]
-        if not prompt_ids:
-            raise RequestError("empty prompt: give at least one token", "prompt")
-        V = self.cfg.vocab_size
-        bad = next((t for t in prompt_ids if not 0 <= t < V), None)
-        if bad is not None:
-            raise RequestError(f"prompt token id {bad} out of range: ids must be in [0, {V})", "prompt")
-        limit, n = self.max_request_tokens, len(prompt_ids)
-        where = "context length" if self.max_context <= self.pool_tokens else "KV pool (--kv-tokens)"
-        if n >= limit:
-            raise RequestError(
-                f"the prompt has {n} tokens but the {where} is {limit} tokens; shorten the prompt",
-                "messages", "context_length_exceeded")
-        if max_tokens is None:
-            max_tokens = min(limit - n, self.max_new_tokens)
-        least = 0 if prompt_logprobs is not None else 1
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < least:
-            raise RequestError(f"max_tokens must be an integer >= {least}, got {max_tokens!r}", "max_tokens")
-        if max_tokens > self.max_new_tokens:
-            raise RequestError(f"max_tokens {max_tokens} is over this server's limit of {self.max_new_tokens} "
-                               f"(--max-new-tokens); lower it", "max_tokens")
-        if n + max_tokens > limit:
-            raise RequestError(
-                f"this request needs {n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion) "
-                f"but the {where} is {limit} tokens; lower max_tokens to at most {limit - n}",
-                "max_tokens", "context_length_exceeded")
-        if any(not isinstance(s, str) or not s for s in stop):
-            raise RequestError("stop strings must be non-empty strings", "stop")
-        if stop and self.tokenizer is None:
-            raise RequestError("stop strings need the checkpoint's tokenizer.json", "stop")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise RequestError(f"cache_salt must be a string, got {cache_salt!r}", "cache_salt")
+        n = len(prompt_ids)
+        max_tokens = check_request(self, prompt_ids, params or SamplingParams(), max_tokens, stop, prompt_logprobs,
+                                   cache_salt)
         params = params or SamplingParams()
-        bad = next((t for t in params.stop_token_ids + tuple(t for t, _ in params.logit_bias) if not 0 <= t < V), None)
-        if bad is not None:
-            raise RequestError(f"token id {bad} out of range: ids must be in [0, {V})",
-                               "stop_token_ids" if bad in params.stop_token_ids else "logit_bias")
         if grammar is not None and getattr(grammar, "vocab_key", None) is None:
             raise RequestError("grammar must be a CompiledGrammar (GrammarCompiler.compile(spec).result())",
                                "response_format")
-        rid = f"req-{next(self._ids)}"
-        handle = RequestHandle(rid, n, max_tokens, self._wake)
-        handle._request = req = _Request(handle, n, list(prompt_ids), params, params.generator(), max_tokens, stop, ignore_eos,
-                       self.runner.new_seq(), grammar.matcher() if grammar is not None else None,
-                       tuple(sorted(self.eos | set(params.stop_token_ids))), prompt_logprobs,
-                       salt=cache_salt or None)
-        if self.observer is not None:
-            self.observer.submit(handle)
-        with self._lock:
-            if _leader is not None:
-                _leader.followers.append(req)
-            else:
-                self._inbox.append(req)
-            self.counters["requests"] += 1
-            self.counters["structured_requests"] += grammar is not None
-            self.counters["prompt_tokens"] += n
-        self._wake()
-        return handle
+        handle = RequestHandle(f"req-{next(self._ids)}", n, max_tokens, self._wake)
+        handle._request = req = _Request(
+            handle, n, prompt_ids, params, params.generator(), max_tokens, stop, ignore_eos, self.runner.new_seq(),
+            grammar.matcher() if grammar is not None else None, tuple(sorted(self.eos | set(params.stop_token_ids))),
+            prompt_logprobs, salt=cache_salt or None)
+        return req
 
-    def submit_n(self, prompt_ids: list[int], params: list[SamplingParams], **kw) -> list[RequestHandle]:
-        """len(params) requests on one prompt (OpenAI's `n`): the first prefills it; when it has, the
-        others copy its KV pages for all but the last prompt token and compute only that one (their
-        own first logits), so the prompt is prefilled once. A choice that cannot fork then (pool or
-        batch full, the first choice cancelled) is prefilled on its own: same tokens, more work."""
-        hs = [self.submit(prompt_ids, params[0], **kw)]
-        try:
-            for p in params[1:]:
-                hs.append(self.submit(prompt_ids, p, _leader=hs[0]._request, **kw))
-        except BaseException:
-            for h in hs:
-                h.cancel()
-            raise
-        return hs
+    def _queued(self) -> int:
+        """Requests waiting for admission, every choice of an `n` unit counted."""
+        return sum(1 + len(r.followers) for r in list(self._inbox) + list(self.waiting))  # list(deque): atomic
+
+    def _enqueue(self, reqs: list[_Request], choices: int | None = None) -> list[RequestHandle]:
+        """Queue `reqs` (with their followers: `choices` requests in all) or none of them (QueueFull)."""
+        choices = choices or len(reqs)
+        all_reqs = [x for r in reqs for x in [r, *r.followers]]
+        with self._lock:
+            if self._queued() + choices > self.max_waiting:
+                for r in all_reqs:
+                    r.seq.free()
+                raise QueueFull(f"{self.max_waiting} requests are waiting already (--max-waiting); retry shortly")
+            for r in all_reqs:
+                self.counters["requests"] += 1
+                self.counters["structured_requests"] += r.matcher is not None
+                self.counters["prompt_tokens"] += r.prompt_len
+                if self.observer is not None:
+                    self.observer.submit(r.handle)
+            self._inbox.extend(reqs)
+        self._wake()
+        return [r.handle for r in all_reqs]
 
     def _fork(self, r: _Request) -> None:
         """r's prompt KV is complete: start its followers from a copy of it (see submit_n)."""
@@ -249,7 +246,7 @@ class Engine:
         p = self.pool
         return {
             "running": len(self.running),
-            "waiting": len(self.waiting) + len(self._inbox),
+            "waiting": self._queued(),
             "pool_pages_total": p.usable_pages,
             "pool_pages_in_use": p.pages_in_use,
             "pool_page_size": p.page_size,
@@ -264,25 +261,69 @@ class Engine:
 
     # ---- scheduler ----------------------------------------------------------------------------
     def _loop(self) -> None:
-        while not self._stopping:
-            self._wake_ev.clear()
-            with self._lock:
-                while self._inbox:
-                    self.waiting.append(self._inbox.popleft())
-            self._reap_cancelled()
-            batch = self._schedule()
-            if not batch:
-                self._wake_ev.wait()
-                continue
-            self._run(batch)
-            if self.check_pool:
+        """The scheduler thread. An error outside the per-request guards fails the requests of the
+        step it happened in and the loop goes on; only a BaseException (the thread being killed)
+        ends it, and then every request still here is answered with the reason."""
+        try:
+            while not self._stopping:
                 try:
-                    self._check_pool()
-                except AssertionError as e:  # test mode: fail every request loudly, stop serving
-                    self.last_error = f"KV pool invariant broken: {e}"
-                    log.error("%s", self.last_error)
-                    self._stopping = True
-                    self._abort_all("error", self.last_error)
+                    self._iterate()
+                except Exception as e:  # noqa: BLE001 - a bug outside the per-request guards: keep serving
+                    msg = f"internal error in the scheduler: {type(e).__name__}: {e}"
+                    log.error("%s\n%s", msg, traceback.format_exc())
+                    self.last_error = msg
+                    for r in list(self.running):
+                        self._fail(r, msg)
+        except BaseException as e:
+            self.last_error = f"the scheduler thread died: {type(e).__name__}: {e}"
+            log.critical("%s", self.last_error)
+            self._abort_all("error", self.last_error)
+            raise
+
+    def _iterate(self) -> None:
+        """One pass: take new requests, reap cancelled ones, run a step (or sleep until woken)."""
+        self._wake_ev.clear()
+        with self._lock:
+            while self._inbox:
+                self.waiting.append(self._inbox.popleft())
+        self._reap_cancelled()
+        batch = self._schedule()
+        if not batch:
+            self._wake_ev.wait()
+            return
+        self._run(batch)
+        if self.check_pool:
+            try:
+                self._check_pool()
+            except AssertionError as e:  # test mode: fail every request loudly, stop serving
+                self.last_error = f"KV pool invariant broken: {e}"
+                log.error("%s", self.last_error)
+                self._stopping = True
+                self._abort_all("error", self.last_error)
+
+    def _fail(self, r: _Request, error: str, param: str | None = None) -> None:
+        """End request `r` alone with `error` (its field `param` when the request caused it): out of
+        the running list and the queue, pages freed; the engine keeps serving the others."""
+        if r in self.running:
+            self.running.remove(r)
+        if r in self.waiting:
+            self.waiting.remove(r)
+        if r.handle.finish_reason is None:
+            self._finish(r, "error", error, param=param)
+        else:
+            r.seq.free()
+
+    def _guarded(self, r: _Request, what: str, fn, *args):
+        """fn(*args) for request `r`; an exception fails `r` alone (logged with its traceback) and
+        returns False, else True."""
+        try:
+            fn(*args)
+            return True
+        except Exception as e:  # noqa: BLE001 - one request's failure stays its own
+            msg = f"{what} failed for this request: {type(e).__name__}: {e}"
+            log.error("%s %s\n%s", r.handle.id, msg, traceback.format_exc())
+            self._fail(r, msg, getattr(e, "param", None) if isinstance(e, RequestError) else None)
+            return False
 
     def _reap_cancelled(self) -> None:
         for r in [r for r in self.running if r.handle.cancelled]:
@@ -317,6 +358,10 @@ class Engine:
                         self._preempt(victim)
                         if victim is r:
                             break
+                    except Exception as e:  # noqa: BLE001 - this request alone
+                        self._fail(r, f"scheduling failed: {type(e).__name__}: {e}")
+                        i -= 1
+                        break
             i += 1
         batch = [(r, r.seq.length, 1) for r in self.running if r.remaining == 1]
         budget = self.chunk_tokens - len(batch)
@@ -329,14 +374,20 @@ class Engine:
         # 3. admit new requests while the budget, the batch size and the pool allow
         while self.waiting and budget > 0 and len(self.running) < self.max_batch:
             r = self.waiting[0]
-            # (a request that reports prompt logprobs computes its whole prompt)
-            hit = self.prefix.attach(r.seq, r.tokens, r.salt) if self.prefix is not None and r.prompt_lp is None \
-                else (0, 0)
+            if self.running and len(self.running) + 1 + len(r.followers) > self.max_batch:
+                break  # an n unit is admitted with room for all its choices (FIFO: no overtaking)
             try:
+                # (a request that reports prompt logprobs computes its whole prompt)
+                hit = self.prefix.attach(r.seq, r.tokens, r.salt) if self.prefix is not None \
+                    and r.prompt_lp is None else (0, 0)
                 r.seq.reserve(len(r.tokens) + 1)
             except PoolExhausted:
                 r.seq.free()  # the prefix it took stays cached
                 break  # wait until a request finishes (FIFO: no overtaking)
+            except Exception as e:  # noqa: BLE001 - e.g. a cache key it cannot make: this request alone
+                log.error("%s: admission failed\n%s", r.handle.id, traceback.format_exc())
+                self._fail(r, f"admission failed: {type(e).__name__}: {e}")
+                continue
             self.waiting.popleft()
             if self.prefix is not None and not r.looked_up:  # counted once (not again after a preemption)
                 r.looked_up = True
@@ -380,31 +431,57 @@ class Engine:
         self.counters["step_tokens"] += len(ids)
         if self.prefix is not None:
             for r, _, _ in batch:
-                self.prefix.commit(r.seq, r.tokens)  # pages filled by this step
+                self._guarded(r, "prefix-cache commit", self.prefix.commit, r.seq, r.tokens)  # pages this step filled
         if every:  # rows of every token: keep the prompt logprobs asked for, then the chunks' last rows
             ends = list(itertools.accumulate(n for _, _, n in batch))
             for (r, start, n), end in zip(batch, ends):
                 if r.prompt_lp is not None and start < r.prompt_len:
-                    upto = min(start + n, r.prompt_len) - 1  # row t predicts token t + 1
-                    if upto > start:
-                        r.prompt_lps += prompt_logprobs(logits[end - n:end - n + upto - start],
-                                                        r.tokens[start + 1:upto + 1], r.prompt_lp)
+                    self._guarded(r, "prompt logprobs", self._prompt_lps, r, logits, start, n, end)
             logits = logits[[e - 1 for e in ends]]
         rows = [j for j, (r, start, n) in enumerate(batch) if start + n >= len(r.tokens)]  # the rest: mid-prompt
         for j in rows:
-            if batch[j][0].followers and len(batch[j][0].out) == 0:
-                self._fork(batch[j][0])
-        picks = choose_tokens(logits if len(rows) == len(batch) else logits[rows], [batch[j][0] for j in rows])
-        for j, (tok, lp) in zip(rows, picks):
             r = batch[j][0]
+            if r.followers and len(r.out) == 0 and r.handle.finish_reason is None:
+                self._guarded(r, "forking the n choices", self._fork, r)
+        rows = [j for j in rows if batch[j][0].handle.finish_reason is None]  # not failed above
+        picks = self._choose(logits if len(rows) == len(batch) else logits[rows], [batch[j][0] for j in rows])
+        for j, pick in zip(rows, picks):
+            r = batch[j][0]
+            if isinstance(pick, RowFailed):
+                self._fail(r, pick.error, pick.param)
+                continue
+            tok, lp = pick
             if r.max_tokens == 0:  # scoring the prompt only (echo with max_tokens 0)
-                self._emit(r, None, None)
+                self._guarded(r, "output", self._emit, r, None, None)
                 continue
             r.tokens.append(tok)
             self.counters["generated_tokens"] += 1
             if self.observer is not None:
                 self.observer.token(r.handle)
-            self._emit(r, tok, lp)
+            self._guarded(r, "output", self._emit, r, tok, lp)
+
+    def _prompt_lps(self, r: _Request, logits, start: int, n: int, end: int) -> None:
+        """Add the prompt logprobs of chunk [start, start + n) of `r` (rows end - n .. end of `logits`)."""
+        upto = min(start + n, r.prompt_len) - 1  # row t predicts token t + 1
+        if upto > start:
+            r.prompt_lps += prompt_logprobs(logits[end - n:end - n + upto - start], r.tokens[start + 1:upto + 1],
+                                            r.prompt_lp)
+
+    def _choose(self, logits, rows: list[_Request]) -> list:
+        """choose_tokens over the sampling rows; should it raise (a bug outside its per-row guards),
+        each row again alone, so only the rows that fail by themselves fail (their seeded
+        generators may then have drawn twice this step)."""
+        try:
+            return choose_tokens(logits, rows)
+        except Exception:  # noqa: BLE001 - isolate the row that raises
+            log.error("sampling the batch failed; sampling row by row\n%s", traceback.format_exc())
+        out = []
+        for i, r in enumerate(rows):
+            try:
+                out += choose_tokens(logits[i:i + 1], [r])
+            except Exception as e:  # noqa: BLE001
+                out.append(RowFailed(f"sampling failed: {type(e).__name__}: {e}"))
+        return out
 
     # ---- outputs ------------------------------------------------------------------------------
     def _detok(self, r: _Request, out: list[int]) -> str:
@@ -418,11 +495,12 @@ class Engine:
         return ""
 
     def _emit(self, r: _Request, tok: int | None, lp: TokenLogprob | None = None) -> None:
-        finish, error, hide = None, None, False
+        finish, error, hide, param = None, None, False, None
         if tok is None:
             finish = "length"
         elif r.matcher is not None and not r.matcher.accept(tok):
-            finish, error = "error", f"grammar: token {tok} rejected: {r.matcher.error}"
+            finish, error, param = "error", f"grammar: token {tok} rejected: {grammar_reason(r.matcher.error)}", \
+                "response_format"
         elif tok in self.eos and not r.ignore_eos:
             finish = "stop"
         elif tok in r.params.stop_token_ids:
@@ -462,18 +540,20 @@ class Engine:
         self.running.remove(r)
         r.seq.free()
         self.counters["finished" if finish != "error" else "errors"] += 1
-        r.handle._push(Output(ids, text, finish, error, logprobs=lps, prompt_logprobs=plp))
+        r.handle._push(Output(ids, text, finish, error, logprobs=lps, prompt_logprobs=plp, param=param))
         if self.observer is not None:
             self.observer.finish(r.handle, finish)
 
-    def _finish(self, r: _Request, reason: str, error: str | None = None, unavailable: bool = False) -> None:
-        """End a request without a new token (cancelled, error, shutdown) and free its pages."""
+    def _finish(self, r: _Request, reason: str, error: str | None = None, unavailable: bool = False,
+                param: str | None = None) -> None:
+        """End a request without a new token (cancelled, error, shutdown) and free its pages;
+        `param`: the request field that caused an error (a client error)."""
         followers, r.followers = r.followers, []  # not forked yet: end them too, or queue them on their own
         for f in reversed(followers):
             self._finish(f, reason, error) if self._stopping else self.waiting.appendleft(f)
         r.seq.free()
         self.counters["cancelled" if reason == "cancelled" else "errors"] += 1
-        r.handle._push(Output([], "", reason, error, unavailable))
+        r.handle._push(Output([], "", reason, error, unavailable, param=param))
         if self.observer is not None:
             self.observer.finish(r.handle, reason)
 
@@ -482,6 +562,8 @@ class Engine:
         check_pool(self.pool, self.prefix, [r.seq for r in self.running + list(self.waiting)])
 
     def _abort_all(self, reason: str, error: str | None) -> None:
+        """End every request (queued ones and their not-forked choices too) with `reason`."""
+        self._stopping = True  # no new requests; followers end with their first choice
         with self._lock:
             self.waiting.extend(self._inbox)
             self._inbox.clear()

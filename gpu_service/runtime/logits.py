@@ -8,6 +8,10 @@ greedy rows, the grammar mask of constrained rows) are row-wise too. Order (samp
 docstring): logit_bias, min_tokens ban, repetition, frequency and presence penalties, grammar
 mask, then greedy argmax or temperature / top-k / top-p sampling. Logprobs come from the raw
 logits (log-softmax before any of that), as vLLM reports them by default.
+
+A row that cannot be sampled (its bans and grammar leave no token, or sampling itself fails)
+comes back as a `RowFailed` in that row's place; the other rows are sampled as if it were not
+there, so one request's failure never costs the batch.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from typing import Protocol
 import torch
 
 from gpu_service.runtime.grammar import apply_bitmask, fill_bitmasks
-from gpu_service.runtime.sampling import sample, SamplingParams
+from gpu_service.runtime.sampling import sample, SamplingError, SamplingParams
 
 
 @dataclass
@@ -27,6 +31,24 @@ class TokenLogprob:
     token: int
     logprob: float
     top: list[tuple[int, float]]
+
+
+@dataclass
+class RowFailed:
+    """A row no token could be chosen for: `error` says why, `param` names the request field that
+    caused it (None: not the client's doing)."""
+
+    error: str
+    param: str | None = None
+
+
+def grammar_reason(error: str | None) -> str:
+    """The grammar engine's reason, without the parser state and grammar dump it appends
+    (llguidance: "lexer error: too many expressions constructed\n<state>...")."""
+    head = (error or "the grammar does not allow it").split("<state>", 1)[0].strip()
+    if "too many" in head or "TooComplex" in head:
+        head += ": the grammar is too large for the grammar engine; simplify it (fewer or smaller repetitions)"
+    return head[:500]
 
 
 class Row(Protocol):
@@ -59,41 +81,86 @@ def process_row(x: torch.Tensor, p: SamplingParams, tokens: list[int], prompt_le
     return x
 
 
-def choose_tokens(logits: torch.Tensor, rows: list) -> list[tuple[int, TokenLogprob | None]]:
-    """One (token, logprob or None) per row of `logits` [R, V] (see the module docstring)."""
+def _no_token(r) -> RowFailed:
+    """The reason a row whose every logit is -inf cannot be sampled, naming what banned the tokens."""
+    if r.matcher is not None:
+        return RowFailed("no token can be sampled: the grammar allows only tokens that min_tokens / "
+                         "stop_token_ids / logit_bias ban here; lower min_tokens or drop those bans", "min_tokens")
+    return RowFailed("no token can be sampled: min_tokens bans EOS and stop_token_ids, and they cover every "
+                     "token; lower min_tokens or list fewer stop_token_ids", "stop_token_ids")
+
+
+def _failed(e: Exception) -> RowFailed:
+    """A sampling exception as a row failure (a SamplingError may name the field)."""
+    return RowFailed(f"sampling failed: {type(e).__name__}: {e}", getattr(e, "param", None))
+
+
+def choose_tokens(logits: torch.Tensor, rows: list) -> list:
+    """One (token, logprob or None) per row of `logits` [R, V] (see the module docstring), or a
+    RowFailed for a row that cannot be sampled."""
     if not rows:
         return []
     raw = logits.float()
-    lp = None
-    want_lp = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-    if want_lp:
-        lp = torch.log_softmax(raw[want_lp], dim=-1)
+    failed: dict[int, RowFailed] = {}
     constrained = [i for i, r in enumerate(rows) if r.matcher is not None]
-    x = raw.clone() if constrained or any(r.params.processed for r in rows) else raw
-    for i, r in enumerate(rows):
-        if r.params.processed:
-            process_row(x[i], r.params, r.tokens, r.prompt_len, r.banned_early)
+    processed = [i for i, r in enumerate(rows) if r.params.processed]
+    x = raw.clone() if constrained or processed else raw
+    for i in processed:
+        try:
+            process_row(x[i], rows[i].params, rows[i].tokens, rows[i].prompt_len, rows[i].banned_early)
+        except Exception as e:  # noqa: BLE001 - this row alone
+            failed[i] = _failed(e)
     if constrained:
         mask = fill_bitmasks([rows[i].matcher for i in constrained], x.shape[-1])
+        for i in constrained:  # a matcher the grammar engine gave up on (e.g. too large) masks nothing true
+            if rows[i].matcher.error is not None and i not in failed:
+                failed[i] = RowFailed(f"grammar: {grammar_reason(rows[i].matcher.error)}", "response_format")
         if len(constrained) == len(rows):  # no gather / scatter (each indexing op is a kernel launch)
             apply_bitmask(x, mask)
         else:
             x[constrained] = apply_bitmask(x[constrained], mask)
+    if constrained or processed:  # bans and masks may leave a row no token at all
+        changed = sorted(set(constrained) | set(processed))
+        dead = torch.isneginf(x[changed].amax(-1)).tolist()
+        for i, d in zip(changed, dead):
+            if d and i not in failed:
+                failed[i] = _no_token(rows[i])
     greedy = x.argmax(-1).tolist() if any(r.params.greedy for r in rows) else None
-    toks = [greedy[i] if r.params.greedy else sample(x[i], r.params, r.gen) for i, r in enumerate(rows)]
-    out: list[tuple[int, TokenLogprob | None]] = [(t, None) for t in toks]
-    if lp is not None:
-        tok_idx = torch.tensor([toks[i] for i in want_lp], device=lp.device)
-        chosen = lp.gather(1, tok_idx[:, None])[:, 0].tolist()
-        kmax = max(rows[i].params.logprobs for i in want_lp)
-        tv, ti = torch.topk(lp, kmax, dim=-1) if kmax else (None, None)
-        tv = tv.tolist() if kmax else None
-        ti = ti.tolist() if kmax else None
-        for j, i in enumerate(want_lp):
-            k = rows[i].params.logprobs
-            top = list(zip(ti[j][:k], tv[j][:k])) if k else []
-            out[i] = (toks[i], TokenLogprob(toks[i], chosen[j], top))
+    toks: list[int | None] = []
+    for i, r in enumerate(rows):
+        if i in failed:
+            toks.append(None)
+        elif r.params.greedy:
+            toks.append(greedy[i])
+        else:
+            try:
+                toks.append(sample(x[i], r.params, r.gen))
+            except SamplingError as e:
+                failed[i] = RowFailed(str(e), e.param)
+                toks.append(None)
+            except Exception as e:  # noqa: BLE001 - this row alone
+                failed[i] = _failed(e)
+                toks.append(None)
+    out: list = [(t, None) if t is not None else failed[i] for i, t in enumerate(toks)]
+    want_lp = [i for i, r in enumerate(rows) if r.params.logprobs is not None and i not in failed]
+    if want_lp:
+        _add_logprobs(out, raw, rows, toks, want_lp)
     return out
+
+
+def _add_logprobs(out: list, raw: torch.Tensor, rows: list, toks: list, want_lp: list[int]) -> None:
+    """Fill out[i] = (token, TokenLogprob) for the rows `want_lp` from the raw logits [R, V]."""
+    lp = torch.log_softmax(raw[want_lp], dim=-1)
+    tok_idx = torch.tensor([toks[i] for i in want_lp], device=lp.device)
+    chosen = lp.gather(1, tok_idx[:, None])[:, 0].tolist()
+    kmax = max(rows[i].params.logprobs for i in want_lp)
+    tv, ti = torch.topk(lp, kmax, dim=-1) if kmax else (None, None)
+    tv = tv.tolist() if kmax else None
+    ti = ti.tolist() if kmax else None
+    for j, i in enumerate(want_lp):
+        k = rows[i].params.logprobs
+        top = list(zip(ti[j][:k], tv[j][:k])) if k else []
+        out[i] = (toks[i], TokenLogprob(toks[i], chosen[j], top))
 
 
 def prompt_logprobs(logits: torch.Tensor, next_ids: list[int], k: int) -> list[TokenLogprob]:

@@ -59,6 +59,7 @@ class Output:
     unavailable: bool = False  # an "error" because a backend (expert shard) is unavailable: retry later
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
+    param: str | None = None  # an "error" the request caused (HTTP 400 / gRPC INVALID_ARGUMENT): the field
 
 
 class RequestHandle:
@@ -75,6 +76,7 @@ class RequestHandle:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.unavailable = False  # the error was an unavailable expert shard (HTTP 503 / gRPC UNAVAILABLE)
+        self.error_param: str | None = None  # the error was the request's own: the field that caused it
         self._wake = wake
         self._cond = threading.Condition()
         self._events: collections.deque[Output] = collections.deque()
@@ -143,6 +145,7 @@ class RequestHandle:
             self.completion_tokens += len(out.token_ids)
             if out.finish_reason is not None:
                 self.finish_reason, self.error, self.unavailable = out.finish_reason, out.error, out.unavailable
+                self.error_param = out.param
             self._events.append(out)
             self._cond.notify_all()
             waiter, self._waiter = self._waiter, None
@@ -228,3 +231,65 @@ class _Request:
     def remaining(self) -> int:
         """Tokens still to feed before the next sample (1 = a decode)."""
         return len(self.tokens) - self.seq.length
+
+
+def _lone_surrogate(s: str) -> str | None:
+    """The first lone UTF-16 surrogate of `s` as '\\udXXX', or None when `s` is valid Unicode."""
+    try:
+        s.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        return f"\\u{ord(s[e.start]):04x}"
+
+
+def check_request(engine, prompt_ids: list[int], params: SamplingParams, max_tokens: int | None,
+                  stop: tuple, prompt_logprobs: int | None, cache_salt) -> int:
+    """Everything `Engine.submit` refuses before a request is queued (RequestError naming the
+    field); returns the request's max_tokens (its default filled in)."""
+    if not prompt_ids:
+        raise RequestError("empty prompt: give at least one token", "prompt")
+    V = engine.cfg.vocab_size
+    bad = next((t for t in prompt_ids if not 0 <= t < V), None)
+    if bad is not None:
+        raise RequestError(f"prompt token id {bad} out of range: ids must be in [0, {V})", "prompt")
+    limit, n = engine.max_request_tokens, len(prompt_ids)
+    where = "context length" if engine.max_context <= engine.pool_tokens else "KV pool (--kv-tokens)"
+    if n >= limit:
+        raise RequestError(f"the prompt has {n} tokens but the {where} is {limit} tokens; shorten the prompt",
+                           "messages", "context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = min(limit - n, engine.max_new_tokens)
+    least = 0 if prompt_logprobs is not None else 1
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < least:
+        raise RequestError(f"max_tokens must be an integer >= {least}, got {max_tokens!r}", "max_tokens")
+    if max_tokens > engine.max_new_tokens:
+        raise RequestError(f"max_tokens {max_tokens} is over this server's limit of {engine.max_new_tokens} "
+                           f"(--max-new-tokens); lower it", "max_tokens")
+    if n + max_tokens > limit:
+        raise RequestError(
+            f"this request needs {n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion) "
+            f"but the {where} is {limit} tokens; lower max_tokens to at most {limit - n}",
+            "max_tokens", "context_length_exceeded")
+    if any(not isinstance(s, str) or not s for s in stop):
+        raise RequestError("stop strings must be non-empty strings", "stop")
+    bad_s = next((u for u in map(_lone_surrogate, stop) if u), None)
+    if bad_s is not None:
+        raise RequestError(f"a stop string holds a lone UTF-16 surrogate ({bad_s}), which is not valid Unicode; "
+                           f"send valid UTF-8 text", "stop")
+    if stop and engine.tokenizer is None:
+        raise RequestError("stop strings need the checkpoint's tokenizer.json", "stop")
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise RequestError(f"cache_salt must be a string, got {cache_salt!r}", "cache_salt")
+    bad_s = _lone_surrogate(cache_salt) if cache_salt else None
+    if bad_s is not None:
+        raise RequestError(f"cache_salt holds a lone UTF-16 surrogate ({bad_s}), which is not valid Unicode; "
+                           f"send a valid UTF-8 string", "cache_salt")
+    bad = next((t for t in params.stop_token_ids + tuple(t for t, _ in params.logit_bias) if not 0 <= t < V), None)
+    if bad is not None:
+        raise RequestError(f"token id {bad} out of range: ids must be in [0, {V})",
+                           "stop_token_ids" if bad in params.stop_token_ids else "logit_bias")
+    if params.min_tokens and len(engine.eos | set(params.stop_token_ids)) >= V:
+        raise RequestError(f"min_tokens={params.min_tokens} bans EOS and every stop_token_ids entry until then, "
+                           f"and together they cover all {V} tokens of the vocabulary: nothing could be sampled; "
+                           f"list fewer stop_token_ids or drop min_tokens", "stop_token_ids")
+    return max_tokens

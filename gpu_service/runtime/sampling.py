@@ -5,13 +5,31 @@ sampling (OpenAI / vLLM definitions, in this order): `logit_bias` added; EOS and
 banned while fewer than `min_tokens` are generated; `repetition_penalty` (prompt + output tokens:
 a positive logit divided by it, a negative one multiplied); `frequency_penalty` x count and
 `presence_penalty` x (count > 0) subtracted (output tokens); the grammar's mask. `logprobs` (None
-= off, else the number of top alternatives, 0..20) are reported from the raw logits."""
+= off, else the number of top alternatives, 0..20) are reported from the raw logits.
+
+Sampling runs in float32, so values that float32 cannot carry are refused when the params are
+made: a temperature below MIN_TEMPERATURE (logits / temperature would overflow to inf, and
+softmax to NaN) and a top_p below float32's smallest normal number (it rounds to 0). `sample`
+raises `SamplingError` for a row it cannot sample (every token banned, non-finite
+probabilities) so the caller fails that request alone."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
 import torch
+
+MIN_TEMPERATURE = 1e-5  # below: logits / temperature overflows float32 (and 1e-300 is 0 there)
+MIN_TOP_P = float(torch.finfo(torch.float32).tiny)  # ~1.2e-38: smaller rounds to 0 (or a denormal) in float32
+
+
+class SamplingError(ValueError):
+    """A row that cannot be sampled (no token left, non-finite probabilities); `param` names the
+    request field that caused it, when one did."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -31,8 +49,15 @@ class SamplingParams:
     def __post_init__(self):
         if not (math.isfinite(self.temperature) and self.temperature >= 0):  # NaN would pass a plain `< 0`
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature {self.temperature:g} is below {MIN_TEMPERATURE:g}, where logits / "
+                             f"temperature overflows float32: use 0 for greedy decoding or a temperature "
+                             f">= {MIN_TEMPERATURE:g}")
         if not 0 < self.top_p <= 1:  # also false for NaN
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_p < MIN_TOP_P:
+            raise ValueError(f"top_p {self.top_p:g} is 0 in float32 (below {MIN_TOP_P:.3g}): use top_k=1 to "
+                             f"keep only the most likely token, or a top_p >= {MIN_TOP_P:.3g}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
@@ -69,7 +94,8 @@ class SamplingParams:
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    """logits: [V] float32 (any device). Returns the chosen token id."""
+    """logits: [V] float32 (any device). Returns the chosen token id; SamplingError when no token
+    can be chosen (every logit -inf, or probabilities that are not finite)."""
     if p.greedy:
         return int(torch.argmax(logits))
     x = logits.float().cpu() / p.temperature
@@ -80,6 +106,11 @@ def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None)
     if p.top_p < 1.0:
         sp, si = torch.sort(probs, descending=True)
         keep = sp.cumsum(0) - sp < p.top_p  # smallest prefix whose mass reaches top_p
+        keep[0] = True  # at least the most likely token, however small top_p is
         sp = sp * keep
         probs = torch.zeros_like(probs).scatter_(0, si, sp)
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
+    total = probs.sum()
+    if not (torch.isfinite(total) and total > 0):
+        raise SamplingError(f"no token can be sampled: the probabilities sum to {float(total)} "
+                            f"(temperature {p.temperature:g}, top_p {p.top_p:g}, top_k {p.top_k})")
+    return int(torch.multinomial(probs / total, 1, generator=gen))

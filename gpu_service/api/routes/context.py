@@ -12,8 +12,9 @@ from fastapi import Request
 from gpu_service.api import openai_params as OP
 from gpu_service.api.chat_request import ChatSettings
 from gpu_service.api.errors import APIError
-from gpu_service.api.routes.request import field, max_tokens, sampling
+from gpu_service.api.routes.request import check_unicode, field, max_tokens, sampling
 from gpu_service.runtime.engine import Engine, EngineStopped, QueueFull, RequestError
+from gpu_service.runtime.logits import grammar_reason
 from gpu_service.runtime.grammar import GrammarError, InvalidSchema
 
 
@@ -44,6 +45,7 @@ class ApiContext:
             raise APIError(400, "the request body has a number too long to parse", code="invalid_json") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
+        check_unicode(body, raw)  # before any field is used: a lone surrogate cannot be encoded or echoed
         model = body.get("model")
         if model is not None and model != self.model_name:
             raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
@@ -69,8 +71,8 @@ class ApiContext:
         except InvalidSchema as e:
             raise APIError(400, f"{key}: {e}", param=key, code="invalid_schema") from None
         except GrammarError as e:
-            raise APIError(400, f"{key}: the grammar engine cannot compile this: {e}", param=key,
-                           code="invalid_grammar") from None
+            raise APIError(400, f"{key}: the grammar engine cannot compile this: {grammar_reason(str(e))}",
+                           param=key, code="invalid_grammar") from None
 
     def submit(self, prompts: list[list[int]], body: dict, chat: bool, grammar=None, prompt_lp=None):
         """One handle per choice: prompt p's choice i is handle p * n + i, seeded with seed + i.
@@ -84,6 +86,10 @@ class ApiContext:
             raise APIError(400, str(e), param=e.param) from None
         params, stop, ignore_eos = sampling(body, engine.cfg.vocab_size, chat)
         limit = max_tokens(body, 0 if prompt_lp is not None else 1)
+        if len(prompts) * n > engine.max_waiting:  # never admissible: 400, not a 429 to retry
+            raise APIError(400, f"this request makes {len(prompts) * n} sequences ({len(prompts)} prompt(s) x n={n}) "
+                                f"but the server queues at most {engine.max_waiting} (--max-waiting); lower n or "
+                                f"send fewer prompts", param="n" if n > 1 else "prompt")
         hs = []
         try:
             for ids in prompts:

@@ -1,6 +1,7 @@
 """Probes and metrics, without the API key (gpu_service.api.guard lets them through):
 
-    GET /live     liveness: 200 while the engine's scheduler runs (shards not asked), else 503
+    GET /live     liveness: 200 while the engine's scheduler thread runs (shards not asked), 503 once it
+                  is gone (the server then exits: gpu_service.entrypoints.serving's watchdog)
     GET /health   readiness: 200 when the engine and every expert shard group serve, else 503
     GET /metrics  Prometheus metrics (gpu_service.metrics.GpuMetrics), when given
 """
@@ -30,7 +31,8 @@ def router(engine: Engine, health_fn: HealthFn | None = None, metrics=None) -> A
     @r.get("/health")
     def health():
         """Readiness with the detail; sync: runs in the thread pool (the shard checks may block on a first call)."""
-        ok, detail = engine.alive, {"engine": "serving" if engine.alive else "stopped"}
+        serving = engine.serving
+        ok, detail = serving, {"engine": "serving" if serving else "stopped"}
         if health_fn is not None:
             shards_ok, shards = health_fn()
             ok = ok and shards_ok

@@ -1,12 +1,47 @@
 """Request fields of the OpenAI generation endpoints parsed into typed values, or `APIError(400)`
 naming the field: `field` (one typed field), `sampling` (SamplingParams, stop strings, ignore_eos),
-`max_tokens`, `include_usage` (stream_options)."""
+`max_tokens`, `include_usage` (stream_options), `check_unicode` (no lone surrogates anywhere)."""
 from __future__ import annotations
+
+import re
 
 from gpu_service.api import openai_params as OP
 from gpu_service.api.errors import APIError
 from gpu_service.runtime.engine import Engine
 from gpu_service.runtime.sampling import SamplingParams
+
+
+def check_unicode(body, raw: bytes) -> None:
+    """400 naming the field when a string of the parsed JSON `body` holds a lone UTF-16 surrogate
+    ("\\ud800" escapes that pair with nothing: valid JSON, not valid Unicode, and it cannot be
+    tokenized, hashed or echoed back). Only bodies whose `raw` bytes hold a surrogate escape are walked."""
+    if not _SURROGATE_ESCAPE.search(raw):
+        return
+    stack = [(body, "")]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, dict):
+            stack += [(x, f"{path}.{k}" if path else str(k)) for k, x in v.items()]
+            stack += [(k, f"{path}.{k!r} (a key)" if path else f"{k!r} (a key)") for k in v if isinstance(k, str)]
+        elif isinstance(v, list):
+            stack += [(x, f"{path}[{i}]") for i, x in enumerate(v)]
+        elif isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                top = path.split(".", 1)[0].split("[", 1)[0]
+                top = _ascii(top) if top in body else None
+                raise APIError(400, f"'{_ascii(path)}' holds a lone UTF-16 surrogate (\\u{ord(v[e.start]):04x}), "
+                                    f"which is not valid Unicode: send valid UTF-8 text (an escaped surrogate "
+                                    f"must be half of a pair)", param=top) from None
+
+
+def _ascii(path: str) -> str:
+    """`path` with anything that is not printable ASCII escaped (it may hold the surrogate itself)."""
+    return path.encode("ascii", "backslashreplace").decode()[:120]
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def field(body: dict, key: str, types, default=None, *, name: str | None = None):

@@ -56,6 +56,8 @@ async def collect(request: Request, h) -> tuple[str, list[int], list, list]:
         if h.unavailable:  # an expert shard has no replica left: retry later
             raise APIError(503, h.error or "an expert shard is unavailable", "service_unavailable_error",
                            code="expert_shard_unavailable")
+        if h.error_param is not None:  # the request's own doing (e.g. a grammar too large to run): 400
+            raise APIError(400, h.error or "the request cannot be served", param=h.error_param)
         raise APIError(500, h.error or "generation failed", "server_error")
     return "".join(parts), ids, lps, plps
 
@@ -119,7 +121,8 @@ async def _events(hs, chunk_fn: ChunkFn, include_usage: bool, obj: str, rid: str
             if out.finish_reason == "error":
                 err = (error_body(out.error or "an expert shard is unavailable", "service_unavailable_error",
                                   code="expert_shard_unavailable") if out.unavailable
-                       else error_body(out.error or "generation failed", "server_error"))
+                       else error_body(out.error or "the request cannot be served", param=out.param)
+                       if out.param is not None else error_body(out.error or "generation failed", "server_error"))
                 yield f"data: {json.dumps(err)}\n\n"
                 break
             if out.finish_reason == "cancelled":
