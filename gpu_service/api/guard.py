@@ -1,14 +1,13 @@
 """Limits and authentication in front of the APIs: checked before any work is done.
 
-- `ServerLimits`: body size (HTTP 413), prompt characters (checked before tokenizing), uvicorn's
-  connection cap (`limit_concurrency`, 503 beyond it) and the header-read deadline.
+- `ServerLimits`: body size (HTTP 413), prompt characters (checked before tokenizing), and the
+  connection-level limits that gpu_service.api.connections applies (header and body deadlines,
+  connections per client and in total, room for the probes, gRPC stream and keepalive limits).
 - `Guard`: a pure ASGI middleware (not Starlette's `BaseHTTPMiddleware`, which hides the
   client's disconnect from the endpoint, so non-stream requests of clients that left were never
   cancelled): the API key on /v1 and the body-size cap, both before the app reads anything.
 - `KeyCheck`: `Authorization: Bearer <key>` compared in constant time over sha256 digests, the
   scheme case-insensitive; shared by HTTP and the gRPC interceptor (`grpc_api`).
-- `HeaderTimeoutH11`: uvicorn's h11 protocol with a deadline on reading a request's headers
-  (uvicorn has none: half-open connections stayed open indefinitely).
 """
 from __future__ import annotations
 
@@ -19,18 +18,59 @@ from dataclasses import dataclass
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # 8 MiB: ~1M token ids as JSON, or a few million characters of prompt
 DEFAULT_HEADER_TIMEOUT_S = 10.0
-DEFAULT_LIMIT_CONCURRENCY = 1024  # open connections + running requests; uvicorn answers 503 beyond
+DEFAULT_BODY_TIMEOUT_S = 10.0
+DEFAULT_BODY_MIN_RATE = 16 << 10  # bytes/s: each 16 KiB received adds 1 s to the body deadline
+DEFAULT_MAX_CONNECTIONS = 1024
+DEFAULT_MAX_CONNECTIONS_PER_CLIENT = 256  # behind an ingress every client is its address: raise it, or 0 (off)
+DEFAULT_PROBE_CONNECTIONS = 32
+DEFAULT_GRPC_STREAMS_PER_CONNECTION = 32
+DEFAULT_GRPC_MIN_PING_INTERVAL_S = 10.0
+DEFAULT_GRPC_MAX_CONNECTION_IDLE_S = 300.0
 
 
 @dataclass
 class ServerLimits:
-    """What the HTTP / gRPC front ends refuse before doing work (CLI: --max-body-bytes ...).
-    `max_prompt_chars` None: 16 characters per token the engine can hold (`prompt_chars_for`)."""
+    """What the HTTP / gRPC front ends refuse before doing work (CLI: --max-body-bytes ...; the
+    defaults are in docs/reliability.md). `max_prompt_chars` None: 16 characters per token the
+    engine can hold (`prompt_chars_for`); `max_connections_per_client` 0: no per-client cap.
+
+    HTTP connections (gpu_service.api.connections): a request's headers within `header_timeout_s`;
+    its body within `body_timeout_s` + 1 s per `body_min_rate` bytes received (else 408, closed); at
+    most `max_connections` open (past it the oldest idle one is closed for a newcomer) and
+    `max_connections_per_client` per client address; past `max_connections - probe_connections`
+    only /live and /health are served. gRPC: `grpc_max_streams_per_connection` concurrent streams
+    on one connection, client pings at most every `grpc_min_ping_interval_s` without data, idle
+    connections closed after `grpc_max_connection_idle_s`."""
 
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_prompt_chars: int | None = None
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
-    limit_concurrency: int = DEFAULT_LIMIT_CONCURRENCY
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    body_min_rate: int = DEFAULT_BODY_MIN_RATE
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_connections_per_client: int = DEFAULT_MAX_CONNECTIONS_PER_CLIENT
+    probe_connections: int = DEFAULT_PROBE_CONNECTIONS
+    grpc_max_streams_per_connection: int = DEFAULT_GRPC_STREAMS_PER_CONNECTION
+    grpc_min_ping_interval_s: float = DEFAULT_GRPC_MIN_PING_INTERVAL_S
+    grpc_max_connection_idle_s: float = DEFAULT_GRPC_MAX_CONNECTION_IDLE_S
+
+    def __post_init__(self):
+        """Refuse impossible values, naming the flag."""
+        for name in ("max_body_bytes", "body_min_rate", "max_connections", "grpc_max_streams_per_connection"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("header_timeout_s", "body_timeout_s", "grpc_min_ping_interval_s", "grpc_max_connection_idle_s"):
+            if not getattr(self, name) > 0:
+                flag = name[:-2].replace("_", "-")
+                raise ValueError(f"--{flag} must be > 0 seconds, got {getattr(self, name)}")
+        if self.max_connections_per_client < 0:
+            raise ValueError(f"--max-connections-per-client must be >= 0 (0: no cap), "
+                             f"got {self.max_connections_per_client}")
+        if not 0 <= self.probe_connections < self.max_connections:
+            raise ValueError(f"--probe-connections must be in [0, --max-connections ({self.max_connections})), "
+                             f"got {self.probe_connections}")
+        if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
+            raise ValueError(f"--max-prompt-chars must be >= 1, got {self.max_prompt_chars}")
 
     def prompt_chars_for(self, max_request_tokens: int) -> int:
         return self.max_prompt_chars if self.max_prompt_chars is not None else 16 * max_request_tokens
@@ -113,43 +153,3 @@ class Guard:
             return msg
 
         return await self.app(scope, capped_receive, send)
-
-
-def header_timeout_protocol(timeout_s: float):
-    """uvicorn's H11Protocol with a deadline for a request's headers (connection open, headers not
-    complete within timeout_s: closed). Pass as `uvicorn.Config(http=...)`."""
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    class HeaderTimeoutH11(H11Protocol):
-        _header_timer = None
-
-        def _arm(self) -> None:
-            if self._header_timer is None and self.conn.their_state is h11.IDLE:
-                self._header_timer = self.loop.call_later(timeout_s, self._header_deadline)
-
-        def _header_deadline(self) -> None:
-            self._header_timer = None
-            if self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete) \
-                    and not self.transport.is_closing():
-                self.transport.close()  # headers not complete in time (slowloris / half-open)
-
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self._arm()
-
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            if self.conn.their_state is not h11.IDLE and self._header_timer is not None:
-                self._header_timer.cancel()  # headers complete: the request is the app's now
-                self._header_timer = None
-            elif self._header_timer is None and not self.transport.is_closing():
-                self._arm()  # the next request on a kept-alive connection started arriving
-
-        def connection_lost(self, exc) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-            super().connection_lost(exc)
-
-    return HeaderTimeoutH11

@@ -113,12 +113,14 @@ class HTTPServer:
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning",
                  limits: ServerLimits | None = None):
-        """Bind host:port now (OSError naming --port when taken); `limits`: header deadline, concurrency."""
+        """Bind host:port now (OSError naming --port when taken); `limits`: the connection-level
+        limits (deadlines, caps, room for the probes: gpu_service.api.connections)."""
         import uvicorn
 
-        from gpu_service.api.guard import header_timeout_protocol
+        from gpu_service.api.connections import ConnectionTable, ProbeReserve, limited_protocol
 
         limits = limits or ServerLimits()
+        self.connections = ConnectionTable(limits)
 
         fam = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(fam, socket.SOCK_STREAM)
@@ -133,8 +135,8 @@ class HTTPServer:
             raise OSError(f"cannot bind the HTTP API to {host}:{port}: {e}; pick another --port") from None
         self.host, self.port = host, self.sock.getsockname()[1]
         self.server = uvicorn.Server(uvicorn.Config(
-            app, log_level=log_level, timeout_graceful_shutdown=5, lifespan="off",
-            http=header_timeout_protocol(limits.header_timeout_s), limit_concurrency=limits.limit_concurrency,
+            ProbeReserve(app, self.connections), log_level=log_level, timeout_graceful_shutdown=5, lifespan="off",
+            http=limited_protocol(limits, self.connections), limit_concurrency=None,  # ours: per client, probes kept
             timeout_keep_alive=5))
         self.thread: threading.Thread | None = None
 

@@ -22,10 +22,10 @@ from gpu_service.runtime.engine import Engine
 from gpu_service.model.placement import add_plan_arguments, placement_from_args
 from gpu_service.experts.client import add_expert_client_arguments, expert_client_tls
 from gpu_service.api.grpc_api import ApiTLS, create_server as create_grpc_server
-from gpu_service.api.guard import (
-    DEFAULT_HEADER_TIMEOUT_S, DEFAULT_LIMIT_CONCURRENCY, DEFAULT_MAX_BODY_BYTES, ServerLimits,
-)
+from gpu_service.api import guard as G
+from gpu_service.api.guard import DEFAULT_MAX_BODY_BYTES, ServerLimits
 from gpu_service.api.chat_request import ChatSettings
+from gpu_service.api.connections import grpc_server_options
 from gpu_service.api.http_api import create_app, HTTPServer
 from gpu_service.metrics import GpuMetrics
 
@@ -53,10 +53,7 @@ def add_serving_arguments(p: argparse.ArgumentParser) -> None:
                    help="most requests queued for admission; beyond: HTTP 429 / gRPC RESOURCE_EXHAUSTED (default 256)")
     p.add_argument("--max-new-tokens", type=int, default=8192,
                    help="longest completion (and the default when a request omits max_tokens; default 8192)")
-    p.add_argument("--limit-concurrency", type=int, default=DEFAULT_LIMIT_CONCURRENCY,
-                   help=f"most open HTTP connections; beyond: 503 (default {DEFAULT_LIMIT_CONCURRENCY})")
-    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
-                   help=f"seconds a connection may take to send a request's headers (default {DEFAULT_HEADER_TIMEOUT_S:g})")
+    add_connection_arguments(p)
     p.add_argument("--kv-tokens", type=int, default=8192, help="KV cache size in tokens, shared by all requests")
     p.add_argument("--page-size", type=int, default=64, help="tokens per KV page")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
@@ -85,6 +82,44 @@ def add_serving_arguments(p: argparse.ArgumentParser) -> None:
     add_plan_arguments(p)
 
 
+def add_connection_arguments(p: argparse.ArgumentParser) -> None:
+    """The connection-level limits of the HTTP and gRPC servers (guard.ServerLimits; docs/reliability.md)."""
+    p.add_argument("--header-timeout", type=float, default=G.DEFAULT_HEADER_TIMEOUT_S,
+                   help=f"seconds a connection may take to send a request's headers (default {G.DEFAULT_HEADER_TIMEOUT_S:g})")
+    p.add_argument("--body-timeout", type=float, default=G.DEFAULT_BODY_TIMEOUT_S,
+                   help=f"seconds a request body may take, plus 1 s per --body-min-rate bytes received; "
+                        f"beyond: 408, closed (default {G.DEFAULT_BODY_TIMEOUT_S:g})")
+    p.add_argument("--body-min-rate", type=int, default=G.DEFAULT_BODY_MIN_RATE,
+                   help=f"bytes per second a request body must keep up (default {G.DEFAULT_BODY_MIN_RATE})")
+    p.add_argument("--max-connections", "--limit-concurrency", dest="max_connections", type=int,
+                   default=G.DEFAULT_MAX_CONNECTIONS,
+                   help=f"most open HTTP connections: past it the oldest idle one is closed, else the new one "
+                        f"(default {G.DEFAULT_MAX_CONNECTIONS})")
+    p.add_argument("--max-connections-per-client", type=int, default=G.DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+                   help=f"most open HTTP connections from one client address, 0: no cap; raise it behind an "
+                        f"ingress or proxy (default {G.DEFAULT_MAX_CONNECTIONS_PER_CLIENT})")
+    p.add_argument("--probe-connections", type=int, default=G.DEFAULT_PROBE_CONNECTIONS,
+                   help=f"of --max-connections, how many only /live and /health may use (default "
+                        f"{G.DEFAULT_PROBE_CONNECTIONS})")
+    p.add_argument("--grpc-max-streams-per-connection", type=int, default=G.DEFAULT_GRPC_STREAMS_PER_CONNECTION,
+                   help=f"concurrent gRPC streams on one connection (default {G.DEFAULT_GRPC_STREAMS_PER_CONNECTION})")
+    p.add_argument("--grpc-min-ping-interval", type=float, default=G.DEFAULT_GRPC_MIN_PING_INTERVAL_S,
+                   help=f"seconds between a gRPC client's pings without data; more often: GOAWAY (default "
+                        f"{G.DEFAULT_GRPC_MIN_PING_INTERVAL_S:g})")
+    p.add_argument("--grpc-max-connection-idle", type=float, default=G.DEFAULT_GRPC_MAX_CONNECTION_IDLE_S,
+                   help=f"seconds an idle gRPC connection stays open (default {G.DEFAULT_GRPC_MAX_CONNECTION_IDLE_S:g})")
+
+
+def server_limits(args: argparse.Namespace) -> ServerLimits:
+    """The ServerLimits of the flags (ValueError naming the flag when one is impossible)."""
+    return ServerLimits(
+        max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
+        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout, body_min_rate=args.body_min_rate,
+        max_connections=args.max_connections, max_connections_per_client=args.max_connections_per_client,
+        probe_connections=args.probe_connections, grpc_max_streams_per_connection=args.grpc_max_streams_per_connection,
+        grpc_min_ping_interval_s=args.grpc_min_ping_interval, grpc_max_connection_idle_s=args.grpc_max_connection_idle)
+
+
 def plan_or_exit(args: argparse.Namespace, prog: str):
     """The memory plan, made before anything is loaded; None on a CPU-only machine without
     --gpu. A plan that cannot fit exits here with the table and the options that would fit."""
@@ -98,8 +133,7 @@ def plan_or_exit(args: argparse.Namespace, prog: str):
 
 def check_serving_args(args: argparse.Namespace) -> str | None:
     """An error message for impossible sizes, else None."""
-    for name in ("kv_tokens", "page_size", "max_batch", "chunk_tokens", "max_body_bytes", "max_waiting",
-                 "max_new_tokens", "limit_concurrency"):
+    for name in ("kv_tokens", "page_size", "max_batch", "chunk_tokens", "max_waiting", "max_new_tokens"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
     if getattr(args, "host_kv_cache", "auto") != "auto":
@@ -111,9 +145,8 @@ def check_serving_args(args: argparse.Namespace) -> str | None:
             return f"--host-kv-cache: {e}; give a size such as 64GiB, 0 (off) or auto"
     if args.expert_timeout <= 0:
         return f"--expert-timeout must be > 0, got {args.expert_timeout}"
-    if args.header_timeout <= 0 or (args.max_prompt_chars is not None and args.max_prompt_chars < 1):
-        return "--header-timeout must be > 0 and --max-prompt-chars >= 1"
     try:
+        server_limits(args)
         expert_client_tls(args, "")
         ApiTLS.from_args(args.grpc_tls_cert, args.grpc_tls_key, args.grpc_tls_ca)
     except ValueError as e:
@@ -236,7 +269,7 @@ class ServingStack:
             self.grpc_server, self.grpc_port = create_grpc_server(
                 self.engine, self.tokenizer, self.host, self.grpc_port, api_key=self.api_key, tls=self.grpc_tls,
                 max_prompt_chars=self.limits.prompt_chars_for(self.engine.max_request_tokens),
-                chat_settings=self.chat_settings)
+                chat_settings=self.chat_settings, options=grpc_server_options(self.limits))
         except BaseException:
             self.stop()
             raise
@@ -331,8 +364,7 @@ def run_stack(args: argparse.Namespace, prog: str, addresses: list[str], closers
         stack = ServingStack(runner, tokenizer, name, host=args.host, port=args.port, grpc_port=args.grpc_port,
                              api_key=args.api_key, max_batch=args.max_batch, chunk_tokens=chunk,
                              health_fn=client.health, closers=closers,
-                             limits=ServerLimits(args.max_body_bytes, args.max_prompt_chars, args.header_timeout,
-                                                 args.limit_concurrency),
+                             limits=server_limits(args),
                              max_waiting=args.max_waiting, max_new_tokens=args.max_new_tokens,
                              grpc_tls=ApiTLS.from_args(args.grpc_tls_cert, args.grpc_tls_key, args.grpc_tls_ca),
                              chat_settings=ChatSettings(getattr(args, "tool_call_parser", "auto"),

@@ -8,6 +8,7 @@ import json
 import time
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
 from gpu_service.api import openai_params as OP
 from gpu_service.api.chat_request import ChatSettings
@@ -16,6 +17,8 @@ from gpu_service.api.routes.request import check_unicode, field, max_tokens, sam
 from gpu_service.runtime.engine import Engine, EngineStopped, QueueFull, RequestError
 from gpu_service.runtime.logits import grammar_reason
 from gpu_service.runtime.grammar import GrammarError, InvalidSchema
+
+BIG_BODY = 256 << 10  # bytes: JSON bodies from this size are parsed in a worker thread
 
 
 class ApiContext:
@@ -34,9 +37,12 @@ class ApiContext:
 
     async def body(self, request: Request) -> dict:
         """The request's JSON object; 400 (`invalid_json`) when it is not one, 404 when it names another model."""
-        raw = await request.body()
         try:
-            body = json.loads(raw)
+            raw = await request.body()
+        except ClientDisconnect:  # the client left (or the body deadline closed it): nobody to answer
+            raise APIError(400, "the client disconnected before sending the whole body") from None
+        try:  # a large body parses off the event loop (1M ids as JSON: ~170 ms of CPU)
+            body = json.loads(raw) if len(raw) < BIG_BODY else await asyncio.to_thread(json.loads, raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
         except RecursionError:
