@@ -222,7 +222,7 @@ def planned_bytes(runner, plan=None, placement=None) -> dict[tuple[str, str], in
         k = (m.category, device_label(placement.gpu_index_of(m.name + ".weight")))
         out[k] = out.get(k, 0) + P.module_bytes(cfg, m, placement.attention_weights, eb)
     kv, idx = P.kv_bytes_per_token_layer(cfg, eb)
-    tokens = runner.pool.num_pages * runner.pool.page_size
+    tokens = runner.pool.num_pages * runner.pool.page_size + 1  # + the null slot
     for layer, g in enumerate(placement.layer_gpu):
         for cat, b in (("kv_cache", kv), ("index_keys", idx)):
             if b:

@@ -32,7 +32,8 @@ def stack(tmp_path_factory):
     from gpu_service.api.tokenizer import Tokenizer
     from gpu_service.entrypoints.serving import ServingStack
     from gpu_service.local.tiny import make_tiny
-    from gpu_service.runtime.runner import LocalExperts, ModelRunner
+    from gpu_service.experts.handoff import LocalExperts
+    from gpu_service.runtime.runner import ModelRunner
 
     model_dir = make_tiny(str(tmp_path_factory.mktemp("ckpt") / MODEL), "bf16", seed=0)
     _, backend, _ = load_shard(model_dir, None, None, "numpy")

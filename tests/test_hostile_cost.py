@@ -48,7 +48,8 @@ def stack(model_dir):
     from cpu_expert_service.server import load_shard
     from gpu_service.api.tokenizer import Tokenizer
     from gpu_service.entrypoints.serving import ServingStack
-    from gpu_service.runtime.runner import LocalExperts, ModelRunner
+    from gpu_service.experts.handoff import LocalExperts
+    from gpu_service.runtime.runner import ModelRunner
 
     _, backend, _ = load_shard(model_dir, None, None, "numpy")
     runner = ModelRunner(CheckpointReader(model_dir), LocalExperts(backend), device=torch.device("cpu"),

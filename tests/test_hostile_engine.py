@@ -43,7 +43,8 @@ def _runner(model_dir):
 
     from checkpoint.reader import CheckpointReader
     from cpu_expert_service.server import load_shard
-    from gpu_service.runtime.runner import LocalExperts, ModelRunner
+    from gpu_service.experts.handoff import LocalExperts
+    from gpu_service.runtime.runner import ModelRunner
 
     _, backend, _ = load_shard(model_dir, None, None, "numpy")
     return ModelRunner(CheckpointReader(model_dir), LocalExperts(backend), device=torch.device("cpu"),

@@ -271,7 +271,7 @@ def test_cache_salt_isolates(v3):
 
 # ---- the cache itself ----------------------------------------------------------------------------
 def _pool(pages=8, host=0):
-    """A pool with `pages` usable pages (and the null page) and its prefix cache."""
+    """A pool of `pages` pages and its prefix cache."""
     from checkpoint.config import ModelConfig
     from gpu_service.local.tiny import tiny_config
     from gpu_service.model.host_kv import HostKVTier
@@ -279,7 +279,7 @@ def _pool(pages=8, host=0):
     from gpu_service.model.prefix_cache import PrefixCache
 
     cfg = ModelConfig.from_dict(tiny_config())
-    pool = KVPool(cfg, pages + 1, 4, torch.float32, [torch.device("cpu")] * cfg.num_hidden_layers)
+    pool = KVPool(cfg, pages, 4, torch.float32, [torch.device("cpu")] * cfg.num_hidden_layers)
     return pool, PrefixCache(pool, HostKVTier(pool, host) if host else None)
 
 

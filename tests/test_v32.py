@@ -148,8 +148,8 @@ def test_selection_matters():
 def test_index_keys_cached_beside_mla_cache():
     cfg = ModelConfig.from_dict(tiny_config("deepseek_v32", "bf16", OVERRIDES))
     pool = KVPool(cfg, 4, 8, torch.float32, [torch.device("cpu")] * cfg.num_hidden_layers)
-    assert [tuple(t.shape) for t in pool.index_k] == [(32, cfg.index_head_dim)] * cfg.num_hidden_layers
-    assert pool.bytes() == 4 * 32 * (cfg.kv_cache_dim + cfg.index_head_dim) * cfg.num_hidden_layers
+    assert [tuple(t.shape) for t in pool.index_k] == [(32 + 1, cfg.index_head_dim)] * cfg.num_hidden_layers
+    assert pool.bytes() == 4 * (32 + 1) * (cfg.kv_cache_dim + cfg.index_head_dim) * cfg.num_hidden_layers  # + the null slot
     v3 = ModelConfig.from_dict(tiny_config("deepseek_v3", "bf16"))
     assert KVPool(v3, 4, 8, torch.float32, [torch.device("cpu")] * v3.num_hidden_layers).index_k is None
 

@@ -97,7 +97,7 @@ class HostKVTier:
             st = self._stage(j, n)
             for dev, a, b in self.groups:
                 idx = torch.tensor(pages, dtype=torch.long, device=dev)
-                g = torch.stack([plane[i].view(-1, S, plane[i].shape[1])[idx] for i in range(a, b)], 1)
+                g = torch.stack([self.pool.page_view(plane[i])[idx] for i in range(a, b)], 1)
                 st[:, a:b].copy_(g)  # one device->host copy per device (synchronous)
             self.host[j][slot_t] = st
         return n * sum(h[0].numel() * h.element_size() for h in self.host)
@@ -115,7 +115,7 @@ class HostKVTier:
                 idx = torch.tensor(pages, dtype=torch.long, device=dev)
                 g = st[:, a:b].to(dev, non_blocking=self.pin)  # one host->device copy per device
                 for i in range(a, b):
-                    plane[i].view(-1, S, plane[i].shape[1])[idx] = g[:, i - a]
+                    self.pool.page_view(plane[i])[idx] = g[:, i - a]
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)  # the staging buffer is reused by the next copy
         return n * sum(h[0].numel() * h.element_size() for h in self.host)

@@ -24,30 +24,31 @@ class KVPool:
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
                  layer_devices: list[torch.device]):
         self.cfg, self.page_size, self.num_pages = cfg, page_size, num_pages
-        if num_pages < 2:
-            raise ValueError(f"KV pool of {num_pages} pages: at least 2 are needed (page 0 is the null page); "
-                             f"give a larger --kv-tokens")
-        # page 0 is never handed out and never written: its zero rows are what padded key positions
+        # one row past the pages, never written (the null slot): the zero row padded key positions
         # read, so a stale non-finite value left in a freed page (or past a sequence's length) never
-        # meets a 0 weight (0 * inf); the pool's usable pages are num_pages - 1
-        self.null_slot = 0
-        self.kv = [torch.zeros(num_pages * page_size, cfg.kv_cache_dim, dtype=dtype, device=d)
+        # meets a 0 weight (0 * inf). The memory plan counts it (kv_tokens + 1 rows per layer).
+        self.null_slot = num_pages * page_size
+        self.kv = [torch.zeros(num_pages * page_size + 1, cfg.kv_cache_dim, dtype=dtype, device=d)
                    for d in layer_devices]  # c_kv (normalised) ++ k_pe (roped)
         # DeepSeek-V3.2: the lightning indexer's keys, [slots, index_head_dim] per layer, same slots
-        self.index_k = ([torch.zeros(num_pages * page_size, cfg.index_head_dim, dtype=dtype, device=d)
+        self.index_k = ([torch.zeros(num_pages * page_size + 1, cfg.index_head_dim, dtype=dtype, device=d)
                          for d in layer_devices] if cfg.is_v32 else None)
-        self.free_pages: list[int] = list(range(num_pages - 1, 0, -1))
+        self.free_pages: list[int] = list(range(num_pages - 1, -1, -1))
         self.cache = None  # a PrefixCache attaches itself here
 
     @property
     def pages_in_use(self) -> int:
-        """Pages not free: held by sequences or cached (see `cached_pages`); the null page aside."""
+        """Pages not free: held by sequences or cached (see `cached_pages`)."""
         return self.usable_pages - len(self.free_pages)
 
     @property
     def usable_pages(self) -> int:
-        """Pages sequences can hold: all but the null page."""
-        return self.num_pages - 1
+        """Pages sequences can hold (all of them: the null slot is a row past the pages)."""
+        return self.num_pages
+
+    def page_view(self, t: torch.Tensor) -> torch.Tensor:
+        """A layer tensor's pages as [num_pages, page_size, dim] (the null slot left out)."""
+        return t[: self.null_slot].view(self.num_pages, self.page_size, t.shape[1])
 
     @property
     def cached_pages(self) -> int:

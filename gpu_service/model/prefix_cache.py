@@ -272,7 +272,7 @@ class PrefixCache:
         pool, owner = self.pool, {}
 
         def claim(p: int, who: str) -> None:
-            if not 0 < p < pool.num_pages:  # page 0: the null page
+            if not 0 <= p < pool.num_pages:
                 raise AssertionError(f"page {p} out of range ({who})")
             if p in owner:
                 raise AssertionError(f"page {p} held twice: {owner[p]} and {who}")
@@ -307,7 +307,7 @@ class PrefixCache:
             elif n not in self.host_lru:
                 raise AssertionError(f"host slot {n.slot} not in the host LRU")
         if len(owner) != pool.usable_pages:
-            missing = sorted(set(range(1, pool.num_pages)) - set(owner))[:8]
+            missing = sorted(set(range(pool.num_pages)) - set(owner))[:8]
             raise AssertionError(f"{pool.usable_pages - len(owner)} pages leaked (e.g. {missing})")
         if gpu != self.gpu_nodes or len(self.gpu_lru) + len(self.host_lru) > len(self.nodes):
             raise AssertionError(f"node counts: {gpu} on the GPU, counted {self.gpu_nodes}")
@@ -335,5 +335,5 @@ def check_pool(pool, cache, seqs) -> None:
         cache.check(seqs)
         return
     held = [p for s in seqs for p in s.pages] + pool.free_pages
-    if sorted(held) != list(range(1, pool.num_pages)):
+    if sorted(held) != list(range(pool.num_pages)):
         raise AssertionError(f"KV pages leaked or held twice: {len(held)} of {pool.usable_pages}")

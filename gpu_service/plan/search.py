@@ -157,9 +157,9 @@ class _Layout:
         kv, idx = kv_bytes_per_token_layer(cfg, o.eb)
         hot = o.gpu_experts * expert_bytes(cfg, o.expert_format, eb=o.eb)
         for i in range(L):
-            self.layer_items[i]["kv_cache"] = kv * o.kv_tokens
+            self.layer_items[i]["kv_cache"] = kv * (o.kv_tokens + 1)  # + the pool's null slot
             if idx:
-                self.layer_items[i]["index_keys"] = idx * o.kv_tokens
+                self.layer_items[i]["index_keys"] = idx * (o.kv_tokens + 1)
             if cfg.is_moe_layer(i) and hot:
                 self.layer_items[i]["gpu_experts"] = hot
                 I, H = cfg.moe_intermediate_size, cfg.hidden_size

@@ -67,8 +67,7 @@ class ModelRunner:
         for blk in self.model.model.layers:  # the key block the plan's workspace assumes
             blk.self_attn.key_block = self.placement.key_block
         self.page_size = page_size
-        # the plan's KV bytes; one page of them is the pool's null page (at least one usable page)
-        self.pool = KVPool(self.cfg, max(2, -(-self.placement.kv_tokens // page_size)), page_size, self.dtype,
+        self.pool = KVPool(self.cfg, -(-self.placement.kv_tokens // page_size), page_size, self.dtype,
                            self.placement.layer_devices)
         # prefix sharing (the engine looks prompts up and inserts pages); host_kv_bytes: its host tier
         self.prefix_cache = make_prefix_cache(self.pool, host_kv_bytes) if prefix_cache else None
