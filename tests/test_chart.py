@@ -151,6 +151,58 @@ def test_mtls_and_replicas(chart_check):
     assert addrs[2].startswith("moesplit-ci-experts-shard0-1.")  # replica set 1 after replica set 0
 
 
+def _container_env(spec: dict, name: str) -> dict[str, dict]:
+    c = next(c for c in spec["containers"] if c["name"] == name)
+    return {e["name"]: e for e in c.get("env", [])}
+
+
+def test_shard_token_reaches_expert_and_gpu_pods_only_when_enabled(chart_check, tmp_path):
+    """shardAuth.enabled: MOESPLIT_SHARD_TOKEN from the Secret in the expert-server container of every shard
+    group and in the GPU service container (never in args); off: the rendered chart is exactly what it was."""
+    _, rendered = chart_check
+    mtls = rendered["06-mtls.yaml"]  # the ci file that turns it on, validated against the Kubernetes schemas
+    ci_specs = [("expert-server", s["spec"]["template"]["spec"]) for s in by_kind(mtls, "StatefulSet")]
+    ci_specs.append(("gpu-server", by_kind(mtls, "Deployment")[0]["spec"]["template"]["spec"]))
+    for cname, spec in ci_specs:
+        assert _container_env(spec, cname)["MOESPLIT_SHARD_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == \
+            "moesplit-shard-token", cname
+    base = report_values("kimi")
+    ref = {"secretKeyRef": {"name": "moesplit-shard-token", "key": "tok"}}
+    on = render(dict(base, shardAuth={"enabled": True, "secretName": "moesplit-shard-token", "key": "tok"}),
+                tmp_path, "on")
+    stss = by_kind(on, "StatefulSet")
+    assert len(stss) == len(base["experts"]["groups"]) >= 2
+    specs = [("expert-server", s["spec"]["template"]["spec"]) for s in stss]
+    specs.append(("gpu-server", by_kind(on, "Deployment")[0]["spec"]["template"]["spec"]))
+    for cname, spec in specs:
+        env = _container_env(spec, cname)
+        assert env["MOESPLIT_SHARD_TOKEN"]["valueFrom"] == ref, (cname, env)
+        assert "MOESPLIT_SHARD_TOKEN_FILE" not in env  # both set would be refused at start
+        args = next(c for c in spec["containers"] if c["name"] == cname)["args"]
+        assert not any("shard-token" in str(a) or "tok" == a for a in args), args
+
+    off = render(base, tmp_path, "off")
+    disabled = render(dict(base, shardAuth={"enabled": False, "secretName": "moesplit-shard-token"}), tmp_path, "dis")
+    assert disabled == off
+    assert "MOESPLIT_SHARD_TOKEN" not in json.dumps(off)
+    # what enabling changes is exactly the two env entries
+    def strip(docs):
+        docs = json.loads(json.dumps(docs))
+        for d in docs:
+            for c in (d.get("spec", {}).get("template", {}).get("spec", {}) or {}).get("containers", []):
+                c["env"] = [e for e in c.get("env", []) if e["name"] != "MOESPLIT_SHARD_TOKEN"]
+        return docs
+    assert strip(on) == strip(off)
+
+    f = tmp_path / "nosecret.yaml"
+    f.write_text(yaml.safe_dump({"shardAuth": {"enabled": True}}))
+    p = helm("template", "rel", CHART, "-f", str(f), check=False)
+    assert p.returncode != 0 and "shardAuth.secretName is required when shardAuth.enabled is true" in p.stderr
+    f.write_text(yaml.safe_dump({"shardAuth": {"enabled": "yes"}}))
+    p = helm("template", "rel", CHART, "-f", str(f), check=False)
+    assert p.returncode != 0 and "at '/shardAuth/enabled'" in p.stderr, p.stderr
+
+
 # ------------------------------------------------------------------------- the user reports' plans
 @pytest.mark.parametrize("key", sorted(REPORTS))
 def test_seed_plan_hardware_requirements_are_rendered(key, tmp_path):

@@ -118,6 +118,62 @@ def test_token_lists_capped_and_bias_keys_canonical(stack):
     assert _greedy(stack) == stack.reference
 
 
+def test_engine_caps_token_lists_for_direct_callers(stack):
+    """Engine.submit / submit_n refuse what the API edges refuse, so a caller that bypasses the API
+    (an embedding, a plugin) cannot hand the scheduler 500k stop ids or bias entries either."""
+    import subprocess
+    import sys
+
+    from gpu_service.runtime.requests import MAX_LOGIT_BIAS, MAX_N, MAX_STOP_TOKEN_IDS, RequestError
+    from gpu_service.runtime.sampling import SamplingParams
+
+    eng = stack.engine
+    V = eng.cfg.vocab_size
+    waiting = eng.stats()["waiting"]
+    requests = eng.counters["requests"]
+    hostile = {
+        "stop_token_ids": SamplingParams(stop_token_ids=tuple(t % V for t in range(500_000))),
+        "logit_bias": SamplingParams(logit_bias=tuple((t, 1.0) for t in range(500_000))),
+    }
+    caps = {"stop_token_ids": MAX_STOP_TOKEN_IDS, "logit_bias": MAX_LOGIT_BIAS}
+    for param, sp in hostile.items():
+        with pytest.raises(RequestError) as ei:
+            eng.submit(PROMPT, sp, max_tokens=2)
+        assert isinstance(ei.value, ValueError) and ei.value.param == param
+        assert str(caps[param]) in str(ei.value) and param in str(ei.value), str(ei.value)
+        # one hostile choice among plain ones: the whole unit is refused, nothing queued
+        with pytest.raises(RequestError) as ei:
+            eng.submit_n(PROMPT, [SamplingParams(), sp, SamplingParams()], max_tokens=2)
+        assert ei.value.param == param
+    one_over = {"stop_token_ids": SamplingParams(stop_token_ids=(1,) * (MAX_STOP_TOKEN_IDS + 1)),
+                "logit_bias": SamplingParams(logit_bias=tuple((t % V, 0.0) for t in range(MAX_LOGIT_BIAS + 1)))}
+    for param, sp in one_over.items():
+        with pytest.raises(RequestError) as ei:
+            eng.submit(PROMPT, sp, max_tokens=2)
+        assert ei.value.param == param
+    with pytest.raises(RequestError) as ei:  # the API refuses aliased keys; the engine refuses the same id twice
+        eng.submit(PROMPT, SamplingParams(logit_bias=((5, 100.0), (5, 100.0))), max_tokens=2)
+    assert ei.value.param == "logit_bias" and "more than once" in str(ei.value)
+    with pytest.raises(RequestError) as ei:
+        eng.submit_n(PROMPT, [SamplingParams(temperature=1.0, seed=i) for i in range(MAX_N + 1)], max_tokens=2)
+    assert ei.value.param == "n" and str(MAX_N) in str(ei.value)
+    assert eng.stats()["waiting"] == waiting and eng.counters["requests"] == requests  # refused before queueing
+
+    # exactly at the caps: served
+    at_caps = SamplingParams(stop_token_ids=tuple(t % V for t in range(MAX_STOP_TOKEN_IDS)),
+                             logit_bias=tuple((t, 0.0) for t in range(min(V, MAX_LOGIT_BIAS))))
+    _, _, reason = eng.submit(PROMPT, at_caps, max_tokens=1, ignore_eos=True).result(timeout=60)
+    assert reason in ("stop", "length"), reason
+    # the engine gets the caps without importing the API package
+    code = ("import sys, gpu_service.runtime.engine, gpu_service.runtime.requests as r; "
+            "assert r.MAX_STOP_TOKEN_IDS and r.MAX_LOGIT_BIAS and r.MAX_N; "
+            "print([m for m in sys.modules if m.startswith('gpu_service.api')])")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert p.returncode == 0 and p.stdout.strip() == "[]", (p.stdout, p.stderr[-2000:])
+    assert _greedy(stack) == stack.reference
+
+
 def _nested(depth: int) -> dict:
     s: dict = {"type": "string"}
     for _ in range(depth):

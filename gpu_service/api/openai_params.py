@@ -22,6 +22,9 @@ from __future__ import annotations
 import json
 
 from gpu_service.runtime.grammar import GrammarError, GrammarSpec
+# The caps live in the runtime (the engine enforces them for direct callers too); re-exported here.
+from gpu_service.runtime.requests import MAX_LOGIT_BIAS, MAX_N, MAX_STOP_TOKEN_IDS, RequestError  # noqa: F401
+from gpu_service.runtime.requests import check_token_lists as _check_token_lists
 from gpu_service.runtime.sampling import SamplingParams
 
 _COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "n", "seed", "stop", "max_tokens",
@@ -35,9 +38,6 @@ CHAT_FIELDS = frozenset(_COMMON | {"messages", "max_completion_tokens", "logprob
                                    "functions", "function_call"})
 COMPLETION_FIELDS = frozenset(_COMMON | {"prompt", "logprobs", "echo", "best_of"})
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-MAX_N = 16
-MAX_STOP_TOKEN_IDS = 1024  # ids checked per generated token
-MAX_LOGIT_BIAS = 1024  # entries added to the logits per step (OpenAI documents no higher need)
 
 
 class ParamError(ValueError):
@@ -117,18 +117,12 @@ def _bias_id(k, vocab_size: int) -> int:
 
 def check_token_lists(stop_ids, bias_pairs) -> None:
     """ParamError unless `stop_token_ids` and the (id, bias) pairs are within the per-request
-    caps, with each biased id given once (shared by the HTTP and gRPC APIs)."""
-    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
-        raise ParamError(f"'stop_token_ids' has {len(stop_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are accepted",
-                         "stop_token_ids")
-    if len(bias_pairs) > MAX_LOGIT_BIAS:
-        raise ParamError(f"'logit_bias' has {len(bias_pairs)} entries; at most {MAX_LOGIT_BIAS} are accepted",
-                         "logit_bias")
-    seen = set()
-    for t, _ in bias_pairs:
-        if t in seen:
-            raise ParamError(f"logit_bias gives token id {t} more than once; give each id one bias", "logit_bias")
-        seen.add(t)
+    caps, with each biased id given once (shared by the HTTP and gRPC APIs; the engine checks the
+    same, gpu_service.runtime.requests.check_token_lists)."""
+    try:
+        _check_token_lists(stop_ids, bias_pairs)
+    except RequestError as e:
+        raise ParamError(str(e), e.param) from None
 
 
 def sampling_fields(body: dict, vocab_size: int) -> dict:

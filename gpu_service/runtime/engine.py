@@ -45,7 +45,7 @@ from gpu_service.model.prefix_cache import check_pool
 from gpu_service.runtime.grammar import compiler_for
 from gpu_service.runtime.logits import choose_tokens, grammar_reason, prompt_logprobs, RowFailed, TokenLogprob
 from gpu_service.runtime.requests import (
-    _Request, check_request, EngineStopped, Output, QueueFull, RequestError, RequestHandle,
+    _Request, check_request, EngineStopped, MAX_N, Output, QueueFull, RequestError, RequestHandle,
 )
 from gpu_service.runtime.sampling import SamplingParams
 
@@ -57,8 +57,10 @@ class Engine:
     """Continuous batching over a `ModelRunner` (see the module docstring).
 
     Limits every API gets (checked in `submit`, before any work): at most `max_waiting` requests
-    queued (QueueFull beyond), at most MAX_STOP stop strings of MAX_STOP_CHARS characters, and a
-    completion of at most `max_new_tokens` (also the default when max_tokens is omitted)."""
+    queued (QueueFull beyond), at most MAX_STOP stop strings of MAX_STOP_CHARS characters, at most
+    MAX_STOP_TOKEN_IDS stop_token_ids and MAX_LOGIT_BIAS logit_bias entries (each id once), at most
+    MAX_N choices per submit_n, and a completion of at most `max_new_tokens` (also the default when
+    max_tokens is omitted); the constants live in gpu_service.runtime.requests."""
 
     MAX_STOP = 16
     MAX_STOP_CHARS = 256
@@ -158,6 +160,8 @@ class Engine:
         token and compute only that one (their own first logits), so the prompt is prefilled once.
         A choice that cannot fork then (pool full, the first choice cancelled) is prefilled on its
         own: same tokens, more work. Each handle cancels on its own; cancel them all to drop the unit."""
+        if len(params) > MAX_N:
+            raise RequestError(f"n={len(params)} choices; at most {MAX_N} (MAX_N) per request: lower n", "n")
         if len(params) > self.max_waiting:
             raise RequestError(f"n={len(params)} choices, but this server queues at most {self.max_waiting} "
                                f"requests (--max-waiting); lower n", "n")

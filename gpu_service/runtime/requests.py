@@ -21,6 +21,12 @@ from gpu_service.runtime.sampling import SamplingParams
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
+# Per-request caps on what every generated step costs (checked by Engine.submit / submit_n, so by
+# every API edge and by direct engine callers alike).
+MAX_N = 16  # choices of one submit_n (OpenAI's `n`)
+MAX_STOP_TOKEN_IDS = 1024  # ids checked per generated token
+MAX_LOGIT_BIAS = 1024  # entries added to the logits per step (OpenAI documents no higher need)
+
 
 class RequestError(ValueError):
     """A request the engine will never serve as given; `param`/`code` name what to fix."""
@@ -242,6 +248,22 @@ def _lone_surrogate(s: str) -> str | None:
         return f"\\u{ord(s[e.start]):04x}"
 
 
+def check_token_lists(stop_ids, bias_pairs) -> None:
+    """RequestError unless `stop_token_ids` and the (id, bias) pairs are within the per-request
+    caps (MAX_STOP_TOKEN_IDS, MAX_LOGIT_BIAS), with each biased id given once."""
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise RequestError(f"'stop_token_ids' has {len(stop_ids)} ids; at most {MAX_STOP_TOKEN_IDS} "
+                           f"(MAX_STOP_TOKEN_IDS) are accepted: list fewer", "stop_token_ids")
+    if len(bias_pairs) > MAX_LOGIT_BIAS:
+        raise RequestError(f"'logit_bias' has {len(bias_pairs)} entries; at most {MAX_LOGIT_BIAS} "
+                           f"(MAX_LOGIT_BIAS) are accepted: bias fewer tokens", "logit_bias")
+    seen = set()
+    for t, _ in bias_pairs:
+        if t in seen:
+            raise RequestError(f"logit_bias gives token id {t} more than once; give each id one bias", "logit_bias")
+        seen.add(t)
+
+
 def check_request(engine, prompt_ids: list[int], params: SamplingParams, max_tokens: int | None,
                   stop: tuple, prompt_logprobs: int | None, cache_salt) -> int:
     """Everything `Engine.submit` refuses before a request is queued (RequestError naming the
@@ -284,7 +306,9 @@ def check_request(engine, prompt_ids: list[int], params: SamplingParams, max_tok
     if bad_s is not None:
         raise RequestError(f"cache_salt holds a lone UTF-16 surrogate ({bad_s}), which is not valid Unicode; "
                            f"send a valid UTF-8 string", "cache_salt")
-    bad = next((t for t in params.stop_token_ids + tuple(t for t, _ in params.logit_bias) if not 0 <= t < V), None)
+    check_token_lists(params.stop_token_ids, params.logit_bias)  # before any per-id work
+    bad = next((t for t in tuple(params.stop_token_ids) + tuple(t for t, _ in params.logit_bias) if not 0 <= t < V),
+               None)
     if bad is not None:
         raise RequestError(f"token id {bad} out of range: ids must be in [0, {V})",
                            "stop_token_ids" if bad in params.stop_token_ids else "logit_bias")

@@ -188,3 +188,18 @@ securityContext:
       key: {{ .Values.apiKey.key }}
 {{- end }}
 {{- end }}
+
+{{/* The shard token from shardAuth.secretName as MOESPLIT_SHARD_TOKEN (an env entry, for both the expert and the
+GPU pods; empty while shardAuth.enabled is false). */}}
+{{- define "moesplit.shardTokenEnv" -}}
+{{- if .Values.shardAuth.enabled }}
+{{- if not .Values.shardAuth.secretName }}
+{{- fail "shardAuth.secretName is required when shardAuth.enabled is true: create a Secret holding the token (kubectl create secret generic moesplit-shard-token --from-literal=shard-token=$(openssl rand -hex 32)) and set shardAuth.secretName to its name" }}
+{{- end }}
+- name: MOESPLIT_SHARD_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.shardAuth.secretName }}
+      key: {{ .Values.shardAuth.key }}
+{{- end }}
+{{- end }}
