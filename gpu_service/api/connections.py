@@ -232,8 +232,7 @@ def limited_protocol(limits, table: ConnectionTable):
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
-                # answered before its body came (a probe or a refusal): the connection could only be
-                # reused once the rest of the body is drained, which is how a slow body holds a slot
+                # answered before its body came: draining a slow body is how it would hold a slot
                 self._cancel()
                 self.transport.close()
                 return
