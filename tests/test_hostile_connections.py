@@ -140,8 +140,8 @@ def _close_all(socks):
 
 def test_flood_from_one_address_is_capped_per_client(stack):
     """300 sockets from one address, each `GET /health` declaring a 100 kB body, one byte, silence:
-    at most --max-connections-per-client get in (the rest: 503 naming the flag), the others are
-    served within 1 s, and the admitted ones are closed at the body deadline."""
+    over --max-connections-per-client at once they get a 503 naming the flag, the admitted ones are
+    answered and closed without the body being drained, and the others are served within 1 s."""
     req = b"GET /health HTTP/1.1\r\nhost: x\r\ncontent-length: 100000\r\n\r\nx"
     with LivePoller(stack) as live:
         socks = []
@@ -159,9 +159,11 @@ def test_flood_from_one_address_is_capped_per_client(stack):
     print(f"\n300 sockets from one address: {len(admitted)} admitted, {len(refused)} refused, {closed} closed "
           f"in {dt:.2f} s; /live worst {live.worst * 1000:.0f} ms over {live.n}")
     _close_all(socks)
-    assert len(admitted) <= PER_CLIENT and len(admitted) + len(refused) == 300
+    # every socket answered: refused (over the per-address cap) or /health answered and closed at once
+    # without draining its body, which frees its slot for the next; none is left holding one
+    assert len(admitted) + len(refused) == 300 and refused, (len(admitted), len(refused))
     assert b"--max-connections-per-client" in refused[0]
-    assert closed == 300  # refused at once, admitted at the body deadline
+    assert closed == 300
     assert not live.failures and live.worst < 0.2
 
 

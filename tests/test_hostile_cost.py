@@ -241,7 +241,7 @@ def test_noisy_neighbours_slow_another_stream_at_most_2x(stack):
     hostile = SamplingParams(**sampling_fields(body, V))  # the most a request may carry
     plain = SamplingParams()
     rates = {"plain": [], "hostile": []}
-    for _ in range(2):  # interleaved, best of two: the machine is shared
+    for _ in range(3):  # interleaved, best of three: the machine is shared (two were seen to flake under load)
         rates["plain"].append(_victim_rate(stack, plain))
         rates["hostile"].append(_victim_rate(stack, hostile))
     best = {k: max(v) for k, v in rates.items()}

@@ -231,8 +231,8 @@ def limited_protocol(limits, table: ConnectionTable):
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
-                # answered before its body came: draining a slow body is how it would hold a slot
+            if (self.conn.their_state is h11.SEND_BODY and self.cycle is not None and not self.transport.is_closing()
+                    and self.cycle.scope.get("method") in ("GET", "HEAD")):  # a body where none belongs: don't drain it
                 self._cancel()
                 self.transport.close()
                 return
