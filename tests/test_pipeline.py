@@ -148,6 +148,35 @@ def test_invalid_call_refused_like_grpc(shards, cfg):
     assert all(p.poll() is None for p in shards.procs)
 
 
+def test_refusal_on_a_stream_fails_only_its_own_request(shards, cfg):
+    """A refused request ends the gRPC stream; requests already queued behind it (which the shard never
+    read) are re-sent on a new stream and answered, not failed with the other request's refusal."""
+    from gpu_service.experts.client import _tensor
+    from gpu_service.experts.stream import _ShardStream
+    from protos.moesplit.v1 import experts_pb2, experts_pb2_grpc
+
+    x, ids, w = _call(cfg)
+    t = [_tensor(x, "float32"), _tensor(ids, "int64"), _tensor(w, "float32")]
+    layer = cfg.moe_layers[0]
+    with grpc.insecure_channel(shards.addresses[1]) as ch:
+        stub = experts_pb2_grpc.ExpertServiceStub(ch)
+        want = stub.ForwardOne(experts_pb2.LayerRequest(seq=1, layer=layer, hidden=t[0], topk_ids=t[1],
+                                                        topk_weights=t[2]), timeout=10).output.data
+        s = _ShardStream(shards.addresses[1], experts_pb2_grpc.ExpertServiceStub(ch))
+        for rounds in range(20):  # the good requests are queued before the refusal has come back
+            bad = s.send(experts_pb2.LayerRequest(seq=100 * rounds + 1, layer=0, hidden=t[0], topk_ids=t[1],
+                                                  topk_weights=t[2]), 10.0)
+            good = [s.send(experts_pb2.LayerRequest(seq=100 * rounds + 2 + j, layer=layer, hidden=t[0],
+                                                    topk_ids=t[1], topk_weights=t[2]), 10.0) for j in range(3)]
+            with pytest.raises(ShardError) as e:
+                bad.result(10)
+            assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and f"seq {100 * rounds + 1}:" in e.value.details
+            for f in good:
+                r = f.result(10)
+                assert r.output.data == want
+        s.close()
+
+
 @pytest.mark.gpu
 def test_remote_experts_cuda_pinned_copies_match_cpu():
     """RemoteExperts on CUDA: device->host through pinned buffers (non_blocking) gives what the CPU path gives."""

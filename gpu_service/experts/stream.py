@@ -26,7 +26,10 @@ def _retryable(e: BaseException) -> bool:
 class _ShardStream:
     """A bidi Forward stream fed by a queue; a reader thread resolves futures by seq.
 
-    If the stream breaks (INVALID_ARGUMENT, UNAVAILABLE...), every pending future fails with a
+    A shard refuses a bad request by ending the stream with the refusal (INVALID_ARGUMENT...): it
+    answers in order, so the refusal is the oldest pending request's, and the requests queued behind
+    it, which the shard never read, are re-sent on a new stream (they must not fail with another
+    request's error). If the stream breaks (UNAVAILABLE...), every pending future fails with a
     ShardError naming the shard, and the next request opens a new stream. `expire()` enforces
     each request's deadline: a request past it fails every pending one with DEADLINE_EXCEEDED
     and cancels the stream (a shard that stopped answering)."""
@@ -37,7 +40,8 @@ class _ShardStream:
         self.address = address
         self.stub = stub
         self.lock = threading.Lock()
-        self.pending: dict[int, tuple[Future, float]] = {}  # seq -> (future, monotonic deadline)
+        # seq -> (future, monotonic deadline, request), in the order the requests were queued
+        self.pending: dict[int, tuple[Future, float, experts_pb2.LayerRequest]] = {}
         self.queue: queue.Queue | None = None
         self.call = None
 
@@ -60,7 +64,7 @@ class _ShardStream:
         try:
             for resp in call:
                 with self.lock:
-                    fut, _ = self.pending.pop(resp.seq, (None, 0.0))
+                    fut = self.pending.pop(resp.seq, (None,))[0]
                 if fut is not None and not fut.done():
                     fut.set_result(resp)
         except grpc.RpcError as e:
@@ -76,23 +80,35 @@ class _ShardStream:
             self.pending.clear()
         if err is None:
             err = ShardError(self.address, grpc.StatusCode.UNAVAILABLE, "stream closed by the shard")
-        for fut, _ in failed:
+        elif failed and not _retryable(err):  # a refusal: the oldest request's; the rest go again
+            (fut, _, _), failed = failed[0], failed[1:]
+            if not fut.done():
+                fut.set_exception(err)
+            for fut, deadline, req in failed:
+                self._queue(req, fut, deadline)
+            return
+        for fut, _, _ in failed:
             if not fut.done():
                 fut.set_exception(err)
 
-    def send(self, req: experts_pb2.LayerRequest, timeout_s: float) -> Future:
-        fut: Future = Future()
+    def _queue(self, req: experts_pb2.LayerRequest, fut: Future, deadline: float) -> None:
+        """Queue req on the open stream (opening one if none is) with its future and deadline."""
         with self.lock:
             if self.call is None:
                 self._open()
-            self.pending[req.seq] = (fut, time.monotonic() + timeout_s)
+            self.pending[req.seq] = (fut, deadline, req)
             self.queue.put(req)
+
+    def send(self, req: experts_pb2.LayerRequest, timeout_s: float) -> Future:
+        """Queue one request; its Future resolves to the LayerResponse or a ShardError."""
+        fut: Future = Future()
+        self._queue(req, fut, time.monotonic() + timeout_s)
         return fut
 
     def expire(self, now: float) -> bool:
         """Fail everything pending if a request is past its deadline; True if it did."""
         with self.lock:
-            if not any(d <= now for _, d in self.pending.values()):
+            if not any(d <= now for _, d, _ in self.pending.values()):
                 return False
         self._fail_all(ShardError(self.address, grpc.StatusCode.DEADLINE_EXCEEDED, "no answer within the deadline"))
         return True
@@ -107,7 +123,7 @@ class _ShardStream:
             q.put(self._CLOSE)
         if call is not None:
             call.cancel()
-        for fut, _ in failed:
+        for fut, _, _ in failed:
             if not fut.done():
                 fut.set_exception(err)
 
