@@ -53,8 +53,11 @@ def test_c_client_agrees_with_the_wire_format():
     """The C client takes its doorbell and result constants from wire/shm_wire.h, as the shard does."""
     from wire import shm as P
 
+    from gpu_service.experts import handoff
+
     assert _C.SHM_WIRE == {"doorbell_bytes": P.DOORBELL.size, "op_forward": P.OP_FORWARD,
                            "result_offset": P.RESULT_OFFSET, "msg_offset": P.MSG_OFFSET}
+    assert (_C.OUT_WIRE, _C.OUT_F32, _C.OUT_ADD_F32) == (handoff.OUT_WIRE, handoff.OUT_F32, handoff.OUT_ADD_F32)
 
 
 def _c_pair(wire: int, H: int = 8, M: int = 4, K: int = 2):
@@ -239,3 +242,67 @@ def test_killed_replica_is_marked_down(model_dir, cfg):
     finally:
         c.close()
         sh.stop()
+
+
+def _torch_call(cfg, T, seed, dtype):
+    """hidden [T, H] in dtype, ids [T, k] int64, weights [T, k] float32 (seeded)."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(T, cfg.hidden_size, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:cfg.num_experts_per_tok] for _ in range(T)])
+    return h, ids, torch.rand(T, cfg.num_experts_per_tok, generator=g)
+
+
+def _general(c, layer, h, ids, w):
+    """The same call through forward_async (LayerCall's sum, then the caller's dtype)."""
+    from gpu_service.experts.handoff import RemoteHandle, _numpy
+
+    x = h if h.dtype in (torch.float32, torch.bfloat16) and c.wire_dtype != "float32" or h.dtype == torch.float32 \
+        else h.float()
+    return RemoteHandle(c, c.forward_async(layer, _numpy(x), ids.numpy(), w.numpy()), layer, h.device, h.dtype).wait()
+
+
+@pytest.mark.parametrize("wire", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_direct_calls_equal_forward_async(model_dir, cfg, wire, dtype):
+    """RemoteExperts sends a call straight from the tensors onto the fast paths when every part takes
+    every row (one token over two shard groups; any rows when every group holds all experts), and
+    the answer has the bits of the same call through forward_async."""
+    from gpu_service.experts.handoff import DirectHandle, RemoteExperts
+    from gpu_service.local.stack import start_shards
+
+    layer = cfg.moe_layers[0]
+    with start_shards(model_dir, 2, backend="auto") as sh:
+        c = _client(sh.addresses, cfg, wire)
+        try:
+            assert not c.whole and len(c.groups) == 2
+            ex = RemoteExperts(c)
+            for T in (1, 1, 3, 1):
+                for seed in range(3):
+                    h, ids, w = _torch_call(cfg, T, 10 * T + seed, dtype)
+                    handle = ex(layer, h, ids, w)
+                    assert isinstance(handle, DirectHandle) == (T == 1)
+                    got = handle.wait()
+                    assert got.dtype == dtype and torch.equal(got, _general(c, layer, h, ids, w))
+        finally:
+            c.close()
+
+
+def test_direct_calls_beyond_the_slots_fail_over(model_dir, cfg, shard):
+    """More direct calls in flight than the fast path has slots: the ones without a slot go over
+    gRPC (the failover), every answer equal to the call alone through forward_async."""
+    from gpu_service.experts.handoff import RemoteExperts
+    from wire import shm as P
+
+    c = _client(shard[1], cfg, "bfloat16")
+    try:
+        assert c.whole
+        fp = c.fast.paths[shard[1]][0]
+        ex, layer = RemoteExperts(c), cfg.moe_layers[-1]
+        calls = [_torch_call(cfg, T, T, torch.bfloat16) for T in (1, 2, 3, 4, 5, 6, 7)]
+        handles = [ex(layer, *a) for a in calls]
+        assert fp.c.sent == min(len(calls), fp.lay.n_slots)  # the rest had no free slot
+        for a, hd in zip(calls, handles):
+            assert torch.equal(hd.wait(), _general(c, layer, *a))
+        assert fp.usable and len(fp.free) == fp.lay.n_slots and not fp.pending
+    finally:
+        c.close()

@@ -15,7 +15,8 @@ cnp.import_array()
 
 cdef extern from "shm_client.h" nogil:
     int SHM_DOORBELL_BYTES, SHM_OP_FORWARD, SHM_RESULT_OFFSET, SHM_MSG_OFFSET
-    int SC_OK, SC_NONE, SC_CLOSED, SC_FAILED, SC_INTR, SC_FULL, SC_BAD
+    int SC_OK, SC_NONE, SC_CLOSED, SC_FAILED, SC_INTR, SC_FULL, SC_BAD, SC_OTHER
+    int SC_OUT_WIRE, SC_OUT_F32, SC_OUT_ADD_F32
     ctypedef struct ShmClient "ShmClient":
         unsigned char *base
         long header_bytes, slot_bytes, hidden_off, ids_off, w_off, out_off
@@ -28,12 +29,15 @@ cdef extern from "shm_client.h" nogil:
                 const int64_t *ids, const float *w, int T, int k, int timeout_ms)
     int sc_wait(ShmClient *c, int64_t spin_end_ns, int64_t deadline_ns, ShmAnswer *a)
     void sc_read(const ShmClient *c, int slot, int T, float *out)
+    int sc_finish(ShmClient *c, uint64_t seq, int slot, int T, void *out, int mode, int64_t spin_end_ns,
+                  int64_t deadline_ns, ShmAnswer *a)
     int sc_has_f16()
     int64_t shm_now_ns()
 
 SHM_WIRE = {"doorbell_bytes": SHM_DOORBELL_BYTES, "op_forward": SHM_OP_FORWARD,
             "result_offset": SHM_RESULT_OFFSET, "msg_offset": SHM_MSG_OFFSET}
 HAS_F16 = bool(sc_has_f16())
+OUT_WIRE, OUT_F32, OUT_ADD_F32 = SC_OUT_WIRE, SC_OUT_F32, SC_OUT_ADD_F32
 
 
 def now_ns():
@@ -105,6 +109,35 @@ cdef class Client:
                               T, k, timeout_ms)
         if rc != SC_OK:
             raise _error(rc, self.c.err, "doorbell send")
+
+    def send_at(self, int slot, uint64_t seq, int32_t layer, size_t h, bint h_wire, size_t ids, size_t w, int T,
+                int k, int timeout_ms):
+        """send() from raw addresses (a caller that has checked them: gpu_service.experts.shm
+        FastPath.send_at): h [T, H] float32 (h_wire False) or in the wire dtype, ids [T, k] int64,
+        w [T, k] float32, all C-contiguous."""
+        cdef int rc = sc_send(&self.c, slot, seq, layer, <const void *>h, h_wire, <const int64_t *>ids,
+                              <const float *>w, T, k, timeout_ms)
+        if rc != SC_OK:
+            raise _error(rc, self.c.err, "doorbell send")
+
+    def finish(self, uint64_t seq, int slot, int T, size_t out, int mode, int64_t spin_ns, int64_t deadline_ns):
+        """Wait for one answer (as wait()). True: it was call `seq`'s on `slot`, OK, and its T output
+        rows are in out ([T, H] at that address: the wire dtype for OUT_WIRE, float32 written for
+        OUT_F32 or added into for OUT_ADD_F32); (status, slot, seq): another answer, or this call's
+        refusal (out untouched); None: nothing by deadline_ns or a signal. Raises as wait()."""
+        cdef int rc
+        with nogil:
+            rc = sc_finish(&self.c, seq, slot, T, <void *>out, mode, shm_now_ns() + spin_ns, deadline_ns, &self.ans)
+        if rc == SC_OK:
+            return True
+        if rc == SC_OTHER:
+            return self.ans.status, self.ans.slot, self.ans.seq
+        if rc == SC_NONE:
+            return None
+        if rc == SC_INTR:
+            PyErr_CheckSignals()
+            return None
+        raise _error(rc, self.c.err, "doorbell")
 
     def wait(self, int64_t spin_ns, int64_t deadline_ns):
         """One answer as (status, slot, seq), or None: nothing by deadline_ns (CLOCK_MONOTONIC, as

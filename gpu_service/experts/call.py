@@ -36,13 +36,16 @@ class Moved(Exception):
 
 
 class Hold:
-    """What a fast path resolves for a direct part (duck-types the Future methods _Path calls)."""
+    """What a fast path resolves for a direct part (duck-types the Future methods _Path calls).
+    inputs: the call as the shard saw it (for a re-send); a call sent from raw addresses (send_at)
+    has its seq, slot and k instead, and inputs only once it failed."""
 
-    __slots__ = ("res", "err", "fin", "inputs")
+    __slots__ = ("res", "err", "fin", "inputs", "seq", "slot", "k")
 
-    def __init__(self):
-        self.res = self.err = self.inputs = None
+    def __init__(self, k: int | None = None):
+        self.res = self.err = self.inputs = self.seq = self.slot = None
         self.fin = False
+        self.k = k
 
     def done(self) -> bool:
         return self.fin

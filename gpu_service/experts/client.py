@@ -38,7 +38,7 @@ import numpy as np
 
 from checkpoint.config import ModelConfig
 from checkpoint.names import compact_ranges
-from gpu_service.experts.call import Hold, LayerCall, Moved, Part, WIRE_NP
+from gpu_service.experts.call import array_of, Hold, LayerCall, Moved, Part, WIRE_NP
 from gpu_service.experts.errors import CoverageError, ExpertsClientError, FingerprintError, ShardError
 from gpu_service.experts.fast import FastPaths
 from gpu_service.experts.health import check_parallel, HealthCache
@@ -147,6 +147,7 @@ class ExpertsClient:
             raise
         self.replicas = reps
         self.shards = [g.desc for g in self.groups]
+        self.whole = all(d.all_experts for d in self.shards)  # every group gets every row of every call
         self._stop = threading.Event()
         self._supervisor = threading.Thread(target=self._supervise, args=(self._stop,), name="experts-supervisor",
                                             daemon=True)
@@ -309,6 +310,10 @@ class ExpertsClient:
 
     # ---- compute ------------------------------------------------------------------------------
     def _pick(self, g: _Group, tried: list[_Replica]) -> _Replica | None:
+        """A healthy replica of g not in tried, round-robin."""
+        if len(g.replicas) == 1 and not tried:
+            r = g.replicas[0]
+            return r if r.healthy else None
         with self._lock:
             live = [r for r in g.replicas if r.healthy and r not in tried]
             if not live:
@@ -411,15 +416,56 @@ class ExpertsClient:
 
     def observe_direct(self, layer: int, p: Part, hold: Hold) -> None:
         """Report a direct part's answer (or failure) to the observer, as _observe does for the others."""
-        if self.observer is None or isinstance(hold.err, Moved):
+        if self.observer is not None and not isinstance(hold.err, Moved):
+            x, i, ww = p.args[1:]
+            ok = hold.err is None
+            self.report(layer, p.replica.address, p.t_send, x.nbytes + i.nbytes + ww.nbytes,
+                        hold.res.ByteSize() if ok else 0, ok)
+
+    def report(self, layer: int, address: str, t_send: float, sent: int, received: int, ok: bool) -> None:
+        """One call to one replica, sent at t_send (perf_counter), to the observer if there is one."""
+        if self.observer is None:
             return
-        ok = hold.err is None
-        x, i, ww = p.args[1:]
         try:
-            self.observer(layer, p.replica.address, time.perf_counter() - p.t_send, x.nbytes + i.nbytes + ww.nbytes,
-                          hold.res.ByteSize() if ok else 0, ok)
+            self.observer(layer, address, time.perf_counter() - t_send, sent, received, ok)
         except Exception:  # noqa: BLE001 - metrics never break a forward
             pass
+
+    def direct_route(self, row: list | None) -> list | None:
+        """The (group, replica, shared-memory fast path) of each part of a call whose parts all take
+        every row, in group order: every group holds all experts (`whole`: any T, row unused), or
+        `row` (T == 1: its expert ids) picks the groups holding one of them. None: the call goes
+        through forward_async (a group without a usable fast path, rows split between groups,
+        nothing routed)."""
+        out = []
+        E = self.cfg.n_routed_experts
+        for g in self.groups:
+            if not g.desc.all_experts:
+                if row is None or not row or min(row) < 0 or max(row) >= E:
+                    return None
+                held = _mask(g.desc, E)
+                if not any(held[e] for e in row):
+                    continue
+            r = self._pick(g, [])
+            entry = None if r is None else self.fast.paths.get(r.address)
+            if entry is None or entry[0] is None or entry[0].kind != "shm" or not entry[0].usable \
+                    or entry[1] is not r.stream:
+                return None
+            out.append((g, r, entry[0]))
+        return out or None
+
+    def fail_over(self, layer: int, g: _Group, r: _Replica, hold: Hold, inputs: tuple) -> np.ndarray:
+        """A direct call's part that failed on replica r (hold.err): the failover's answer [T, H]
+        float32, as a LayerCall's part would get it (bounded by max_wait_s)."""
+        p = Part(None, g, (layer, *inputs))
+        p.replica, p.hold = r, hold
+        hold.inputs = inputs
+        f = self.resend(p, hold.err)
+        try:
+            return array_of(f.result(self.max_wait_s).output)
+        except FutureTimeout:
+            raise ShardError(g.addresses, grpc.StatusCode.DEADLINE_EXCEEDED,
+                             f"layer {layer}: no answer within {self.max_wait_s:.1f}s") from None
 
     def _start(self, g: _Group, layer: int, rows, x, i, ww) -> Part:
         """Group g's part of a layer call: straight onto the picked replica's fast path when it

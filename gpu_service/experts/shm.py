@@ -28,6 +28,7 @@ except ImportError:  # not built: every replica stays on TCP / gRPC, and transpo
     _C = None
 
 log = logging.getLogger("moesplit.shm")
+_BUSY = object()  # FastPath.finish: the call is being resolved by the thread that received its answer
 NOT_BUILT = ("the C shared-memory client gpu_service.experts._shm_client is not built: "
              "run `make build` (python setup.py build_ext --inplace)")
 
@@ -94,6 +95,69 @@ class FastPath(_Path):
         self.calls += 1
         return fut
 
+    def send_at(self, layer: int, T: int, k: int, h: int, h_wire: bool, ids: int, w: int, timeout_s: float,
+                hold) -> int | None:
+        """send() from raw addresses (gpu_service.experts.handoff's direct calls, which checked the
+        tensors behind them: h [T, H] float32 or the wire dtype (h_wire), ids [T, k] int64, w [T, k]
+        float32, C-contiguous): `hold` is resolved in its place; the slot, or None (not taken: the
+        caller uses another way). The inputs the shard saw are `inputs(slot, T, k)` while pending."""
+        if T > self.lay.max_tokens or k > self.lay.max_k:
+            return None
+        with self.lock:
+            if not self.free or not self.usable:
+                return None
+            slot = self.free.pop()
+            seq = next(self.seq)
+            hold.seq, hold.slot = seq, slot
+            self.pending[seq] = (slot, hold, time.monotonic() + timeout_s, T, None)
+        try:
+            self.c.send_at(slot, seq, layer, h, h_wire, ids, w, T, k, max(1, int(timeout_s * 1000)))
+        except OSError as e:
+            self._send_failed(seq, str(e))
+            return None
+        self.calls += 1
+        return slot
+
+    def inputs(self, slot: int, T: int, k: int) -> tuple:
+        """Views of the call in `slot` as the shard saw it: hidden [T, H], ids [T, k], weights [T, k]."""
+        return self.hidden[slot][:T], self.ids[slot][:T * k].reshape(T, k), self.w[slot][:T * k].reshape(T, k)
+
+    def finish(self, hold, T: int, out: int, mode: int) -> bool:
+        """Wait for a send_at call's answer, receiving any other call's on the way: True when its T
+        output rows are in out (an address: _shm_client.OUT_* says how), False when it failed
+        (hold.err: a refusal, DEADLINE_EXCEEDED, or Moved when the fast path broke)."""
+        while not hold.fin:
+            if not self.rx.acquire(blocking=False):  # another thread receives: it resolves ours too
+                time.sleep(0.0001)
+                continue
+            try:
+                entry = self.pending.get(hold.seq) if self.usable and not hold.fin else None  # (atomic: no lock)
+                if entry is None:  # resolved, or being resolved by the thread that received it
+                    msg, done = _BUSY, None
+                else:
+                    try:
+                        msg = self.c.finish(hold.seq, hold.slot, T, out, mode, self.spin_ns, int(entry[2] * 1e9))
+                    except OSError as e:
+                        msg, why = False, str(e)
+                    if msg is True:
+                        with self.lock:
+                            self.pending.pop(hold.seq, None)
+                            self.free.append(hold.slot)
+                        return True
+                    done = self._settle(msg) if msg else None
+            finally:
+                self.rx.release()
+            if msg is False:
+                self._break(why)
+            elif msg is None:
+                self.expire(time.monotonic())
+            elif msg is _BUSY:
+                time.sleep(0)
+            elif done is not None:
+                fut, res, err = done
+                fut.set_result(res) if err is None else fut.set_exception(err)
+        return False
+
     def _receive(self) -> tuple | None:
         with self.lock:
             if not self.pending:
@@ -107,6 +171,11 @@ class FastPath(_Path):
         if msg is None:  # nothing by the deadline (or a signal, handled): expire what is past it
             self.expire(time.monotonic())
             return None
+        return self._settle(msg)
+
+    def _settle(self, msg: tuple) -> tuple | None:
+        """The pending call an answer (status, slot, seq) belongs to, resolved: (future, response,
+        None) or (future, None, error); its slot freed. None: a late answer to a call already failed."""
         status = msg[0]
         with self.lock:
             entry = self.pending.pop(msg[2], None)
@@ -121,6 +190,11 @@ class FastPath(_Path):
             mlen = min(mlen, P.SLOT_META_BYTES - P.MSG_OFFSET)
             text = bytes(self.mm[base + P.MSG_OFFSET:base + P.MSG_OFFSET + mlen]).decode(errors="replace")
             done = (fut, None, shard_error(self.address, status, text))
+            # the failover re-sends the inputs: copies, as the slot is free now
+            if fut.inputs is not None:
+                fut.inputs = tuple(a.copy() for a in fut.inputs)
+            elif getattr(fut, "k", None) is not None:  # a send_at call's
+                fut.inputs = tuple(a.copy() for a in self.inputs(slot, T, fut.k))
         with self.lock:
             self.free.append(slot)
         return done

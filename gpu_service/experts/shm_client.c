@@ -135,3 +135,37 @@ int sc_wait(ShmClient *c, int64_t spin_end_ns, int64_t deadline_ns, ShmAnswer *a
 void sc_read(const ShmClient *c, int slot, int T, float *out) {
     get_rows(out, slot_at(c, slot) + c->out_off, c->wire, (size_t)T * c->H);
 }
+
+int sc_finish(ShmClient *c, uint64_t seq, int slot, int T, void *out, int mode, int64_t spin_end_ns,
+              int64_t deadline_ns, ShmAnswer *a) {
+    int rc = sc_wait(c, spin_end_ns, deadline_ns, a);
+    if (rc != SC_OK) return rc;
+    if (a->seq != seq || a->slot != (uint32_t)slot || a->status != 0 || T < 0 || T > c->max_tokens) return SC_OTHER;
+    const unsigned char *src = slot_at(c, slot) + c->out_off;
+    size_t n = (size_t)T * c->H;
+    if (mode == SC_OUT_WIRE) {
+        memcpy(out, src, n * (c->wire == 0 ? 4 : 2));
+    } else if (mode == SC_OUT_F32) {
+        get_rows(out, src, c->wire, n);
+    } else { /* SC_OUT_ADD_F32: out += the answer, in float32 (the order of the caller's calls) */
+        float *y = out;
+        if (c->wire == 0) {
+            const float *v = (const float *)src;
+            for (size_t i = 0; i < n; i++) y[i] += v[i];
+        } else if (c->wire == 1) {
+            const uint16_t *v = (const uint16_t *)src;
+            for (size_t i = 0; i < n; i++) {
+                uint32_t u = (uint32_t)v[i] << 16;
+                float f;
+                memcpy(&f, &u, 4);
+                y[i] += f;
+            }
+        } else {
+#ifdef __FLT16_MAX__
+            const _Float16 *v = (const _Float16 *)src;
+            for (size_t i = 0; i < n; i++) y[i] += (float)v[i];
+#endif
+        }
+    }
+    return SC_OK;
+}

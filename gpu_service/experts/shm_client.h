@@ -14,7 +14,9 @@
 
 #include "shm_wire.h"
 
-enum { SC_OK = 0, SC_NONE = 1, SC_CLOSED = 2, SC_FAILED = 3, SC_INTR = 4, SC_FULL = 5, SC_BAD = 6 };
+enum { SC_OK = 0, SC_NONE = 1, SC_CLOSED = 2, SC_FAILED = 3, SC_INTR = 4, SC_FULL = 5, SC_BAD = 6, SC_OTHER = 7 };
+/* sc_finish's output modes: the answer's bytes as they are (out in the wire dtype), as float32, added into float32 */
+enum { SC_OUT_WIRE = 0, SC_OUT_F32 = 1, SC_OUT_ADD_F32 = 2 };
 
 typedef struct {
     unsigned char *base;            /* the shared mapping */
@@ -42,5 +44,10 @@ int sc_send(ShmClient *c, int slot, uint64_t seq, int32_t layer, const void *h, 
 int sc_wait(ShmClient *c, int64_t spin_end_ns, int64_t deadline_ns, ShmAnswer *a);
 /* out [T, H] float32 = slot's output rows */
 void sc_read(const ShmClient *c, int slot, int T, float *out);
+/* One answer (sc_wait); when it is call `seq`'s on `slot` and OK, its T output rows written to out
+ * (mode SC_OUT_*) and SC_OK; another call's answer, or this call's refusal, SC_OTHER (*a filled, out
+ * untouched); else sc_wait's codes. */
+int sc_finish(ShmClient *c, uint64_t seq, int slot, int T, void *out, int mode, int64_t spin_end_ns,
+              int64_t deadline_ns, ShmAnswer *a);
 int sc_has_f16(void);  /* 1 where the compiler has _Float16 (float16 conversions in C) */
 #endif
