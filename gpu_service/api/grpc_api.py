@@ -28,8 +28,8 @@ from gpu_service.api.chat_request import ChatPlan, ChatSettings, chat_plan
 from gpu_service.api.errors import APIError, check_prompt_chars
 from gpu_service.api.guard import KeyCheck, UNAUTHORIZED
 from gpu_service.api.parsers.stream import merge_deltas
-from gpu_service.api.openai_params import check_token_lists
 from gpu_service.runtime.engine import Engine, EngineStopped, QueueFull, RequestError
+from gpu_service.runtime.requests import check_token_lists
 from gpu_service.runtime.logits import grammar_reason
 from gpu_service.runtime.grammar import GrammarError, GrammarSpec, InvalidSchema
 from gpu_service.runtime.sampling import SamplingParams
