@@ -1,19 +1,11 @@
-"""gRPC front end of the GPU service: `moesplit.v1.GenerateService` over the engine (thin servicer).
+"""gRPC Generate API over the engine (moesplit.v1.GenerateService) and the standard grpc.health.v1.
 
-`Generate` streams one `GenerateResponse` per engine step that produced something for the
-request; the last carries `finish_reason` and `usage`. A client that cancels (or whose deadline
-passes) cancels the engine request, freeing its KV pages at the next step boundary. Bad requests
-fail with INVALID_ARGUMENT, a stopping server with UNAVAILABLE. Penalties, logit_bias,
-min_tokens, stop_token_ids, logprobs and a structured-output `constraint` (json_schema, json_object,
-regex, grammar, choice; compiled on the grammar engine's threads, a grammar it cannot compile is
-INVALID_ARGUMENT with its reason) mean what they mean in the HTTP API. The standard `grpc.health.v1`
-service is registered (service names "" and "moesplit.v1.GenerateService").
-
-With an API key, every RPC but the health service needs `authorization: Bearer <key>` metadata
-(UNAUTHENTICATED otherwise; the same constant-time check as HTTP, gpu_service.api.guard). With
-`tls=` (`--grpc-tls-cert/--grpc-tls-key`, optionally `--grpc-tls-ca` to require client
-certificates) the port is TLS. Limits as for HTTP: prompt characters before tokenizing, the
-engine's stop / max_tokens / queue caps (a full queue is RESOURCE_EXHAUSTED).
+`Generate` streams one `GenerateResponse` per engine step that produced something; the last carries
+`finish_reason` and `usage`. A cancelled RPC (or a passed deadline) cancels the engine request.
+Fields mean what they mean in the HTTP API; bad requests are INVALID_ARGUMENT, a full queue
+RESOURCE_EXHAUSTED, a stopping server UNAVAILABLE. With an API key every RPC but health needs
+`authorization: Bearer <key>` (gpu_service.api.guard); `tls=` serves TLS, optionally requiring
+client certificates.
 """
 from __future__ import annotations
 

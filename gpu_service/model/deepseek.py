@@ -158,15 +158,6 @@ class Block(nn.Module):
         return st.run(i, "post", self.post, x1, pad_rows(routed, st.Tp), shared)[0]
 
 
-def _run(gen):
-    """Run a `steps` generator to completion; returns its value."""
-    try:
-        while True:
-            next(gen)
-    except StopIteration as e:
-        return e.value
-
-
 def _round_robin(gens: list) -> list:
     """Advance generators in turn until all finish: while one micro-batch's experts are on the
     shards, the next micro-batch computes its attention (ping-pong). Returns their values."""
@@ -271,7 +262,8 @@ class DeepseekV3(nn.Module):
         bounds = torch.tensor([0] + [sum(c.n for c in g) for g in groups]).cumsum(0).tolist()
         gens = [self._layers(x[a:b], positions[a:b], g, pool, experts, graphs, slot)
                 for slot, (g, a, b) in enumerate(zip(groups, bounds[:-1], bounds[1:]))]
-        x = torch.cat(_round_robin(gens)) if len(gens) > 1 else _run(gens[0])
+        outs = _round_robin(gens)
+        x = torch.cat(outs) if len(outs) > 1 else outs[0]
         for c in chunks:
             c.seq.length = max(c.seq.length, c.start + c.n)
         x = x.to(self.lm_head.weight.device)
@@ -281,11 +273,6 @@ class DeepseekV3(nn.Module):
         n = x.shape[0]
         x = pad_rows(x, padded(n, self.row_block(x.device)))  # batch-invariant GEMM rows
         return self.lm_head(self.model.norm.norm(x))[:n].float()
-
-
-def checkpoint_name(param_name: str) -> str:
-    """Our parameter names are the checkpoint's names, so the load table is the identity."""
-    return param_name
 
 
 def build_model(cfg: ModelConfig, get: Callable[[str], "object"], dtype: torch.dtype,
@@ -303,7 +290,7 @@ def build_model(cfg: ModelConfig, get: Callable[[str], "object"], dtype: torch.d
         model = DeepseekV3(cfg, hot_experts)
     loaded: set[str] = set()
     for name, p in list(model.named_parameters()):
-        src = checkpoint_name(name)
+        src = name  # our parameter names are the checkpoint's
         if src == "lm_head.weight" and cfg.tie_word_embeddings:
             src = "model.embed_tokens.weight"
         mod_name, _, attr = name.rpartition(".")
