@@ -1,13 +1,10 @@
 """Limits and authentication in front of the APIs: checked before any work is done.
 
-- `ServerLimits`: body size (HTTP 413), prompt characters (checked before tokenizing), and the
-  connection-level limits that gpu_service.api.connections applies (header and body deadlines,
-  connections per client and in total, room for the probes, gRPC stream and keepalive limits).
-- `Guard`: a pure ASGI middleware (not Starlette's `BaseHTTPMiddleware`, which hides the
-  client's disconnect from the endpoint, so non-stream requests of clients that left were never
-  cancelled): the API key on /v1 and the body-size cap, both before the app reads anything.
-- `KeyCheck`: `Authorization: Bearer <key>` compared in constant time over sha256 digests, the
-  scheme case-insensitive; shared by HTTP and the gRPC interceptor (`grpc_api`).
+- `ServerLimits`: body size (413), prompt characters, and the connection limits that
+  gpu_service.api.connections applies;
+- `Guard`: pure ASGI middleware (a `BaseHTTPMiddleware` would hide client disconnects from the
+  endpoint): the API key on /v1 and the body-size cap, before the app reads anything;
+- `KeyCheck`: `Authorization: Bearer <key>` compared in constant time, shared with gRPC.
 """
 from __future__ import annotations
 

@@ -3,13 +3,10 @@
     with start_shards(model_dir, n=2, split="experts") as shards:
         client = ExpertsClient(shards.addresses, cfg).connect()
 
-Each shard is `python -m cpu_expert_service.server` on 127.0.0.1, port 0, with a port file;
-`start_shards` returns once every shard is serving (or raises with the dead child's stderr).
-Expert split: contiguous even ranges of expert ids; intermediate split: `--slice i/n`.
-`replicas=R` starts R processes per shard; addresses are replica set 0 of every shard, then
-replica set 1, ... (the Helm chart's order). `kill(i)` / `restart(i)` (same port) are for tests.
-`auth_token`: the shards require it on every call (MOESPLIT_SHARD_TOKEN in their environment; the
-GPU side sends it when the same variable is set in its own, see wire.channel).
+Each shard is `python -m cpu_expert_service.server` on 127.0.0.1, port 0 (a port file); returns
+once every shard serves, else raises with the dead child's stderr. `replicas=R`: R processes per
+shard, addresses replica set by replica set (the Helm chart's order). `kill(i)` / `restart(i)`
+are for tests; `auth_token` is set as MOESPLIT_SHARD_TOKEN in the shards' environment.
 """
 from __future__ import annotations
 

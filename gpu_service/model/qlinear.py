@@ -1,13 +1,10 @@
-"""Weight-only quantised linears for the GPU service: FP8 (e4m3, 128x128 block scales, as in
-DeepSeek's checkpoints), INT8 (per-output-channel scales) and INT4 (compressed-tensors groups).
-Weights stay quantised in memory, halving attention/shared-expert bytes vs BF16. `forward`
-dequantises one block of QLINEAR_ROWS weight rows at a time, straight to the compute dtype with
-broadcast scale views, into one reused scratch buffer per device and dtype, and multiplies it
-into its slice of the output: a call keeps its output and that buffer, never a full-size fp32
-weight (the plan's `workspace` counts the buffer: `gpu_service.plan.bytes.qlinear_scratch_bytes`).
+"""Weight-only quantised linears: FP8 (e4m3, 128x128 block scales, as in DeepSeek's checkpoints),
+INT8 (per-output-channel scales) and INT4 (compressed-tensors groups).
 
-No fused weight-only GEMM is used: torchao / Marlin-class kernels are not installable on the
-machines this runs on (no package index), so the blockwise path is the one on CUDA and CPU.
+Weights stay quantised in memory. `forward` dequantises QLINEAR_ROWS weight rows at a time into one
+reused scratch buffer per device and dtype and multiplies it into its slice of the output, never a
+full-size weight (the plan counts the buffer: `gpu_service.plan.bytes.qlinear_scratch_bytes`). No
+fused weight-only GEMM: torchao / Marlin-class kernels are not installable where this runs.
 """
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
 """Chat formats: how a conversation (+ tools) becomes the prompt text, per model family.
 
-- `JinjaFormat` (`jinja_format`): the checkpoint's Jinja template, rendered the way transformers
-  renders it: `tokenizer_config.json` `chat_template` (a string, or a list of `{name, template}`,
-  "default" first) or a `chat_template.jinja` file; `--chat-template FILE` overrides both;
-- `DeepseekV32Format` (`dsv32`): DeepSeek-V3.2's format (its release ships no template), built in
-  from `../shared/formats.md`; chosen for architecture `DeepseekV32ForCausalLM` without a template.
-
-Every format has `render(messages, tools=None, add_generation_prompt=True, **kwargs) -> str`
-(`kwargs`: the request's `chat_template_kwargs`) and `family`, the model family that picks the
-reasoning and tool-call parsers (`gpu_service.api.parsers`): kimi_k2, deepseek_v3, deepseek_r1,
-deepseek_v31, deepseek_v32 or None.
+`JinjaFormat` renders the checkpoint's template as transformers does (`chat_template` of
+tokenizer_config.json, or `chat_template.jinja`; `--chat-template FILE` overrides both);
+`DeepseekV32Format` is V3.2's built-in format. Each has `render(messages, tools=None,
+add_generation_prompt=True, **chat_template_kwargs) -> str` and `family`, which picks the
+reasoning and tool-call parsers (`gpu_service.api.parsers`).
 """
 from __future__ import annotations
 
