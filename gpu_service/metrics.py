@@ -193,9 +193,8 @@ def actual_bytes(runner, placement=None) -> dict[tuple[str, str], int]:
 
 
 def planned_bytes(runner, plan=None, placement=None) -> dict[tuple[str, str], int]:
-    """{(category, device label): bytes} the memory plan gives each category. With a `plan.Plan`,
-    its per-GPU items (workspace and reserve included); without one (a CPU run without --gpu), the
-    plan's byte model applied to the runner's placement and KV pool size."""
+    """{(category, device label): bytes} the memory plan gives each category: the plan's items, or
+    without a plan the byte model applied to the runner's placement and KV pool."""
     from gpu_service import plan as P
     from gpu_service.model.placement import Placement
 

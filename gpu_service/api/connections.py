@@ -236,10 +236,8 @@ def limited_protocol(limits, table: ConnectionTable):
 
 
 def grpc_server_options(limits) -> list[tuple[str, int]]:
-    """grpc core options bounding what one client can hold on the Generate server (`limits`: a
-    ServerLimits): streams per connection, the handshake deadline, keepalive enforcement (pings more
-    often than the minimum are strikes; past the strikes: GOAWAY), idle connections closed. The
-    message size stays grpc's 4 MiB: the servicer refuses oversized fields itself, naming them."""
+    """grpc core options bounding what one client can hold on the Generate server (ServerLimits):
+    streams per connection, handshake deadline, keepalive enforcement, idle connections closed."""
     return [
         ("grpc.max_concurrent_streams", limits.grpc_max_streams_per_connection),
         ("grpc.server_handshake_timeout_ms", int(limits.header_timeout_s * 1000)),

@@ -214,10 +214,8 @@ def create_server(engine: Engine, tokenizer=None, host: str = "127.0.0.1", port:
                   max_workers: int = 64, api_key: str | None = None, tls=None,
                   max_prompt_chars: int | None = None, chat_settings: ChatSettings | None = None,
                   options: list | None = None) -> tuple[grpc.Server, int]:
-    """Build and start the gRPC server; returns (server, bound port) so tests can pass port 0.
-    `api_key`: required as `authorization: Bearer` metadata; `tls`: `ApiTLS` (server certificate,
-    optional client CA); `options`: grpc core options (gpu_service.api.connections.grpc_server_options).
-    More than `max_workers` RPCs at once: RESOURCE_EXHAUSTED, not a queue."""
+    """Build and start the gRPC server; returns (server, bound port). More than `max_workers` RPCs at
+    once: RESOURCE_EXHAUSTED, not a queue."""
     interceptors = [AuthInterceptor(api_key)] if api_key is not None else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="moesplit-grpc"),
                          interceptors=interceptors, maximum_concurrent_rpcs=max_workers,

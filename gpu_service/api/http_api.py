@@ -61,9 +61,7 @@ async def _error(request, e: Exception) -> JSONResponse:
 def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None = None,
                health_fn: HealthFn | None = None, metrics=None, limits: ServerLimits | None = None,
                chat_settings: ChatSettings | None = None) -> FastAPI:
-    """The HTTP API over `engine`. `metrics`: a gpu_service.metrics.GpuMetrics served at GET /metrics
-    (no API key, like /health); `limits`: body / prompt sizes (gpu_service.api.guard.ServerLimits;
-    default: its defaults); `chat_settings`: the tool-call / reasoning parser choice (default: auto, by model)."""
+    """The HTTP API over `engine`; `metrics` (a GpuMetrics) is served at GET /metrics without the key."""
     chat_settings = chat_settings or ChatSettings()
     app = FastAPI(title="moesplit", docs_url=None, redoc_url=None)
     limits = limits or ServerLimits()

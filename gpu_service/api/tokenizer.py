@@ -47,9 +47,8 @@ class HFTokenizer(BaseTokenizer):
 
 
 def load_tokenizer(model_dir: str, chat_template: str | None = None) -> BaseTokenizer:
-    """The checkpoint's tokenizer, from the files present (tokenizer.json first, then
-    tiktoken.model), with its chat format attached; `chat_template` (a file) overrides the
-    checkpoint's. TokenizerError naming the files looked for when there is neither."""
+    """The checkpoint's tokenizer (tokenizer.json, else tiktoken.model) with its chat format attached
+    (`chat_template`: a file overriding it); TokenizerError naming the files when there is neither."""
     config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
     if os.path.exists(os.path.join(model_dir, "tokenizer.json")):
         tok: BaseTokenizer = HFTokenizer(model_dir, config)

@@ -167,9 +167,8 @@ def check_serving_args(args: argparse.Namespace) -> str | None:
 
 
 def shard_health_fn(addresses: list[str], timeout_s: float = 1.0, tls=None) -> Callable[[], tuple[bool, dict]]:
-    """A health check asking every shard's grpc.health.v1 service; keeps one channel per shard.
-    (The serving stack uses `ExpertsClient.health`, which knows replicas: one SERVING replica per
-    shard group is enough.) `tls`: TLSFiles for shards that require mutual TLS."""
+    """A health check asking every shard's grpc.health.v1 (one channel each; the serving stack uses the
+    replica-aware `ExpertsClient.health`)."""
     from wire.channel import make_channel
 
     from gpu_service.experts.health import check_parallel
@@ -187,10 +186,8 @@ def build_runner(model_dir: str, addresses: list[str], device=None, dtype=None, 
                  page_size: int = 64, expert_timeout: float = 5.0, tls=None, tls_server_name: str | None = None,
                  placement=None, chat_template: str | None = None, prefix_cache: bool = True,
                  host_kv_cache: str | int = 0, cuda_graphs: bool = True):
-    """Connect to the shards (fingerprint + coverage checked) and load the GPU side (its tensors
-    verified first). Returns (runner, experts_client, tokenizer or None); `chat_template`: a Jinja file
-    overriding the checkpoint's chat format; `host_kv_cache`: bytes / "64GiB" / "auto" (`host_kv_bytes`)
-    of the prefix cache's host tier."""
+    """Connect to the shards (fingerprint + coverage checked) and load the GPU side; returns (runner,
+    experts_client, tokenizer or None)."""
     import torch
 
     from checkpoint.reader import CheckpointReader
@@ -312,9 +309,8 @@ WATCHDOG_S = 0.5  # how often serve_until_signal checks that the engine's schedu
 
 
 def serve_until_signal(stack: ServingStack, prog: str) -> int:
-    """Print where we serve, block until SIGINT/SIGTERM (then 0) or until the engine's scheduler
-    thread is gone (the watchdog: /live is 503 by then; stop and return 1, so the process exits
-    non-zero and Kubernetes restarts it instead of keeping a server that answers nothing)."""
+    """Block until SIGINT/SIGTERM (then 0) or until the engine's scheduler thread is gone (then stop
+    and return 1, so Kubernetes restarts the process)."""
     stop = threading.Event()
     rc = 0
 

@@ -133,9 +133,8 @@ def start_shards(
     packed: str | None = None,
     auth_token: str | None = None,
 ) -> LocalShards:
-    """Launch n shards (x `replicas` processes each) splitting the model's routed experts; wait
-    until all serve. With `packed` (a `moesplit convert` output of this model, with n shards),
-    shard i serves `--packed DIR --shard-index i` and `split` is the conversion's."""
+    """Launch n shards (x `replicas`) splitting the routed experts and wait until all serve; with
+    `packed` (a `moesplit convert` output), shard i serves `--packed DIR --shard-index i`."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     if metrics_ports is not None and len(metrics_ports) != n * replicas:

@@ -22,10 +22,8 @@ CORPUS_CHARS = 20000
 
 
 def corpus_text(chars: int = CORPUS_CHARS) -> str:
-    """The default training text: the first `chars` characters of Python's own language-reference
-    topics (`pydoc_data.topics`, shipped with the interpreter), in sorted topic order. English prose
-    with grammar snippets, large enough (~14k tokens) that the tiny model does not memorise it in a
-    few hundred steps, and unaffected by edits to this repository."""
+    """The default training text: the first `chars` characters of Python's language-reference topics
+    (`pydoc_data.topics`), in sorted order: ~14k tokens, unaffected by edits to this repository."""
     import pydoc_data.topics
 
     topics = pydoc_data.topics.topics
@@ -81,11 +79,8 @@ def train_model(model, ids: list[int], steps: int = 500, seed: int = 0, lr: floa
 def train_tiny(out_dir: str, fmt: str = "bf16", seed: int = 7, overrides: dict | None = None,
                arch: str = "deepseek_v3", steps: int = 500, train_seed: int = 0, threads: int | None = 1,
                text: str | None = None, log_every: int = 0, **train_kw) -> dict:
-    """Write a tiny checkpoint (exactly as `make_tiny(out_dir, fmt, seed, overrides, arch)`), then
-    train its model for `steps` steps on `text` (default `corpus_text()`) and overwrite the weights
-    with the trained ones (in `fmt`, as make_tiny encodes them).
-
-    Returns {"dir", "losses", "seconds"}."""
+    """`make_tiny(out_dir, fmt, seed, overrides, arch)`, then `steps` training steps on `text` and the
+    weights overwritten (in `fmt`); returns {"dir", "losses", "seconds"}."""
     out_dir = tiny.make_tiny(out_dir, fmt=fmt, seed=seed, overrides=overrides, arch=arch)
     cfg = tiny.tiny_config(arch, fmt, overrides)
     model = tiny.build_hf_model(cfg, seed)  # the very model make_tiny wrote

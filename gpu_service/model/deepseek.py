@@ -43,9 +43,8 @@ from gpu_service.model.step import make_step, Step
 
 
 class MoE(nn.Module):
-    """Router + shared experts; routed experts on the shards, except the optional GPU-resident
-    hot experts (`experts`, named like the checkpoint: mlp.experts.{e}.*), which are computed
-    here and sent to the shards with weight 0 so that the shards skip them."""
+    """Router + shared experts; routed experts on the shards, except the optional hot experts
+    (`experts`), computed here and sent to the shards with weight 0 so that they skip them."""
 
     def __init__(self, cfg: ModelConfig, layer: int, hot: list[int] = ()):
         super().__init__()
@@ -248,9 +247,8 @@ class DeepseekV3(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, chunks: list[Chunk], pool: KVPool, experts: ExpertsFn,
                 all_logits: bool = False, graphs=None) -> torch.Tensor:
-        """input_ids: [T] (chunks concatenated). Returns logits [len(chunks), V] of each chunk's
-        last token (or [T, V] with all_logits). Writes the chunks' KV and advances seq.length.
-        graphs: the runner's CUDA-graph sets (gpu_service.runtime.cuda_graphs.Graphs) or None."""
+        """input_ids [T] (chunks concatenated) -> logits [len(chunks), V] of each chunk's last token
+        ([T, V] with all_logits); writes the chunks' KV. graphs: the runner's cuda_graphs.Graphs or None."""
         emb_dev = self.model.embed_tokens.weight.device
         x = self.model.embed_tokens(input_ids.to(emb_dev))  # [T, H]
         all_decode = all(c.n == 1 for c in chunks)
@@ -280,12 +278,10 @@ def build_model(cfg: ModelConfig, get: Callable[[str], "object"], dtype: torch.d
                 linear_format: Callable[[str], str | None] = lambda name: None,
                 get_stored: Callable[[str], "object"] | None = None,
                 hot_experts: dict[int, list[int]] | None = None) -> tuple[DeepseekV3, set[str]]:
-    """Build the model on the meta device and fill every parameter from `get(name) -> float32
-    ndarray`, placing each on `device_of(param_name)`. Nothing is allocated twice and nothing is
-    left random: a missing tensor raises through `get`. Router weights stay float32 (as in the
-    reference). `linear_format(weight_name)` may return "fp8"/"int8" to hold that linear
-    weight-only quantised; an FP8 checkpoint's own e4m3 arrays are kept without re-quantising
-    (through `get_stored`). Returns the model and the set of checkpoint names loaded."""
+    """Build the model on the meta device and fill every parameter from `get(name) -> float32 ndarray`
+    on `device_of(name)` (a missing tensor raises through `get`; routers stay float32).
+    `linear_format(name)` may hold a linear quantised; an FP8 / INT4 checkpoint's own arrays
+    (`get_stored`) are kept as stored. Returns the model and the checkpoint names loaded."""
     with torch.device("meta"):
         model = DeepseekV3(cfg, hot_experts)
     loaded: set[str] = set()

@@ -63,10 +63,8 @@ class Indexer(nn.Module):
         return q, w
 
     def select(self, q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tensor, start: int) -> torch.Tensor | None:
-        """Which cached positions each query may attend to, from the roped index queries q [n, nh, hd]
-        and head weights w [n, nh] (`query`) of queries at positions start..start+n-1; index_keys
-        [S, index_head_dim] of positions 0..S-1 (S = start + n). Returns keep [n, S] bool (causal AND
-        among the top-`index_topk` index scores), or None when index_topk >= S (dense attention)."""
+        """keep [n, S] bool (causal AND top-`index_topk`) for queries at start..start+n-1 from q [n, nh, hd],
+        w [n, nh] and index_keys [S, hd]; None when index_topk >= S (dense)."""
         n, S, dev = q.shape[0], index_keys.shape[0], q.device
         if self.topk >= S:
             return None

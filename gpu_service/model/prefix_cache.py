@@ -57,10 +57,8 @@ def root_key(salt: str | None) -> bytes:
 
 
 class PrefixCache:
-    """Reference-counted, LRU-evicted cache of full KV pages (see the module docstring).
-
-    Attaches itself to `pool` (`pool.cache`), so `SeqKV.reserve` evicts through it and
-    `SeqKV.free` returns shared pages to it. `host`: an optional `HostKVTier`."""
+    """Reference-counted, LRU-evicted cache of full KV pages; attaches itself as `pool.cache`, so
+    `SeqKV.reserve` evicts through it and `SeqKV.free` returns shared pages to it."""
 
     def __init__(self, pool, host=None):
         self.pool, self.host, self.S = pool, host, pool.page_size
@@ -93,9 +91,8 @@ class PrefixCache:
 
     # ---- lookup -----------------------------------------------------------------------------
     def attach(self, seq, tokens: list[int], salt: str | None = None) -> tuple[int, int]:
-        """Give an empty `seq` the longest cached prefix of `tokens` (at most (len - 1) // S pages):
-        GPU pages referenced, host pages copied back into fresh pool pages (one copy per run), as
-        many as the pool can take. Sets `seq.length`. Returns (pages from the GPU, from the host)."""
+        """Give an empty `seq` the longest cached prefix of `tokens` (host pages copied back as far as the
+        pool allows); sets `seq.length`; returns (pages from the GPU, pages from the host)."""
         if seq.pages or seq.length:
             raise RuntimeError("PrefixCache.attach needs an empty sequence: free it first")
         S = self.S

@@ -17,9 +17,8 @@ from gpu_service.plan.bytes import QLINEAR_ROWS  # weight rows dequantised at on
 
 
 class _Scratch:
-    """One reused buffer per (device, compute dtype) into which quantised linears dequantise one
-    row block at a time; it grows to the largest block asked for (the plan counts exactly that:
-    `gpu_service.plan.bytes.qlinear_scratch_bytes`) and is never freed while the process runs."""
+    """One reused buffer per (device, compute dtype) that quantised linears dequantise into; it grows
+    to the largest block asked for and is never freed."""
 
     def __init__(self):
         self._bufs: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
@@ -60,9 +59,7 @@ def _scale_blocks_(w: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> 
 
 
 class _Blockwise(nn.Module):
-    """Shared forward of the weight-only linears: y[:, r0:r1] = x @ W[r0:r1].T with W[r0:r1]
-    dequantised straight to the compute dtype into the reused scratch buffer, so a call keeps at
-    most QLINEAR_ROWS x in_features of weight beside its output (no full fp32 rebuild)."""
+    """Shared forward: y[:, r0:r1] = x @ W[r0:r1].T, W[r0:r1] dequantised into the scratch buffer."""
 
     out_features: int
     in_features: int

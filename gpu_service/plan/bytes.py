@@ -75,9 +75,7 @@ def fmt_gib(n: int | float) -> str:
 
 # ----------------------------------------------------------------------------- weight bytes
 def linear_bytes(out: int, inp: int, fmt: str, fp8_block: tuple[int, int] = FP8_BLOCK, eb: int = 2) -> int:
-    """Bytes of one linear weight [out, inp] stored in `fmt` (docs/plan.md "Byte model"); an FP8
-    checkpoint kept as stored has its own scale blocks (quantization_config.weight_block_size).
-    "bf16" is the unquantised weight, held in the compute dtype of `eb` bytes per element."""
+    """Bytes of one linear [out, inp] in `fmt`; "bf16" is held in the compute dtype (`eb` bytes)."""
     n = out * inp
     if fmt == "bf16":
         return eb * n
@@ -210,9 +208,8 @@ def fp8_block(cfg: ModelConfig) -> tuple[int, int]:
 
 
 def param_bytes_by_module(cfg: ModelConfig, options: Options | dict | str = "checkpoint") -> dict[str, int]:
-    """{module name: bytes} of every GPU-side parameter group with the given attention-weights
-    format (an `Options`, a dict with "attention_weights", or the format string). Names are the
-    model's module paths (model.layers.{i}.self_attn, ...mlp.shared_experts, ...mlp.gate, lm_head)."""
+    """{module name: bytes} of every GPU-side parameter group for an attention-weights format (an
+    `Options`, a dict with "attention_weights", or the format string)."""
     aw = options if isinstance(options, str) else (
         options["attention_weights"] if isinstance(options, dict) else options.attention_weights)
     dt = "bfloat16" if isinstance(options, str) else (
@@ -239,9 +236,7 @@ def gpu_reserve(capacity: int) -> int:
 
 
 def qlinear_scratch_bytes(out: int, inp: int, fmt: str, eb: int) -> int:
-    """The reused scratch of a weight-only linear [out, inp] in `fmt` (gpu_service/model/qlinear.py):
-    min(QLINEAR_ROWS, out) rows of the weight in the compute dtype (INT4: whole packed words, plus
-    its two int32 nibble temporaries of the same rows). 0 for an unquantised linear."""
+    """The reused dequantisation scratch of a weight-only linear [out, inp] (0 unquantised)."""
     if fmt == "bf16":
         return 0
     rows = min(QLINEAR_ROWS, out)
@@ -286,9 +281,8 @@ def decode_workspace_bytes(cfg: ModelConfig, o: Options, *, mlp_width: int) -> i
 
 
 def graph_pool_bytes(cfg: ModelConfig, o: Options, *, layers: int, mlp_width: int) -> int:
-    """CUDA-graph pools: per micro-batch slot and bucket b, one layer's static inputs and outputs
-    (shared by the set's layers) and one set of segment temporaries (the set's memory pool, reused
-    from graph to graph), b rows each; plus the dequantised kv_b_proj buffer graphs read."""
+    """CUDA-graph pools: per micro-batch slot and bucket, one layer's static buffers and one set of
+    temporaries, plus the dequantised kv_b_proj buffer graphs read."""
     if not o.cuda_graphs or not layers:
         return 0
     eb, H, nh, r, rope = o.eb, cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
@@ -306,9 +300,7 @@ def graph_pool_bytes(cfg: ModelConfig, o: Options, *, layers: int, mlp_width: in
 
 def workspace_bytes(cfg: ModelConfig, o: Options, *, mlp_width: int, lm_head: bool, scratch: int = 0,
                     layers: int = 0) -> int:
-    """Activation workspace of one GPU (formula in docs/plan.md "Byte model"): the most the forward
-    pass keeps alive at once beyond weights and KV cache, at `o.chunk_tokens` tokens per step
-    (prefill) or `o.max_batch` decode rows, plus the CUDA-graph pools of its `layers` layers."""
+    """Activation workspace of one GPU (docs/plan.md "Byte model"), CUDA-graph pools included."""
     T, H, nh, eb, kv = o.chunk_tokens, cfg.hidden_size, cfg.num_attention_heads, o.eb, o.kv_tokens
     Kb = min(kv, T)
     nope, rope, v, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank

@@ -101,10 +101,8 @@ def scrape_counts(urls: list[str], timeout_s: float = 10.0) -> Counts:
 # ---- picking -----------------------------------------------------------------------------------------
 def top_experts(counts: Counts, n: int, layers=None, n_experts: int | None = None,
                 source: str = "counts") -> tuple[dict[int, list[int]], list[int]]:
-    """The n most activated experts of each layer (most first; ties -> lower id). `layers`
-    (default: those counted) and `n_experts` (default: 1 + the highest id counted) come from the
-    model when known. A layer without any activation gets the lowest n ids (logged). Returns
-    ({layer: ids}, the layers that fell back)."""
+    """The n most activated experts of each layer (ties -> lower id; a layer without activations gets
+    the lowest ids, logged); returns ({layer: ids}, the layers that fell back)."""
     layers = sorted(counts) if layers is None else list(layers)
     if n_experts is None:
         n_experts = 1 + max((e for row in counts.values() for e in row), default=-1)
@@ -186,9 +184,8 @@ def load_file(path: str) -> HotExpertsSpec:
 
 
 def resolve(spec: HotExpertsSpec | dict, cfg, n: int) -> dict[int, list[int]]:
-    """The hot experts of every MoE layer of `cfg` for a plan keeping `n` per layer, checked:
-    given ids first, then the n most activated by the counts, then the lowest ids (logged).
-    Raises HotExpertsError naming the fix. Returns {layer: sorted ids}."""
+    """{layer: sorted ids} for every MoE layer: given ids, else the most activated, else the lowest
+    (logged); HotExpertsError naming the fix."""
     if isinstance(spec, dict):
         spec = HotExpertsSpec({_int(k, f"hot_experts layer {k!r}"): [_int(e, f"hot_experts layer {k}") for e in v]
                                for k, v in spec.items()}, {}, "hot_experts")

@@ -384,9 +384,8 @@ def _most_gpu_experts(fits: Callable[[int], bool], n_routed: int) -> int:
 def _gpu_stage(cfg: ModelConfig, caps: list[int], opts: Callable[[str, str, int, int], Options],
                attention_weights: str, embeddings: str, kv_tokens: int | None, min_kv_tokens: int, n_exp: int,
                choices: list[str]) -> tuple[str, str, int]:
-    """(attention weights, embeddings, KV tokens): the first stage of least harm (checkpoint attention
-    before re-quantised, GPU embeddings before CPU ones) that fits the KV target, else the last stage
-    with the most KV tokens that fit (at least the floor). Appends the why of each choice."""
+    """(attention weights, embeddings, KV tokens): the first stage of least harm that fits the KV
+    target, else the last stage with the most KV tokens that fit; appends the why."""
     target = kv_tokens if kv_tokens is not None else DEFAULT_KV_TARGET
     floor = min(min_kv_tokens, target)
     quant = _quant_choice(cfg)
@@ -426,14 +425,9 @@ def make_plan(cfg: ModelConfig, gpus: list[int | str], host_ram: int | str | Non
               embeddings: str = "auto", gpu_experts: int | str = "auto", expert_format: str = "auto",
               max_batch: int = DEFAULT_MAX_BATCH, shard_split: str = "slice", model: str | None = None,
               suggest: bool = True, dtype: str = "bfloat16", host_kv_cache: int | str | None = "auto") -> Plan:
-    """Plan GPU and CPU memory for `cfg` on GPUs of the given total capacities (bytes or "24GiB").
-
-    Options left at "auto" (and kv_tokens, a target) are searched in the documented order of
-    least harm; explicit options are kept as given. When nothing fits, the returned plan has
-    fits=False, the most memory-saving configuration tried, and `suggestions` of changed options
-    that do fit (each verified by re-planning). `dtype` is the compute dtype (bfloat16, float16,
-    float32): the bytes per element of unquantised weights, the KV cache and the activations.
-    `host_kv_cache`: the prefix cache's host tier (gpu_service.plan.host_tier), reported in `plan.host`."""
+    """Plan GPU and CPU memory for `cfg` on GPUs of the given capacities (bytes or "24GiB"); "auto"
+    options are searched in order of least harm. A plan that does not fit carries `suggestions` of
+    changes that do (each re-planned)."""
     caps = [parse_size(g) for g in gpus]
     host = parse_size(host_ram) if host_ram is not None else None
     _check_plan_args(cfg, caps, gpus, attention_weights, embeddings, gpu_experts, expert_format, numa_nodes,

@@ -74,10 +74,8 @@ class ModelRunner:
         self.set_cuda_graphs(cuda_graphs and os.environ.get("MOESPLIT_CUDA_GRAPHS", "1") != "0", graph_buckets)
 
     def set_cuda_graphs(self, on: bool, buckets: tuple[int, ...] | None = None, mode: str = "cuda") -> None:
-        """The decode pieces of every layer as CUDA graphs per batch-size bucket
-        (gpu_service.runtime.cuda_graphs), on a CUDA device only (`--no-cuda-graphs` /
-        MOESPLIT_CUDA_GRAPHS=0: eager); buckets default to the powers of two up to the plan's max
-        batch (at least 1..32). mode="static" runs the same plumbing on CPU (tests)."""
+        """The decode pieces as CUDA graphs per batch-size bucket (gpu_service.runtime.cuda_graphs), CUDA
+        only; mode="static" runs the same plumbing on CPU (tests)."""
         from gpu_service.runtime.cuda_graphs import BUCKETS, Graphs
 
         if not on or (mode == "cuda" and self.device.type != "cuda"):
@@ -92,9 +90,7 @@ class ModelRunner:
         return SeqKV(self.pool)
 
     def copy_prefix(self, src: SeqKV, dst: SeqKV, n: int, start: int = 0) -> None:
-        """Copy the KV of src's tokens [start, n) into dst (pages already reserved; dst already has
-        [0, start), e.g. shared prefix-cache pages); dst.length = n. (n choices of one prompt: the
-        prompt is prefilled once.)"""
+        """Copy the KV of src's tokens [start, n) into dst (pages reserved, [0, start) already there)."""
         s, d = src.slots(start, n, torch.device("cpu")), dst.slots(start, n, torch.device("cpu"))
         for t in self.pool.kv + (self.pool.index_k or []):
             t.index_copy_(0, d.to(t.device), t.index_select(0, s.to(t.device)))

@@ -47,9 +47,7 @@ class _LazyTokenizer:
 
 
 class HFVocabulary(_LazyTokenizer):
-    """A Hugging Face `tokenizers` tokenizer (tokenizer.json text). Special (added) tokens are
-    known to llguidance from the JSON and are only allowed where a grammar names them; EOS is
-    allowed where the grammar may end."""
+    """A `tokenizers` tokenizer (tokenizer.json text); special tokens only where a grammar names them."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]):
         super().__init__()

@@ -45,10 +45,8 @@ def _template_from_config(config: dict) -> str | None:
 
 def load_chat_format(model_dir: str, tokenizer_config: dict, model_config: dict, special_tokens: dict[str, str],
                      override: str | None = None):
-    """The chat format for a checkpoint, or None when it has none (completions only).
-
-    Order: `override` (a Jinja file), tokenizer_config.json `chat_template`, `chat_template.jinja`,
-    then the built-in DeepSeek-V3.2 format for a V3.2 architecture."""
+    """The chat format for a checkpoint, or None (completions only): `override` (a Jinja file), then
+    tokenizer_config.json `chat_template`, `chat_template.jinja`, the built-in V3.2 format."""
     source, template = None, None
     if override:
         try:

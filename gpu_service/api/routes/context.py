@@ -23,10 +23,8 @@ BIG_BODY = 256 << 10  # bytes: JSON bodies from this size are parsed in a worker
 
 
 class ApiContext:
-    """The served model behind the routes: `engine`, `tokenizer` (None: token-id prompts only),
-    `model_name` (a request naming another model is 404), `chat_settings` (tool-call / reasoning
-    parsers), `max_chars` (the prompt cap, None: none), `created` (the server's start time),
-    `text_of` (token id -> text for logprobs)."""
+    """The served model behind the routes (`tokenizer` None: token-id prompts only; `max_chars`: the
+    prompt cap; `text_of`: token id -> text for logprobs)."""
 
     def __init__(self, engine: Engine, tokenizer, model_name: str, chat_settings: ChatSettings,
                  max_chars: int | None):

@@ -12,9 +12,8 @@ from gpu_service.runtime.sampling import SamplingParams
 
 
 def check_unicode(body, raw: bytes) -> None:
-    """400 naming the field when a string of the parsed JSON `body` holds a lone UTF-16 surrogate
-    ("\\ud800" escapes that pair with nothing: valid JSON, not valid Unicode, and it cannot be
-    tokenized, hashed or echoed back). Only bodies whose `raw` bytes hold a surrogate escape are walked."""
+    """400 naming the field when a string of `body` holds a lone UTF-16 surrogate (valid JSON, not valid
+    Unicode); only bodies whose `raw` bytes hold a surrogate escape are walked."""
     if not _SURROGATE_ESCAPE.search(raw):
         return
     stack = [(body, "")]
