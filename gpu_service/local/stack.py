@@ -121,6 +121,17 @@ def _wait_ports(procs, port_files, logs, what, timeout_s: float) -> list[int]:
     return ports
 
 
+def add_local_shard_arguments(p) -> None:
+    """The local shard processes of `moesplit serve` / `generate`: how many, split, backend, replicas."""
+    p.add_argument("--shards", type=int, default=2, help="number of local expert shard processes")
+    p.add_argument("--split", choices=["experts", "intermediate"], default="experts",
+                   help="shard by expert subsets or by intermediate slices of every expert")
+    p.add_argument("--backend", default="auto",
+                   help="shard compute backend: auto (the Cython kernels when built) | kernels | numpy")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="processes per shard (replicas with the same experts: load spread and failover)")
+
+
 def start_shards(
     model_dir: str,
     n: int,

@@ -164,6 +164,16 @@ def preflight(plan, plan_kwargs: dict | None = None, devices: list[torch.device]
 
 
 # ---- command-line wiring (generate / serve / gpu-server) ------------------------------------------
+def add_device_arguments(p) -> None:
+    """--device, --dtype and --no-cuda-graphs (the serving commands and generate)."""
+    p.add_argument("--device", default=None, help="cuda|cpu (default: cuda when available)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="run decode steps eagerly (default on CUDA: each layer's decode segments replayed as "
+                        "CUDA graphs per batch-size bucket)")
+
+
 def add_plan_arguments(p) -> None:
     """The memory-plan options of the serving commands (see `moesplit plan`)."""
     p.add_argument("--gpu", action="append", default=None, metavar="SIZE",
