@@ -254,7 +254,7 @@ def kv_b_dequantised(cfg: ModelConfig, o: Options) -> bool:
     return o.attention_weights in ("fp8", "int8")
 
 
-GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32)  # gpu_service.runtime.cuda_graphs.BUCKETS (plus powers of 2 to max_batch)
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32)  # the CUDA-graph batch-size buckets (plus powers of 2 to max_batch)
 GRAPH_SLOTS = 2  # micro-batches of one step (ping-pong): each has its own graph sets
 MIN_KEYS = 64  # gpu_service.attention.meta.MIN_KEYS: a decode query's padded key columns at least
 

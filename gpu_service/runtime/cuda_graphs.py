@@ -23,9 +23,10 @@ import logging
 
 import torch
 
+from gpu_service.plan.bytes import GRAPH_BUCKETS
+
 log = logging.getLogger("moesplit.cuda_graphs")
 
-BUCKETS = (1, 2, 4, 8, 16, 32)
 MODES = ("cuda", "static")
 
 
@@ -146,7 +147,7 @@ class GraphSet:
 class Graphs:
     """The model's graph sets, by (device, micro-batch slot, bucket)."""
 
-    def __init__(self, buckets: tuple[int, ...] = BUCKETS, mode: str = "cuda", min_rows: int = 1,
+    def __init__(self, buckets: tuple[int, ...] = GRAPH_BUCKETS, mode: str = "cuda", min_rows: int = 1,
                  on_error: str | None = None):
         if mode not in MODES:
             raise ValueError(f"CUDA-graph mode {mode!r}: expected one of {MODES}")
