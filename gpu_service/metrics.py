@@ -52,10 +52,8 @@ def device_label(gpu_index: int) -> str:
 
 
 class EngineObserver:
-    """Engine hooks -> request latency histograms and finished-by-reason counters.
-
-    The engine calls submit/admit/token/finish/preempt with the request's handle (thread-safe:
-    submit comes from API threads, the rest from the scheduler)."""
+    """Engine hooks (submit from API threads, the rest from the scheduler) -> request latency
+    histograms and finished-by-reason counters."""
 
     def __init__(self, registry: CollectorRegistry):
         p = PREFIX
@@ -142,14 +140,11 @@ class ExpertsObserver:
                                       self.calls.labels(shard, "error"))
         return c
 
-    def _layer_child(self, layer: int):
+    def __call__(self, layer: int, shard: str, rtt_s: float, sent: int, received: int, ok: bool) -> None:
         c = self._layer.get(layer)
         if c is None:
             c = self._layer[layer] = self.layer_rtt.labels(str(layer))
-        return c
-
-    def __call__(self, layer: int, shard: str, rtt_s: float, sent: int, received: int, ok: bool) -> None:
-        self._layer_child(layer).observe(rtt_s)
+        c.observe(rtt_s)
         rtt, snt, rcv, n_ok, n_err = self._children(shard)
         rtt.observe(rtt_s)
         snt.inc(sent)
@@ -198,9 +193,8 @@ def actual_bytes(runner, placement=None) -> dict[tuple[str, str], int]:
 
 
 def planned_bytes(runner, plan=None, placement=None) -> dict[tuple[str, str], int]:
-    """{(category, device label): bytes} the memory plan gives each category. With a `plan.Plan`,
-    its per-GPU items (workspace and reserve included); without one (a CPU run without --gpu), the
-    plan's byte model applied to the runner's placement and KV pool size."""
+    """{(category, device label): bytes} the memory plan gives each category: the plan's items, or
+    without a plan the byte model applied to the runner's placement and KV pool."""
     from gpu_service import plan as P
     from gpu_service.model.placement import Placement
 
@@ -249,24 +243,21 @@ class _ScrapeCollector:
     def collect(self):
         p = PREFIX
         s = self.engine.stats()
-        g = GaugeMetricFamily(p + "num_requests_running", "Requests in the running batch.")
-        g.add_metric([], s["running"])
-        yield g
-        g = GaugeMetricFamily(p + "num_requests_waiting", "Requests waiting for admission.")
-        g.add_metric([], s["waiting"])
-        yield g
-        g = GaugeMetricFamily(p + "kv_cache_usage_ratio", "Fraction of KV cache pages held by requests (0-1; reclaimable prefix-cache pages excluded).")
-        g.add_metric([], s["pool_usage"])
-        yield g
+        for name, key, doc in (
+                ("num_requests_running", "running", "Requests in the running batch."),
+                ("num_requests_waiting", "waiting", "Requests waiting for admission."),
+                ("kv_cache_usage_ratio", "pool_usage",
+                 "Fraction of KV cache pages held by requests (0-1; reclaimable prefix-cache pages excluded)."),
+                ("kv_cache_page_size_tokens", "pool_page_size", "Tokens per KV cache page.")):
+            g = GaugeMetricFamily(p + name, doc)
+            g.add_metric([], s[key])
+            yield g
         g = GaugeMetricFamily(p + "kv_cache_pages", "KV cache pages by state (used: held by requests, cached: "
                               "only by the prefix cache, reclaimable; free; total).", labels=["state"])
         g.add_metric(["used"], s["pool_pages_in_use"] - s["pool_pages_cached"])
         g.add_metric(["cached"], s["pool_pages_cached"])
         g.add_metric(["free"], s["pool_pages_total"] - s["pool_pages_in_use"])
         g.add_metric(["total"], s["pool_pages_total"])
-        yield g
-        g = GaugeMetricFamily(p + "kv_cache_page_size_tokens", "Tokens per KV cache page.")
-        g.add_metric([], s["pool_page_size"])
         yield g
         for name, key, doc in (
                 ("prompt_tokens", "prompt_tokens", "Prompt tokens of submitted requests."),
@@ -339,21 +330,17 @@ def _prefix_cache_families(s: dict, cache):
     c = CounterMetricFamily(p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
     c.add_metric([], s["prefix_queries"])
     yield c
-    c = CounterMetricFamily(p + "prefix_cache_hits", "Prompt tokens served by the prefix cache, by tier (gpu|host).",
-                            labels=["tier"])
-    c.add_metric(["gpu"], s["prefix_hits_gpu"])
-    c.add_metric(["host"], s["prefix_hits_host"])
-    yield c
-    c = CounterMetricFamily(p + "prefix_cache_evictions", "Cached pages evicted: from the GPU pool (to the host "
-                            "tier or dropped) and dropped from the host tier.", labels=["tier"])
-    c.add_metric(["gpu"], s["prefix_evicted_gpu"])
-    c.add_metric(["host"], s["prefix_evicted_host"])
-    yield c
-    c = CounterMetricFamily(p + "prefix_cache_copied_bytes", "Bytes copied between the GPU pool and the host tier.",
-                            labels=["direction"])
-    c.add_metric(["to_host"], s["prefix_copy_out_bytes"])
-    c.add_metric(["to_gpu"], s["prefix_copy_in_bytes"])
-    yield c
+    for name, doc, label, values in (
+            ("hits", "Prompt tokens served by the prefix cache, by tier (gpu|host).", "tier",
+             (("gpu", "hits_gpu"), ("host", "hits_host"))),
+            ("evictions", "Cached pages evicted: from the GPU pool (to the host tier or dropped) and dropped "
+             "from the host tier.", "tier", (("gpu", "evicted_gpu"), ("host", "evicted_host"))),
+            ("copied_bytes", "Bytes copied between the GPU pool and the host tier.", "direction",
+             (("to_host", "copy_out_bytes"), ("to_gpu", "copy_in_bytes")))):
+        c = CounterMetricFamily(p + "prefix_cache_" + name, doc, labels=[label])
+        for v, key in values:
+            c.add_metric([v], s["prefix_" + key])
+        yield c
     g = GaugeMetricFamily(p + "prefix_cache_pages", "Prefix-cache pages by tier and state (gpu: referenced by "
                           "requests | cached, unreferenced; host: cached | free).", labels=["tier", "state"])
     for (tier, state), n in sorted(cache.page_counts().items()):

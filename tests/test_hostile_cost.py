@@ -96,7 +96,7 @@ def _grpc_refused(st, **fields) -> grpc.RpcError:
 
 # ---- bounded per-request cost ------------------------------------------------------------------
 def test_token_lists_capped_and_bias_keys_canonical(stack):
-    from gpu_service.api.openai_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
+    from gpu_service.runtime.requests import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 
     base = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
     msg = _refused(stack, {**base, "stop_token_ids": list(range(500_000))}, "stop_token_ids")
@@ -229,7 +229,8 @@ def _victim_rate(st, neighbour_params, n_tokens=40) -> float:
 
 
 def test_noisy_neighbours_slow_another_stream_at_most_2x(stack):
-    from gpu_service.api.openai_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, sampling_fields
+    from gpu_service.api.openai_params import sampling_fields
+    from gpu_service.runtime.requests import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
     from gpu_service.runtime.sampling import SamplingParams
 
     V = stack.engine.cfg.vocab_size

@@ -1,25 +1,11 @@
 """Connection-level limits of the HTTP server (uvicorn + h11) and the gRPC server options.
 
-uvicorn has `limit_concurrency` (one global count, checked when a request's headers arrive, blind to
-the path: a flood of idle sockets turned /live into 503) and a keep-alive timeout, nothing for a
-request's headers or body or per client; h11 has no timers. So the protocol here adds, on the
-event loop's thread, with O(1) work per event:
-
-- a header deadline: a connection that has not sent a whole request head within
-  `header_timeout_s` (from connect, or from the end of the previous response) is closed;
-- a body deadline with a minimum rate (Apache mod_reqtimeout's rule): once the headers are in, the
-  body must arrive within `body_timeout_s` plus one second per `body_min_rate` bytes received;
-  else 408 (when no response has started) and the connection is closed;
-- a cap per client address (`max_connections_per_client`: over it, a fresh connection gets a
-  503 and is closed before anything is parsed);
-- a cap in total (`max_connections`): a new connection that would go into the probes' room first
-  evicts the oldest idle one (no request in progress for `EVICT_AFTER_S`: a slowloris or a parked
-  keep-alive); at the cap the oldest idle one of any age goes; with none idle it is closed at once;
-- room for the probes (`probe_connections`): with more than `max_connections -
-  probe_connections` connections holding a request, requests other than /live and /health are
-  answered 503 (`ProbeReserve`).
-
-The gRPC server gets the same care from grpc core's own options (`grpc_server_options`).
+uvicorn's `limit_concurrency` is one global, path-blind count (a flood of idle sockets turned /live
+into 503) and h11 has no timers. So the protocol here adds, on the event loop's thread with O(1)
+work per event: a header deadline, a body deadline with a minimum rate (then 408), a cap per client
+address and one in total (evicting the oldest idle connection first), and room kept for /live and
+/health (`ProbeReserve`). The gRPC server gets the same from grpc core's options
+(`grpc_server_options`). Flags and defaults: docs/reliability.md.
 """
 from __future__ import annotations
 
@@ -250,10 +236,8 @@ def limited_protocol(limits, table: ConnectionTable):
 
 
 def grpc_server_options(limits) -> list[tuple[str, int]]:
-    """grpc core options bounding what one client can hold on the Generate server (`limits`: a
-    ServerLimits): streams per connection, the handshake deadline, keepalive enforcement (pings more
-    often than the minimum are strikes; past the strikes: GOAWAY), idle connections closed. The
-    message size stays grpc's 4 MiB: the servicer refuses oversized fields itself, naming them."""
+    """grpc core options bounding what one client can hold on the Generate server (ServerLimits):
+    streams per connection, handshake deadline, keepalive enforcement, idle connections closed."""
     return [
         ("grpc.max_concurrent_streams", limits.grpc_max_streams_per_connection),
         ("grpc.server_handshake_timeout_ms", int(limits.header_timeout_s * 1000)),

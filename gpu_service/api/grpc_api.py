@@ -1,19 +1,11 @@
-"""gRPC front end of the GPU service: `moesplit.v1.GenerateService` over the engine (thin servicer).
+"""gRPC Generate API over the engine (moesplit.v1.GenerateService) and the standard grpc.health.v1.
 
-`Generate` streams one `GenerateResponse` per engine step that produced something for the
-request; the last carries `finish_reason` and `usage`. A client that cancels (or whose deadline
-passes) cancels the engine request, freeing its KV pages at the next step boundary. Bad requests
-fail with INVALID_ARGUMENT, a stopping server with UNAVAILABLE. Penalties, logit_bias,
-min_tokens, stop_token_ids, logprobs and a structured-output `constraint` (json_schema, json_object,
-regex, grammar, choice; compiled on the grammar engine's threads, a grammar it cannot compile is
-INVALID_ARGUMENT with its reason) mean what they mean in the HTTP API. The standard `grpc.health.v1`
-service is registered (service names "" and "moesplit.v1.GenerateService").
-
-With an API key, every RPC but the health service needs `authorization: Bearer <key>` metadata
-(UNAUTHENTICATED otherwise; the same constant-time check as HTTP, gpu_service.api.guard). With
-`tls=` (`--grpc-tls-cert/--grpc-tls-key`, optionally `--grpc-tls-ca` to require client
-certificates) the port is TLS. Limits as for HTTP: prompt characters before tokenizing, the
-engine's stop / max_tokens / queue caps (a full queue is RESOURCE_EXHAUSTED).
+`Generate` streams one `GenerateResponse` per engine step that produced something; the last carries
+`finish_reason` and `usage`. A cancelled RPC (or a passed deadline) cancels the engine request.
+Fields mean what they mean in the HTTP API; bad requests are INVALID_ARGUMENT, a full queue
+RESOURCE_EXHAUSTED, a stopping server UNAVAILABLE. With an API key every RPC but health needs
+`authorization: Bearer <key>` (gpu_service.api.guard); `tls=` serves TLS, optionally requiring
+client certificates.
 """
 from __future__ import annotations
 
@@ -28,8 +20,8 @@ from gpu_service.api.chat_request import ChatPlan, ChatSettings, chat_plan
 from gpu_service.api.errors import APIError, check_prompt_chars
 from gpu_service.api.guard import KeyCheck, UNAUTHORIZED
 from gpu_service.api.parsers.stream import merge_deltas
-from gpu_service.api.openai_params import check_token_lists
 from gpu_service.runtime.engine import Engine, EngineStopped, QueueFull, RequestError
+from gpu_service.runtime.requests import check_token_lists
 from gpu_service.runtime.logits import grammar_reason
 from gpu_service.runtime.grammar import GrammarError, GrammarSpec, InvalidSchema
 from gpu_service.runtime.sampling import SamplingParams
@@ -222,10 +214,8 @@ def create_server(engine: Engine, tokenizer=None, host: str = "127.0.0.1", port:
                   max_workers: int = 64, api_key: str | None = None, tls=None,
                   max_prompt_chars: int | None = None, chat_settings: ChatSettings | None = None,
                   options: list | None = None) -> tuple[grpc.Server, int]:
-    """Build and start the gRPC server; returns (server, bound port) so tests can pass port 0.
-    `api_key`: required as `authorization: Bearer` metadata; `tls`: `ApiTLS` (server certificate,
-    optional client CA); `options`: grpc core options (gpu_service.api.connections.grpc_server_options).
-    More than `max_workers` RPCs at once: RESOURCE_EXHAUSTED, not a queue."""
+    """Build and start the gRPC server; returns (server, bound port). More than `max_workers` RPCs at
+    once: RESOURCE_EXHAUSTED, not a queue."""
     interceptors = [AuthInterceptor(api_key)] if api_key is not None else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="moesplit-grpc"),
                          interceptors=interceptors, maximum_concurrent_rpcs=max_workers,

@@ -1,13 +1,10 @@
 """Limits and authentication in front of the APIs: checked before any work is done.
 
-- `ServerLimits`: body size (HTTP 413), prompt characters (checked before tokenizing), and the
-  connection-level limits that gpu_service.api.connections applies (header and body deadlines,
-  connections per client and in total, room for the probes, gRPC stream and keepalive limits).
-- `Guard`: a pure ASGI middleware (not Starlette's `BaseHTTPMiddleware`, which hides the
-  client's disconnect from the endpoint, so non-stream requests of clients that left were never
-  cancelled): the API key on /v1 and the body-size cap, both before the app reads anything.
-- `KeyCheck`: `Authorization: Bearer <key>` compared in constant time over sha256 digests, the
-  scheme case-insensitive; shared by HTTP and the gRPC interceptor (`grpc_api`).
+- `ServerLimits`: body size (413), prompt characters, and the connection limits that
+  gpu_service.api.connections applies;
+- `Guard`: pure ASGI middleware (a `BaseHTTPMiddleware` would hide client disconnects from the
+  endpoint): the API key on /v1 and the body-size cap, before the app reads anything;
+- `KeyCheck`: `Authorization: Bearer <key>` compared in constant time, shared with gRPC.
 """
 from __future__ import annotations
 
@@ -30,17 +27,9 @@ DEFAULT_GRPC_MAX_CONNECTION_IDLE_S = 300.0
 
 @dataclass
 class ServerLimits:
-    """What the HTTP / gRPC front ends refuse before doing work (CLI: --max-body-bytes ...; the
-    defaults are in docs/reliability.md). `max_prompt_chars` None: 16 characters per token the
-    engine can hold (`prompt_chars_for`); `max_connections_per_client` 0: no per-client cap.
-
-    HTTP connections (gpu_service.api.connections): a request's headers within `header_timeout_s`;
-    its body within `body_timeout_s` + 1 s per `body_min_rate` bytes received (else 408, closed); at
-    most `max_connections` open (past it the oldest idle one is closed for a newcomer) and
-    `max_connections_per_client` per client address; past `max_connections - probe_connections`
-    only /live and /health are served. gRPC: `grpc_max_streams_per_connection` concurrent streams
-    on one connection, client pings at most every `grpc_min_ping_interval_s` without data, idle
-    connections closed after `grpc_max_connection_idle_s`."""
+    """What the HTTP / gRPC front ends refuse before doing work; flags and defaults in
+    docs/reliability.md. `max_prompt_chars` None: 16 characters per token the engine can hold
+    (`prompt_chars_for`); `max_connections_per_client` 0: no per-client cap."""
 
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_prompt_chars: int | None = None
@@ -115,10 +104,8 @@ async def _respond(send, status: int, body: bytes, headers: list | None = None) 
 
 
 class Guard:
-    """Pure ASGI middleware: API key on /v1 paths, body-size cap on every request.
-
-    A declared Content-Length over the cap is answered 413 before a byte of the body is read; a
-    chunked body is counted as it arrives and the app's read fails with `BodyTooLarge` (413)."""
+    """Pure ASGI middleware: API key on /v1 paths, body-size cap on every request (413 before a
+    declared oversize body is read; a chunked one fails the app's read with `BodyTooLarge`)."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int):
         self.app = app

@@ -10,23 +10,8 @@
     GET  /live                  liveness: 200 while the engine's scheduler runs (shards not asked)
     GET  /metrics               Prometheus metrics (gpu_service.metrics), unauthenticated like /health
 
-`stream: true` answers with server-sent events ending in `data: [DONE]`; `stream_options:
-{"include_usage": true}` adds a last chunk with usage. Extensions: `top_k`, `ignore_eos`,
-`return_token_ids` (each choice / chunk also carries the generated `token_ids`), vLLM's
-`min_tokens`, `stop_token_ids`, `repetition_penalty`, `structured_outputs` / `guided_*`.
-Structured outputs (`response_format`, gpu_service.api.openai_params), logprobs (chat
-`logprobs`/`top_logprobs`, completions `logprobs` + `echo`), `n` choices (choice i seeded with
-seed + i), penalties and `logit_bias` are implemented; any other field is refused with 400 naming it.
-`cache_salt` (vLLM's: prefixes are shared only between requests of the same salt); usage reports
-`prompt_tokens_details.cached_tokens` (prompt tokens served by the prefix cache), as OpenAI does.
-Every error has OpenAI's shape `{"error": {"message", "type", "param", "code"}}`, including
-malformed JSON (400, not FastAPI's 422 shape) and a wrong API key (401). A client that goes away
-cancels its request: the engine frees its KV pages at the next step boundary.
-
-Limits before work (gpu_service.api.guard): a body over --max-body-bytes is 413 before it is read,
-a prompt over --max-prompt-chars is 400 before it is tokenized (tokenizing runs off the event
-loop), a full waiting queue is 429 with Retry-After, malformed JSON (too deep, integers too long)
-is 400; a 500 names no internal detail (the server log has it).
+Every error has OpenAI's shape `{"error": {"message", "type", "param", "code"}}`; the request
+fields, extensions and limits before work are described in docs/serving.md.
 
 The endpoints live in gpu_service.api.routes, one APIRouter per group; `create_app` adds the
 error handlers, the guard middleware and the routers.
@@ -50,55 +35,39 @@ from gpu_service.api.routes import chat, completions, health, models, tokenize
 from gpu_service.api.routes.context import ApiContext
 from gpu_service.api.routes.health import HealthFn
 from gpu_service.runtime.engine import Engine
+from gpu_service.runtime.requests import RequestError
 
 log = logging.getLogger("moesplit.http")
 
 
-def _error_response(e: APIError) -> JSONResponse:
-    """`e` in OpenAI's error shape, with its status and headers."""
+async def _error(request, e: Exception) -> JSONResponse:
+    """Every error in OpenAI's shape: an endpoint's refusal (APIError, or the engine's RequestError:
+    400), FastAPI's validation (400, not its 422 shape), Starlette's 404/405, a body over
+    --max-body-bytes (413, connection closed), anything else 500 naming no internal detail."""
+    if isinstance(e, RequestError):
+        e = APIError(400, str(e), param=e.param, code=e.code)
+    elif isinstance(e, RequestValidationError):
+        e = APIError(400, f"invalid request: {e.errors()}")
+    elif isinstance(e, StarletteHTTPException):
+        e = APIError(e.status_code, str(e.detail), "not_found_error" if e.status_code == 404 else "invalid_request_error")
+    elif isinstance(e, BodyTooLarge):
+        e = APIError(413, str(e), code="request_too_large", headers={"Connection": "close"})
+    elif not isinstance(e, APIError):
+        log.exception("unhandled error")  # the detail stays in the log: clients learn nothing internal
+        e = APIError(500, "internal error (the server log has the details)", "server_error")
     return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status, headers=e.headers)
-
-
-async def _api_error(request, e: APIError):
-    """An endpoint's refusal."""
-    return _error_response(e)
-
-
-async def _validation_error(request, e: RequestValidationError):
-    """FastAPI's own validation as a 400 in OpenAI's shape (not its 422 one)."""
-    return _error_response(APIError(400, f"invalid request: {e.errors()}"))
-
-
-async def _http_error(request, e: StarletteHTTPException):
-    """Starlette's errors (404 unknown path, 405 wrong method) in OpenAI's shape."""
-    type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-    return _error_response(APIError(e.status_code, str(e.detail), type_))
-
-
-async def _too_large(request, e: BodyTooLarge):
-    """A body over --max-body-bytes: 413, and the connection closed."""
-    return _error_response(APIError(413, str(e), code="request_too_large", headers={"Connection": "close"}))
-
-
-async def _internal(request, e: Exception):
-    """Anything else: 500 naming no internal detail."""
-    log.exception("unhandled error")  # the detail stays in the log: clients learn nothing internal
-    return _error_response(APIError(500, "internal error (the server log has the details)", "server_error"))
 
 
 def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None = None,
                health_fn: HealthFn | None = None, metrics=None, limits: ServerLimits | None = None,
                chat_settings: ChatSettings | None = None) -> FastAPI:
-    """The HTTP API over `engine`. `metrics`: a gpu_service.metrics.GpuMetrics served at GET /metrics
-    (no API key, like /health); `limits`: body / prompt sizes (gpu_service.api.guard.ServerLimits;
-    default: its defaults); `chat_settings`: the tool-call / reasoning parser choice (default: auto, by model)."""
+    """The HTTP API over `engine`; `metrics` (a GpuMetrics) is served at GET /metrics without the key."""
     chat_settings = chat_settings or ChatSettings()
     app = FastAPI(title="moesplit", docs_url=None, redoc_url=None)
     limits = limits or ServerLimits()
     ctx = ApiContext(engine, tokenizer, model_name, chat_settings, limits.prompt_chars_for(engine.max_request_tokens))
-    for exc, handler in ((APIError, _api_error), (RequestValidationError, _validation_error),
-                         (StarletteHTTPException, _http_error), (BodyTooLarge, _too_large), (Exception, _internal)):
-        app.add_exception_handler(exc, handler)
+    for exc in (APIError, RequestError, RequestValidationError, StarletteHTTPException, BodyTooLarge, Exception):
+        app.add_exception_handler(exc, _error)
     # auth + body cap: pure ASGI (a BaseHTTPMiddleware would hide client disconnects from `collect`)
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes)
     for r in (chat.router(ctx), completions.router(ctx), tokenize.router(ctx), models.router(ctx),

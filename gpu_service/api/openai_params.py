@@ -1,8 +1,8 @@
 """The OpenAI request surface: which fields each endpoint takes, sampling and grammar parsing, logprobs shapes.
 
 Nothing is silently ignored: a request field outside the endpoint's allow-list is refused with
-400 naming it (`check_fields`). Parsing raises `ParamError(message, param)`; the HTTP layer turns
-it into OpenAI's 400 error shape.
+400 naming it (`check_fields`). Parsing raises the engine's `RequestError(message, param)`; the HTTP
+layer turns it into OpenAI's 400 error shape.
 
 Structured outputs (one of, else 400):
   response_format  {"type": "text"} | {"type": "json_object"} |
@@ -22,10 +22,7 @@ from __future__ import annotations
 import json
 
 from gpu_service.runtime.grammar import GrammarError, GrammarSpec
-# The caps live in the runtime (the engine enforces them for direct callers too); re-exported here.
-from gpu_service.runtime.requests import MAX_LOGIT_BIAS, MAX_N, MAX_STOP_TOKEN_IDS, RequestError  # noqa: F401
-from gpu_service.runtime.requests import check_token_lists as _check_token_lists
-from gpu_service.runtime.sampling import SamplingParams
+from gpu_service.runtime.requests import check_token_lists, MAX_LOGIT_BIAS, MAX_N, RequestError
 
 _COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "n", "seed", "stop", "max_tokens",
            "presence_penalty", "frequency_penalty", "logit_bias", "user", "response_format",
@@ -40,18 +37,10 @@ COMPLETION_FIELDS = frozenset(_COMMON | {"prompt", "logprobs", "echo", "best_of"
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
-class ParamError(ValueError):
-    """A request field that is invalid or not implemented; `param` names it."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
 def check_fields(body: dict, allowed: frozenset, endpoint: str) -> None:
     unknown = sorted(k for k in body if k not in allowed)
     if unknown:
-        raise ParamError(f"{endpoint} does not support the field(s) {', '.join(map(repr, unknown))}; "
+        raise RequestError(f"{endpoint} does not support the field(s) {', '.join(map(repr, unknown))}; "
                          f"remove them (supported: {', '.join(sorted(allowed))})", unknown[0])
 
 
@@ -60,9 +49,9 @@ def _num(body, key, default, lo=None, hi=None):
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ParamError(f"'{key}' must be a number, got {v!r}", key)
+        raise RequestError(f"'{key}' must be a number, got {v!r}", key)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise ParamError(f"'{key}' must be in [{lo}, {hi}], got {v}", key)
+        raise RequestError(f"'{key}' must be in [{lo}, {hi}], got {v}", key)
     return float(v)
 
 
@@ -71,9 +60,9 @@ def _int(body, key, default, lo=None, hi=None):
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, int):
-        raise ParamError(f"'{key}' must be an integer, got {v!r}", key)
+        raise RequestError(f"'{key}' must be an integer, got {v!r}", key)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise ParamError(f"'{key}' must be in [{lo}, {hi}], got {v}", key)
+        raise RequestError(f"'{key}' must be in [{lo}, {hi}], got {v}", key)
     return v
 
 
@@ -82,7 +71,7 @@ def choices_n(body: dict) -> int:
     n = _int(body, "n", 1, 1, MAX_N)
     best_of = _int(body, "best_of", None)
     if best_of is not None and best_of != n:
-        raise ParamError(f"best_of={best_of} is not supported (only best_of == n); use n and rank client-side",
+        raise RequestError(f"best_of={best_of} is not supported (only best_of == n); use n and rank client-side",
                          "best_of")
     return n
 
@@ -93,10 +82,10 @@ def logprobs_k(body: dict, chat: bool) -> int | None:
     if chat:
         on = body.get("logprobs")
         if on is not None and not isinstance(on, bool):
-            raise ParamError(f"'logprobs' must be a boolean, got {on!r}", "logprobs")
+            raise RequestError(f"'logprobs' must be a boolean, got {on!r}", "logprobs")
         top = _int(body, "top_logprobs", None, 0, 20)
         if top is not None and not on:
-            raise ParamError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+            raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
         return (top or 0) if on else None
     return _int(body, "logprobs", None, 0, 20)
 
@@ -108,44 +97,34 @@ def _bias_id(k, vocab_size: int) -> int:
     elif isinstance(k, str) and k.isascii() and k.isdigit() and (k == "0" or k[0] != "0"):
         t = int(k)
     else:
-        raise ParamError(f"logit_bias key {k!r} is not a token id: write ids as plain decimal strings, "
+        raise RequestError(f"logit_bias key {k!r} is not a token id: write ids as plain decimal strings, "
                          f"e.g. \"5\" (no sign, spaces or leading zeros)", "logit_bias")
     if not 0 <= t < vocab_size:
-        raise ParamError(f"logit_bias token id {t} out of range [0, {vocab_size})", "logit_bias")
+        raise RequestError(f"logit_bias token id {t} out of range [0, {vocab_size})", "logit_bias")
     return t
-
-
-def check_token_lists(stop_ids, bias_pairs) -> None:
-    """ParamError unless `stop_token_ids` and the (id, bias) pairs are within the per-request
-    caps, with each biased id given once (shared by the HTTP and gRPC APIs; the engine checks the
-    same, gpu_service.runtime.requests.check_token_lists)."""
-    try:
-        _check_token_lists(stop_ids, bias_pairs)
-    except RequestError as e:
-        raise ParamError(str(e), e.param) from None
 
 
 def sampling_fields(body: dict, vocab_size: int) -> dict:
     """The SamplingParams fields beyond temperature / top_p / top_k / seed, validated."""
     bias = body.get("logit_bias") or {}
     if not isinstance(bias, dict):
-        raise ParamError("'logit_bias' must be an object {token id: bias}", "logit_bias")
+        raise RequestError("'logit_bias' must be an object {token id: bias}", "logit_bias")
     if len(bias) > MAX_LOGIT_BIAS:  # before any per-key work
-        raise ParamError(f"'logit_bias' has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are accepted",
+        raise RequestError(f"'logit_bias' has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are accepted",
                          "logit_bias")
     pairs = []
     for k, v in bias.items():
         t = _bias_id(k, vocab_size)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
-            raise ParamError(f"logit_bias[{k}] must be a number in [-100, 100], got {v!r}", "logit_bias")
+            raise RequestError(f"logit_bias[{k}] must be a number in [-100, 100], got {v!r}", "logit_bias")
         pairs.append((t, float(v)))
     stop_ids = body.get("stop_token_ids") or []
     if not (isinstance(stop_ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids)):
-        raise ParamError("'stop_token_ids' must be an array of token ids", "stop_token_ids")
+        raise RequestError("'stop_token_ids' must be an array of token ids", "stop_token_ids")
     check_token_lists(stop_ids, pairs)
     bad = next((t for t in stop_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise ParamError(f"stop_token_ids: token id {bad} out of range [0, {vocab_size})", "stop_token_ids")
+        raise RequestError(f"stop_token_ids: token id {bad} out of range [0, {vocab_size})", "stop_token_ids")
     return dict(presence_penalty=_num(body, "presence_penalty", 0.0, -2, 2),
                 frequency_penalty=_num(body, "frequency_penalty", 0.0, -2, 2),
                 repetition_penalty=_num(body, "repetition_penalty", 1.0, 0.01, 2),
@@ -153,26 +132,19 @@ def sampling_fields(body: dict, vocab_size: int) -> dict:
                 stop_token_ids=tuple(stop_ids))
 
 
-def with_seed(p: SamplingParams, seed: int | None) -> SamplingParams:
-    """Choice i of n: the same params with seed + i."""
-    import dataclasses
-
-    return dataclasses.replace(p, seed=seed)
-
-
 def _schema_arg(v, param: str):
     if isinstance(v, str):
         try:
             v = json.loads(v)
         except (json.JSONDecodeError, RecursionError) as e:
-            raise ParamError(f"'{param}' is not valid JSON: {e}", param) from None
+            raise RequestError(f"'{param}' is not valid JSON: {e}", param) from None
     if not isinstance(v, (dict, bool)):
-        raise ParamError(f"'{param}' must be a JSON schema object", param)
+        raise RequestError(f"'{param}' must be a JSON schema object", param)
     return v
 
 
 def grammar_spec(body: dict) -> tuple[GrammarSpec | None, str | None]:
-    """(GrammarSpec or None, the field it came from). ParamError on a malformed or invalid one."""
+    """(GrammarSpec or None, the field it came from). RequestError on a malformed or invalid one."""
     given = [k for k in ("response_format", "structured_outputs") + GUIDED if body.get(k) is not None]
     rf = body.get("response_format")
     if rf is not None and isinstance(rf, dict) and rf.get("type") == "text" and len(rf) == 1:
@@ -180,7 +152,7 @@ def grammar_spec(body: dict) -> tuple[GrammarSpec | None, str | None]:
     if not given:
         return None, None
     if len(given) > 1:
-        raise ParamError(f"give one of {', '.join(given)}, not several", given[1])
+        raise RequestError(f"give one of {', '.join(given)}, not several", given[1])
     key = given[0]
     v = body[key]
     try:
@@ -188,13 +160,13 @@ def grammar_spec(body: dict) -> tuple[GrammarSpec | None, str | None]:
             return _response_format(v), key
         if key == "structured_outputs":
             if not isinstance(v, dict):
-                raise ParamError("'structured_outputs' must be an object", key)
+                raise RequestError("'structured_outputs' must be an object", key)
             kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if v.get(k) not in (None, False)]
             extra = sorted(set(v) - {"json", "regex", "choice", "grammar", "json_object"})
             if extra:
-                raise ParamError(f"structured_outputs does not support {', '.join(extra)}", key)
+                raise RequestError(f"structured_outputs does not support {', '.join(extra)}", key)
             if len(kinds) != 1:
-                raise ParamError("structured_outputs needs exactly one of json, regex, choice, grammar, json_object",
+                raise RequestError("structured_outputs needs exactly one of json, regex, choice, grammar, json_object",
                                  key)
             k = kinds[0]
             v = {"json_object": True}.get(k, v[k]) if k == "json_object" else v[k]
@@ -208,35 +180,35 @@ def grammar_spec(body: dict) -> tuple[GrammarSpec | None, str | None]:
         if k == "guided_json":
             return GrammarSpec.json_schema(_schema_arg(v, key)), key
         if not (isinstance(v, str) or k == "guided_choice"):
-            raise ParamError(f"'{key}' must be a string", key)
+            raise RequestError(f"'{key}' must be a string", key)
         if k == "guided_regex":
             return GrammarSpec.regex(v), key
         if k == "guided_grammar":
             return GrammarSpec.grammar(v), key
         return GrammarSpec.choice(v), key
     except GrammarError as e:
-        raise ParamError(f"{key}: {e}", key) from None
+        raise RequestError(f"{key}: {e}", key) from None
 
 
 def _response_format(rf) -> GrammarSpec:
     if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
-        raise ParamError("'response_format' must be an object with a 'type'", "response_format")
+        raise RequestError("'response_format' must be an object with a 'type'", "response_format")
     t = rf["type"]
     if t == "json_object":
         return GrammarSpec.json_object()
     if t != "json_schema":
-        raise ParamError(f"response_format type {t!r} is not supported: text, json_object or json_schema",
+        raise RequestError(f"response_format type {t!r} is not supported: text, json_object or json_schema",
                          "response_format")
     js = rf.get("json_schema")
     if not isinstance(js, dict):
-        raise ParamError("response_format.json_schema must be an object {name, schema, strict}", "response_format")
+        raise RequestError("response_format.json_schema must be an object {name, schema, strict}", "response_format")
     extra = sorted(set(js) - {"name", "schema", "strict", "description"})
     if extra:
-        raise ParamError(f"response_format.json_schema does not support {', '.join(extra)}", "response_format")
+        raise RequestError(f"response_format.json_schema does not support {', '.join(extra)}", "response_format")
     if "name" in js and not isinstance(js["name"], str):
-        raise ParamError("response_format.json_schema.name must be a string", "response_format")
+        raise RequestError("response_format.json_schema.name must be a string", "response_format")
     if js.get("strict") is not None and not isinstance(js["strict"], bool):
-        raise ParamError("response_format.json_schema.strict must be a boolean", "response_format")
+        raise RequestError("response_format.json_schema.strict must be a boolean", "response_format")
     return GrammarSpec.json_schema(_schema_arg(js.get("schema", {}), "response_format"))
 
 

@@ -1,15 +1,9 @@
 """Kimi-K2's tokenizer: `tiktoken.model` + `tokenizer_config.json` through the `tiktoken` library.
 
-- `tiktoken.model`: one line per token, `base64(token bytes) SPACE rank`, ranks 0..n-1;
-- `KIMI_PATTERN`: the pre-tokenization regex (eight alternatives, in this order: Han runs; a word
-  with an optional leading non-letter/digit, upper-ish letters `*` then lower-ish letters `+`, an
-  optional English contraction; the same with `+`/`*` swapped; 1-3 digits; an optional space and
-  punctuation then CR/LF; spaces then CR/LF; spaces not followed by a non-space; spaces);
-- `NUM_SPECIAL_SLOTS` (256) special tokens follow the ranks (ids n..n+255), named from
-  `added_tokens_decoder`; an unnamed slot is `<|reserved_token_{id}|>`.
-
-Special-token strings in text are parsed as special (`allowed_special="all"`). A slot whose
-`added_tokens_decoder` entry says `"special": false` (Kimi's five tool-call tokens) survives
+`tiktoken.model` has one `base64(token bytes) SPACE rank` line per token; `KIMI_PATTERN` is Kimi's
+pre-tokenization regex; `NUM_SPECIAL_SLOTS` (256) special tokens follow the ranks, named from
+`added_tokens_decoder` (an unnamed slot is `<|reserved_token_{id}|>`). Special-token strings in
+text are parsed as special; a slot marked `"special": false` (Kimi's tool-call tokens) survives
 `decode(skip_special_tokens=True)`.
 """
 from __future__ import annotations

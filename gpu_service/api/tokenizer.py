@@ -1,20 +1,11 @@
-"""Text <-> token ids with the checkpoint's own tokenizer, and its chat format.
+"""Tokenizers of the checkpoint directory: `tokenizer.json` (DeepSeek, `HFTokenizer`) or
+`tiktoken.model` (Kimi-K2, `gpu_service.api.tiktoken_tokenizer.TiktokenTokenizer`).
 
-Two backends, chosen from the files present in the checkpoint directory:
-
-- `tokenizer.json` (DeepSeek V3 / R1 / V3.1 / V3.2): the `tokenizers` library (`HFTokenizer`);
-- `tiktoken.model` (Kimi-K2 / K2-Thinking): the `tiktoken` library (`TiktokenTokenizer`, in
-  `gpu_service.api.tiktoken_tokenizer`): the rank file, Kimi's pre-tokenization pattern and the
-  256 special-token slots after the ranks, named by `added_tokens_decoder`.
-
-Both parse special-token strings in text as special tokens, and `decode(skip_special_tokens=True)`
-drops special tokens except the ones the output parsers need (`keep_special`: `<think>`, tool-call
-markers), so reasoning and tool calls survive into the text the parsers read. Partial multi-byte
-characters decode to U+FFFD, which the engine's incremental detokenizer waits out.
-
+Both parse special-token strings in text as special tokens; `decode(skip_special_tokens=True)`
+keeps the ones the output parsers need (`keep_special`: `<think>`, tool-call markers). Partial
+multi-byte characters decode to U+FFFD, which the engine's incremental detokenizer waits out.
 `load_tokenizer(model_dir)` (alias `Tokenizer`) also attaches the chat format
-(`gpu_service.api.chat_formats`): `apply_chat_template(messages, tools=..., **kwargs)` and
-`encode_chat` render through it. No transformers import at run time.
+(`gpu_service.api.chat_formats`). No transformers import at run time.
 """
 from __future__ import annotations
 
@@ -56,9 +47,8 @@ class HFTokenizer(BaseTokenizer):
 
 
 def load_tokenizer(model_dir: str, chat_template: str | None = None) -> BaseTokenizer:
-    """The checkpoint's tokenizer, from the files present (tokenizer.json first, then
-    tiktoken.model), with its chat format attached; `chat_template` (a file) overrides the
-    checkpoint's. TokenizerError naming the files looked for when there is neither."""
+    """The checkpoint's tokenizer (tokenizer.json, else tiktoken.model) with its chat format attached
+    (`chat_template`: a file overriding it); TokenizerError naming the files when there is neither."""
     config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
     if os.path.exists(os.path.join(model_dir, "tokenizer.json")):
         tok: BaseTokenizer = HFTokenizer(model_dir, config)

@@ -1,23 +1,13 @@
 """Attention backends: MLA over the paged KV pool, chosen once at start-up.
 
-A backend has four parts, all over a step's metadata (`meta.StepMeta`, built once per step and
-device from the chunks' page lists):
+A backend works over a step's metadata (`meta.StepMeta`): `plan_step(meta, pool, device)` once
+per step; `decode(mla, q, kv, meta, keep, out=None)` the absorbed decode queries [B, nh, r + rope]
+-> o_lat [B, nh, r]; `prefill(mla, q_nope, q_pe, cache, start, keep, wkv)` one chunk -> [n, nh * v];
+`select_decode(indexer, q, w, ik, meta)` V3.2's top-k keys per decode query.
 
-    plan_step(meta, pool, device)               what the backend plans once per step
-    decode(mla, q, kv, meta, keep, out=None)    one absorbed query per decode sequence of `mla`'s
-                                                 layer (q = q_nope W_UK ++ q_pe, [B, nh, r + rope])
-                                                 -> o_lat [B, nh, r]
-    prefill(mla, q_nope, q_pe, cache, start, keep, wkv)
-                                                 one chunk of n > 1 queries over its history,
-                                                 K/V expanded per key block -> [n, nh * v]
-    select_decode(indexer, q, w, ik, meta)       DeepSeek-V3.2: each decode query's top-k keys
-
-`TorchBackend` (torch_paged.py) runs everywhere (CPU and CUDA); `FlashInferBackend`
-(flashinfer_mla.py) takes the decode part on CUDA where `flashinfer` imports and the MLA dims
-are the ones its kernels are built for. `select_backend(device, cfg, name)` picks one per device,
-the first time a step runs there; MOESPLIT_ATTENTION=torch (or `DeepseekV3.attention_backend =
-"torch"`) forces the torch backend, "flashinfer" requires FlashInfer (a ValueError naming the fix
-where it cannot run).
+`TorchBackend` runs on CPU and CUDA; `FlashInferBackend` takes the decode part on CUDA where
+`flashinfer` imports and fits the MLA dims. MOESPLIT_ATTENTION=torch (or
+`DeepseekV3.attention_backend = "torch"`) forces the torch backend; "flashinfer" requires it.
 """
 from __future__ import annotations
 

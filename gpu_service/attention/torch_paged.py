@@ -30,10 +30,9 @@ class TorchBackend:
 
     def decode(self, mla, q: torch.Tensor, kv: torch.Tensor, meta: StepMeta, keep: torch.Tensor | None,
                out: torch.Tensor | None = None) -> torch.Tensor:
-        """q [B, nh, r + rope] (absorbed query ++ q_pe) of `mla`'s layer against the step's padded
-        slots -> o_lat [B, nh, r] (into `out` when given). At most max(pool slots + B * MIN_KEYS, Smax) keys are
-        gathered at once (row groups otherwise: the plan's decode workspace); a row's result does
-        not depend on its group."""
+        """q [B, nh, r + rope] against the step's padded slots -> o_lat [B, nh, r] (into `out` when given);
+        in row groups when the batch's keys would exceed pool slots + B * MIN_KEYS (the plan's decode
+        workspace); a row's result does not depend on its group."""
         B, Smax, r = q.shape[0], meta.key_slots.shape[1], mla.r
         scaling, ninf = mla.consts.scaling, mla.consts.ninf  # 0-d tensors: cheaper than Python scalars
         per = max(1, (kv.shape[0] + B * MIN_KEYS) // Smax)
@@ -58,14 +57,10 @@ class TorchBackend:
 
     def prefill(self, mla, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, start: int,
                 keep: torch.Tensor | None, wkv: torch.Tensor) -> torch.Tensor:
-        """One chunk of `mla`'s layer: q_nope [n, nh, nope], q_pe [n, nh, rope] at positions start..,
-        cache [S, r + rope] (its history, new tokens included), keep [n, S] (V3.2 selection) or None
-        (causal), wkv the dequantised kv_b_proj [nh * (nope + v), r] -> [n, nh * v], key blocks of
-        `mla.key_block` keys.
-
-        Kept at its peak (the plan's `attn` workspace term, gpu_service/plan/bytes.py): one
-        [nh, n, b] score block in fp32 plus, for a 16-bit compute dtype, its compute-dtype twin for
-        one op; one expanded K/V block [b, nh, nope + v]; the fp32 accumulator [nh, n, v]."""
+        """One chunk: q_nope [n, nh, nope], q_pe [n, nh, rope] at positions start.., cache [S, r + rope],
+        keep [n, S] (V3.2) or None (causal), wkv [nh * (nope + v), r] -> [n, nh * v], `mla.key_block` keys
+        at a time (at its peak one fp32 score block, one expanded K/V block, the fp32 accumulator: the
+        plan's `attn` term)."""
         nh, nope, vdim, r, scaling, key_block = mla.nh, mla.nope, mla.vdim, mla.r, mla.scaling, mla.key_block
         n, S, dt, dev = q_nope.shape[0], cache.shape[0], q_nope.dtype, cache.device
         c_kv, k_pe = cache[:, :r], cache[:, r:]
@@ -102,9 +97,8 @@ class TorchBackend:
 
     def select_decode(self, indexer, q: torch.Tensor, w: torch.Tensor, ik: torch.Tensor,
                       meta: StepMeta) -> torch.Tensor | None:
-        """V3.2 selection for the decode queries from the indexer's roped queries q [B, nh, hd] and
-        head weights w [B, nh]: keep [B, Smax] bool (valid AND among the top-`index_topk`), or None
-        when every sequence has at most index_topk keys (dense). Row groups as in `decode`."""
+        """V3.2: keep [B, Smax] (valid AND top-`index_topk`) from the indexer's queries q [B, nh, hd] and
+        head weights w [B, nh]; None when no sequence has more than index_topk keys."""
         if max(meta.lengths) <= indexer.topk:
             return None
         B, Smax = meta.key_slots.shape

@@ -10,7 +10,8 @@ import time
 
 import torch
 
-from gpu_service.model.placement import add_plan_arguments, placement_from_args
+from gpu_service.local.stack import add_local_shard_arguments
+from gpu_service.model.placement import add_device_arguments, add_plan_arguments, placement_from_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -20,27 +21,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-ids", help="comma-separated prompt token ids, e.g. 1,2,3")
     p.add_argument("--chat", action="store_true", help="wrap --prompt in the checkpoint's chat template")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--shards", type=int, default=2, help="number of local expert shard processes")
-    p.add_argument("--split", choices=["experts", "intermediate"], default="experts",
-                   help="shard by expert subsets or by intermediate slices of every expert")
-    p.add_argument("--replicas", type=int, default=1, help="processes per local shard (failover replicas)")
+    add_local_shard_arguments(p)
     p.add_argument("--shard-addresses", default=None,
                    help="comma-separated host:port of running shards (skips starting local ones)")
-    p.add_argument("--backend", default="auto", help="shard compute backend: auto|numpy|kernel")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--device", default=None, help="cuda|cpu (default: cuda when available)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    add_device_arguments(p)
     p.add_argument("--kv-tokens", type=int, default=None, help="KV cache tokens (default: prompt + new tokens)")
     add_plan_arguments(p)
     from gpu_service.experts.client import add_expert_client_arguments  # --expert-timeout, --tls-*
 
     add_expert_client_arguments(p)
-    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                   help="run decode steps eagerly (default on CUDA: decode segments replayed as CUDA graphs)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 

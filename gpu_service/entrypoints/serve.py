@@ -8,19 +8,14 @@ import os
 import secrets
 import sys
 
+from gpu_service.local.stack import add_local_shard_arguments
 from gpu_service.entrypoints.serving import (add_serving_arguments, check_serving_args, plan_or_exit, run_stack,
                                              setup_logging)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_serving_arguments(p)
-    p.add_argument("--shards", type=int, default=2, help="number of local expert shard processes")
-    p.add_argument("--split", choices=["experts", "intermediate"], default="experts",
-                   help="shard by expert subsets or by intermediate slices of every expert")
-    p.add_argument("--backend", default="auto",
-                   help="shard compute backend: auto (the Cython kernels when built) | kernels | numpy")
-    p.add_argument("--replicas", type=int, default=1,
-                   help="processes per shard (replicas with the same experts: load spread and failover)")
+    add_local_shard_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     # with --tls-*, the local shards serve mutual TLS with the same files (SANs must cover 127.0.0.1)
     tls_args = [a for f in ("cert", "key", "ca") for a in (f"--tls-{f}", getattr(args, f"tls_{f}"))] \
         if args.tls_cert else []
-    placement = plan_or_exit(args, "moesplit serve")  # before any shard or weight is loaded
+    placement = plan_or_exit(args)  # before any shard or weight is loaded
     if not (os.environ.get("MOESPLIT_SHARD_TOKEN") or os.environ.get("MOESPLIT_SHARD_TOKEN_FILE")):
         os.environ["MOESPLIT_SHARD_TOKEN"] = secrets.token_hex(16)  # the local shards take calls from us only
     try:

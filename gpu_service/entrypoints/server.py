@@ -23,4 +23,4 @@ def run(args: argparse.Namespace) -> int:
     if err:
         print(f"moesplit gpu-server: {err}", file=sys.stderr)
         return 2
-    return run_stack(args, "moesplit gpu-server", addresses, [], plan_or_exit(args, "moesplit gpu-server"))
+    return run_stack(args, "moesplit gpu-server", addresses, [], plan_or_exit(args))

@@ -19,7 +19,7 @@ from typing import Callable
 import grpc
 
 from gpu_service.runtime.engine import Engine
-from gpu_service.model.placement import add_plan_arguments, placement_from_args
+from gpu_service.model.placement import add_device_arguments, add_plan_arguments, placement_from_args
 from gpu_service.experts.client import add_expert_client_arguments, expert_client_tls
 from gpu_service.api.grpc_api import ApiTLS, create_server as create_grpc_server
 from gpu_service.api import guard as G
@@ -63,14 +63,9 @@ def add_serving_arguments(p: argparse.ArgumentParser) -> None:
                         "plan leaves free with --host-ram, else a quarter of MemAvailable (at most 64 GiB); "
                         "0 or a CPU pool: none")
     p.add_argument("--max-batch", type=int, default=32, help="most requests running at once (default 32)")
-    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                   help="run decode steps eagerly (default on CUDA: each layer's decode segments replayed as "
-                        "CUDA graphs per batch-size bucket)")
     p.add_argument("--chunk-tokens", type=int, default=512,
                    help="token budget of one step (decodes + prefill chunks)")
-    p.add_argument("--device", default=None, help="cuda|cpu (default: cuda when available)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    add_device_arguments(p)
     add_expert_client_arguments(p)
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template to use instead of the checkpoint's (or the built-in V3.2 format)")
@@ -120,7 +115,7 @@ def server_limits(args: argparse.Namespace) -> ServerLimits:
         grpc_min_ping_interval_s=args.grpc_min_ping_interval, grpc_max_connection_idle_s=args.grpc_max_connection_idle)
 
 
-def plan_or_exit(args: argparse.Namespace, prog: str):
+def plan_or_exit(args: argparse.Namespace):
     """The memory plan, made before anything is loaded; None on a CPU-only machine without
     --gpu. A plan that cannot fit exits here with the table and the options that would fit."""
     import torch
@@ -167,9 +162,8 @@ def check_serving_args(args: argparse.Namespace) -> str | None:
 
 
 def shard_health_fn(addresses: list[str], timeout_s: float = 1.0, tls=None) -> Callable[[], tuple[bool, dict]]:
-    """A health check asking every shard's grpc.health.v1 service; keeps one channel per shard.
-    (The serving stack uses `ExpertsClient.health`, which knows replicas: one SERVING replica per
-    shard group is enough.) `tls`: TLSFiles for shards that require mutual TLS."""
+    """A health check asking every shard's grpc.health.v1 (one channel each; the serving stack uses the
+    replica-aware `ExpertsClient.health`)."""
     from wire.channel import make_channel
 
     from gpu_service.experts.health import check_parallel
@@ -187,10 +181,8 @@ def build_runner(model_dir: str, addresses: list[str], device=None, dtype=None, 
                  page_size: int = 64, expert_timeout: float = 5.0, tls=None, tls_server_name: str | None = None,
                  placement=None, chat_template: str | None = None, prefix_cache: bool = True,
                  host_kv_cache: str | int = 0, cuda_graphs: bool = True):
-    """Connect to the shards (fingerprint + coverage checked) and load the GPU side (its tensors
-    verified first). Returns (runner, experts_client, tokenizer or None); `chat_template`: a Jinja file
-    overriding the checkpoint's chat format; `host_kv_cache`: bytes / "64GiB" / "auto" (`host_kv_bytes`)
-    of the prefix cache's host tier."""
+    """Connect to the shards (fingerprint + coverage checked) and load the GPU side; returns (runner,
+    experts_client, tokenizer or None)."""
     import torch
 
     from checkpoint.reader import CheckpointReader
@@ -295,11 +287,7 @@ class ServingStack:
             self.http.stop()
         if self.grpc_server is not None:
             self.grpc_server.stop(grace=2.0).wait()
-        for close in reversed(self.closers):
-            try:
-                close()
-            except Exception:  # noqa: BLE001 - keep closing the rest
-                log.exception("error while shutting down")
+        close_all(self.closers)
 
     def __enter__(self) -> "ServingStack":
         return self
@@ -308,13 +296,21 @@ class ServingStack:
         self.stop()
 
 
+def close_all(closers: list[Callable[[], None]]) -> None:
+    """Run `closers` last first; one that raises is logged and the rest still run."""
+    for close in reversed(closers):
+        try:
+            close()
+        except Exception:  # noqa: BLE001 - keep closing the rest
+            log.exception("error while shutting down")
+
+
 WATCHDOG_S = 0.5  # how often serve_until_signal checks that the engine's scheduler thread still runs
 
 
 def serve_until_signal(stack: ServingStack, prog: str) -> int:
-    """Print where we serve, block until SIGINT/SIGTERM (then 0) or until the engine's scheduler
-    thread is gone (the watchdog: /live is 503 by then; stop and return 1, so the process exits
-    non-zero and Kubernetes restarts it instead of keeping a server that answers nothing)."""
+    """Block until SIGINT/SIGTERM (then 0) or until the engine's scheduler thread is gone (then stop
+    and return 1, so Kubernetes restarts the process)."""
     stop = threading.Event()
     rc = 0
 
@@ -372,11 +368,7 @@ def run_stack(args: argparse.Namespace, prog: str, addresses: list[str], closers
         stack.start()  # on failure it stops itself, running the closers
     except BaseException as e:
         if stack is None:
-            for close in reversed(closers):
-                try:
-                    close()
-                except Exception:  # noqa: BLE001
-                    log.exception("error while shutting down")
+            close_all(closers)
         from checkpoint.reader import CheckpointError
         from gpu_service.experts.errors import ExpertsClientError
 

@@ -3,13 +3,10 @@
     with start_shards(model_dir, n=2, split="experts") as shards:
         client = ExpertsClient(shards.addresses, cfg).connect()
 
-Each shard is `python -m cpu_expert_service.server` on 127.0.0.1, port 0, with a port file;
-`start_shards` returns once every shard is serving (or raises with the dead child's stderr).
-Expert split: contiguous even ranges of expert ids; intermediate split: `--slice i/n`.
-`replicas=R` starts R processes per shard; addresses are replica set 0 of every shard, then
-replica set 1, ... (the Helm chart's order). `kill(i)` / `restart(i)` (same port) are for tests.
-`auth_token`: the shards require it on every call (MOESPLIT_SHARD_TOKEN in their environment; the
-GPU side sends it when the same variable is set in its own, see wire.channel).
+Each shard is `python -m cpu_expert_service.server` on 127.0.0.1, port 0 (a port file); returns
+once every shard serves, else raises with the dead child's stderr. `replicas=R`: R processes per
+shard, addresses replica set by replica set (the Helm chart's order). `kill(i)` / `restart(i)`
+are for tests; `auth_token` is set as MOESPLIT_SHARD_TOKEN in the shards' environment.
 """
 from __future__ import annotations
 
@@ -124,6 +121,17 @@ def _wait_ports(procs, port_files, logs, what, timeout_s: float) -> list[int]:
     return ports
 
 
+def add_local_shard_arguments(p) -> None:
+    """The local shard processes of `moesplit serve` / `generate`: how many, split, backend, replicas."""
+    p.add_argument("--shards", type=int, default=2, help="number of local expert shard processes")
+    p.add_argument("--split", choices=["experts", "intermediate"], default="experts",
+                   help="shard by expert subsets or by intermediate slices of every expert")
+    p.add_argument("--backend", default="auto",
+                   help="shard compute backend: auto (the Cython kernels when built) | kernels | numpy")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="processes per shard (replicas with the same experts: load spread and failover)")
+
+
 def start_shards(
     model_dir: str,
     n: int,
@@ -136,9 +144,8 @@ def start_shards(
     packed: str | None = None,
     auth_token: str | None = None,
 ) -> LocalShards:
-    """Launch n shards (x `replicas` processes each) splitting the model's routed experts; wait
-    until all serve. With `packed` (a `moesplit convert` output of this model, with n shards),
-    shard i serves `--packed DIR --shard-index i` and `split` is the conversion's."""
+    """Launch n shards (x `replicas`) splitting the routed experts and wait until all serve; with
+    `packed` (a `moesplit convert` output), shard i serves `--packed DIR --shard-index i`."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     if metrics_ports is not None and len(metrics_ports) != n * replicas:

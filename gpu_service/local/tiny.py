@@ -293,39 +293,21 @@ def _write_shards(out_dir: str, stored: dict, n_layers: int) -> list[str]:
 
 def write_tokenizer(out_dir: str, vocab_size: int) -> None:
     """Byte-level BPE trained on built-in text, DeepSeek special tokens, simplified chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import processors
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
+    from gpu_service.local.tiny_tokenizers import byte_level_bpe, fast_tokenizer_config
+
     size = min(vocab_size, 512)
     if size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size {vocab_size} is too small for a byte-level tokenizer (need >= 260)")
-    trainer = trainers.BpeTrainer(
-        vocab_size=size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([TOKENIZER_TEXT] * 4, trainer=trainer)
+    tok = byte_level_bpe(TOKENIZER_TEXT, size, SPECIAL_TOKENS)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 0)]
     )
     assert tok.token_to_id(BOS) == 0 and tok.token_to_id(EOS) == 1, "special token ids moved"
     assert tok.get_vocab_size() <= vocab_size
     tok.save(os.path.join(out_dir, "tokenizer.json"))
-    tc = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS,
-        "eos_token": EOS,
-        "pad_token": EOS,
-        "add_bos_token": True,
-        "add_eos_token": False,
-        "model_max_length": 1024,
-        "clean_up_tokenization_spaces": False,
-        "legacy": True,
-        "chat_template": CHAT_TEMPLATE,
-    }
+    tc = {**fast_tokenizer_config(BOS, EOS), "chat_template": CHAT_TEMPLATE}
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(tc, f, indent=2, ensure_ascii=False)
     with open(os.path.join(out_dir, "special_tokens_map.json"), "w") as f:
@@ -334,11 +316,8 @@ def write_tokenizer(out_dir: str, vocab_size: int) -> None:
 
 def make_tiny(out_dir: str, fmt: str = "bf16", seed: int = 0, overrides: dict | None = None,
               arch: str = "deepseek_v3", tokenizer: str | None = None) -> str:
-    """Write a tiny random checkpoint to out_dir (created if needed); returns out_dir.
-
-    `tokenizer`: None for the simple built-in one, else a real model's file format
-    (gpu_service.local.tiny_tokenizers.KINDS: kimi-k2, kimi-k2-thinking, deepseek-v3, deepseek-r1,
-    deepseek-v32), which sets the vocab and the bos/eos ids of config.json."""
+    """Write a tiny random checkpoint to out_dir (created if needed); returns out_dir. `tokenizer`:
+    None for the simple built-in one, else one of gpu_service.local.tiny_tokenizers.KINDS."""
     from gpu_service.local import tiny_tokenizers
 
     if tokenizer is not None:
@@ -383,8 +362,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", dest="config", default=None,
                    help="JSON file of config.json overrides, e.g. {\"num_hidden_layers\": 4}")
     p.add_argument("--arch", choices=tuple(ARCHS), default="deepseek_v3", help="model architecture")
-    p.add_argument("--tokenizer", default=None, choices=("kimi-k2", "kimi-k2-thinking", "deepseek-v3", "deepseek-r1",
-                                                         "deepseek-v32"),
+    from gpu_service.local.tiny_tokenizers import KINDS
+
+    p.add_argument("--tokenizer", default=None, choices=KINDS,
                    help="write a tokenizer in this model's real file format and chat format (default: a simple "
                         "tokenizer.json); deepseek-v32 goes with --arch deepseek_v32")
 

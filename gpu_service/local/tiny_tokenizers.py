@@ -102,24 +102,35 @@ def write_kimi(out_dir: str, thinking: bool, text: str) -> dict:
     return {"vocab_size": n + 256, "bos_token_id": n, "eos_token_id": n + 1}
 
 
-def write_deepseek(out_dir: str, kind: str, text: str, special_tokens: list[str]) -> dict:
-    """special_tokens: BOS, EOS, then the rest (ids 0, 1, ...), as gpu_service.local.tiny names them."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    BOS, EOS = special_tokens[0], special_tokens[1]
+def byte_level_bpe(text: str, vocab_size: int, special_tokens: list[str]):
+    """A `tokenizers` byte-level BPE trained on `text`, the special tokens first (ids 0, 1, ...)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=DEEPSEEK_VOCAB - len(DEEPSEEK_ADDED), special_tokens=special_tokens,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([text] * 4, trainer=trainer)
+    return tok
+
+
+def fast_tokenizer_config(bos: str, eos: str) -> dict:
+    """tokenizer_config.json of a PreTrainedTokenizerFast with these BOS / EOS strings."""
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos, "pad_token": eos,
+            "add_bos_token": True, "add_eos_token": False, "model_max_length": 1024,
+            "clean_up_tokenization_spaces": False, "legacy": True}
+
+
+def write_deepseek(out_dir: str, kind: str, text: str, special_tokens: list[str]) -> dict:
+    """special_tokens: BOS, EOS, then the rest (ids 0, 1, ...), as gpu_service.local.tiny names them."""
+    from tokenizers import AddedToken
+
+    tok = byte_level_bpe(text, DEEPSEEK_VOCAB - len(DEEPSEEK_ADDED), special_tokens)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in DEEPSEEK_ADDED])
     assert tok.get_vocab_size() <= DEEPSEEK_VOCAB
     tok.save(os.path.join(out_dir, "tokenizer.json"))
-    tc = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS, "pad_token": EOS,
-          "add_bos_token": True, "add_eos_token": False, "model_max_length": 1024,
-          "clean_up_tokenization_spaces": False, "legacy": True}
+    tc = fast_tokenizer_config(special_tokens[0], special_tokens[1])
     if kind != "deepseek-v32":
         tc["chat_template"] = T.DEEPSEEK_R1 if kind == "deepseek-r1" else T.DEEPSEEK_V3
     _write_json(os.path.join(out_dir, "tokenizer_config.json"), tc)

@@ -1,17 +1,10 @@
-"""A tiny DeepSeek-V3 checkpoint that has been briefly *trained* (dev/test tool).
+"""`train_tiny`: the tiny checkpoint of `make_tiny`, trained a few hundred AdamW steps on real text.
 
-`make_tiny` writes random-init weights: their next-token logits are nearly flat (top1 - top2 gaps
-of ~0.2), so any weight-only quantisation flips many greedy tokens on near-ties, which says little
-about trained models. `train_tiny` writes the same model (same config, same seeded init, same
-on-disk format: it calls `make_tiny`, then overwrites the safetensors with the trained weights via
-`tiny._to_checkpoint_tensors` / `_encode` / `_write_shards`), after a few hundred AdamW steps of
-next-token training on real text tokenised by the checkpoint's own tokenizer, so its logits have
-the larger margins of a trained model (median top1 - top2 gap ~2 on greedy continuations).
-
-The default corpus is Python's language-reference topics (`corpus_text`), fixed for a given
-interpreter, so the checkpoint does not change when files of this repository do; batches are
-seeded crops of it, each starting with BOS, so a prompt that starts with BOS is in distribution.
-With the defaults (500 steps, 1 thread) training takes ~25 s and the loss falls from ~6.7 to ~1.1.
+Random-init weights give nearly flat logits (top1 - top2 gaps ~0.2), so a weight-only quantisation
+flips greedy tokens on near-ties; trained, the gaps are ~2 as in a real model. Same config, init
+and on-disk format as `make_tiny` (its tensors are overwritten). The corpus is Python's
+language-reference topics (`corpus_text`), fixed for an interpreter; batches are seeded crops
+starting with BOS. Defaults: 500 steps, ~25 s, loss ~6.7 -> ~1.1.
 
 This module imports torch and transformers; the runtime never does.
 """
@@ -29,10 +22,8 @@ CORPUS_CHARS = 20000
 
 
 def corpus_text(chars: int = CORPUS_CHARS) -> str:
-    """The default training text: the first `chars` characters of Python's own language-reference
-    topics (`pydoc_data.topics`, shipped with the interpreter), in sorted topic order. English prose
-    with grammar snippets, large enough (~14k tokens) that the tiny model does not memorise it in a
-    few hundred steps, and unaffected by edits to this repository."""
+    """The default training text: the first `chars` characters of Python's language-reference topics
+    (`pydoc_data.topics`), in sorted order: ~14k tokens, unaffected by edits to this repository."""
     import pydoc_data.topics
 
     topics = pydoc_data.topics.topics
@@ -88,11 +79,8 @@ def train_model(model, ids: list[int], steps: int = 500, seed: int = 0, lr: floa
 def train_tiny(out_dir: str, fmt: str = "bf16", seed: int = 7, overrides: dict | None = None,
                arch: str = "deepseek_v3", steps: int = 500, train_seed: int = 0, threads: int | None = 1,
                text: str | None = None, log_every: int = 0, **train_kw) -> dict:
-    """Write a tiny checkpoint (exactly as `make_tiny(out_dir, fmt, seed, overrides, arch)`), then
-    train its model for `steps` steps on `text` (default `corpus_text()`) and overwrite the weights
-    with the trained ones (in `fmt`, as make_tiny encodes them).
-
-    Returns {"dir", "losses", "seconds"}."""
+    """`make_tiny(out_dir, fmt, seed, overrides, arch)`, then `steps` training steps on `text` and the
+    weights overwritten (in `fmt`); returns {"dir", "losses", "seconds"}."""
     out_dir = tiny.make_tiny(out_dir, fmt=fmt, seed=seed, overrides=overrides, arch=arch)
     cfg = tiny.tiny_config(arch, fmt, overrides)
     model = tiny.build_hf_model(cfg, seed)  # the very model make_tiny wrote

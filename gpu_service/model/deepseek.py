@@ -43,9 +43,8 @@ from gpu_service.model.step import make_step, Step
 
 
 class MoE(nn.Module):
-    """Router + shared experts; routed experts on the shards, except the optional GPU-resident
-    hot experts (`experts`, named like the checkpoint: mlp.experts.{e}.*), which are computed
-    here and sent to the shards with weight 0 so that the shards skip them."""
+    """Router + shared experts; routed experts on the shards, except the optional hot experts
+    (`experts`), computed here and sent to the shards with weight 0 so that they skip them."""
 
     def __init__(self, cfg: ModelConfig, layer: int, hot: list[int] = ()):
         super().__init__()
@@ -158,15 +157,6 @@ class Block(nn.Module):
         return st.run(i, "post", self.post, x1, pad_rows(routed, st.Tp), shared)[0]
 
 
-def _run(gen):
-    """Run a `steps` generator to completion; returns its value."""
-    try:
-        while True:
-            next(gen)
-    except StopIteration as e:
-        return e.value
-
-
 def _round_robin(gens: list) -> list:
     """Advance generators in turn until all finish: while one micro-batch's experts are on the
     shards, the next micro-batch computes its attention (ping-pong). Returns their values."""
@@ -257,9 +247,8 @@ class DeepseekV3(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, chunks: list[Chunk], pool: KVPool, experts: ExpertsFn,
                 all_logits: bool = False, graphs=None) -> torch.Tensor:
-        """input_ids: [T] (chunks concatenated). Returns logits [len(chunks), V] of each chunk's
-        last token (or [T, V] with all_logits). Writes the chunks' KV and advances seq.length.
-        graphs: the runner's CUDA-graph sets (gpu_service.runtime.cuda_graphs.Graphs) or None."""
+        """input_ids [T] (chunks concatenated) -> logits [len(chunks), V] of each chunk's last token
+        ([T, V] with all_logits); writes the chunks' KV. graphs: the runner's cuda_graphs.Graphs or None."""
         emb_dev = self.model.embed_tokens.weight.device
         x = self.model.embed_tokens(input_ids.to(emb_dev))  # [T, H]
         all_decode = all(c.n == 1 for c in chunks)
@@ -271,7 +260,8 @@ class DeepseekV3(nn.Module):
         bounds = torch.tensor([0] + [sum(c.n for c in g) for g in groups]).cumsum(0).tolist()
         gens = [self._layers(x[a:b], positions[a:b], g, pool, experts, graphs, slot)
                 for slot, (g, a, b) in enumerate(zip(groups, bounds[:-1], bounds[1:]))]
-        x = torch.cat(_round_robin(gens)) if len(gens) > 1 else _run(gens[0])
+        outs = _round_robin(gens)
+        x = torch.cat(outs) if len(outs) > 1 else outs[0]
         for c in chunks:
             c.seq.length = max(c.seq.length, c.start + c.n)
         x = x.to(self.lm_head.weight.device)
@@ -283,27 +273,20 @@ class DeepseekV3(nn.Module):
         return self.lm_head(self.model.norm.norm(x))[:n].float()
 
 
-def checkpoint_name(param_name: str) -> str:
-    """Our parameter names are the checkpoint's names, so the load table is the identity."""
-    return param_name
-
-
 def build_model(cfg: ModelConfig, get: Callable[[str], "object"], dtype: torch.dtype,
                 device_of: Callable[[str], torch.device],
                 linear_format: Callable[[str], str | None] = lambda name: None,
                 get_stored: Callable[[str], "object"] | None = None,
                 hot_experts: dict[int, list[int]] | None = None) -> tuple[DeepseekV3, set[str]]:
-    """Build the model on the meta device and fill every parameter from `get(name) -> float32
-    ndarray`, placing each on `device_of(param_name)`. Nothing is allocated twice and nothing is
-    left random: a missing tensor raises through `get`. Router weights stay float32 (as in the
-    reference). `linear_format(weight_name)` may return "fp8"/"int8" to hold that linear
-    weight-only quantised; an FP8 checkpoint's own e4m3 arrays are kept without re-quantising
-    (through `get_stored`). Returns the model and the set of checkpoint names loaded."""
+    """Build the model on the meta device and fill every parameter from `get(name) -> float32 ndarray`
+    on `device_of(name)` (a missing tensor raises through `get`; routers stay float32).
+    `linear_format(name)` may hold a linear quantised; an FP8 / INT4 checkpoint's own arrays
+    (`get_stored`) are kept as stored. Returns the model and the checkpoint names loaded."""
     with torch.device("meta"):
         model = DeepseekV3(cfg, hot_experts)
     loaded: set[str] = set()
     for name, p in list(model.named_parameters()):
-        src = checkpoint_name(name)
+        src = name  # our parameter names are the checkpoint's
         if src == "lm_head.weight" and cfg.tie_word_embeddings:
             src = "model.embed_tokens.weight"
         mod_name, _, attr = name.rpartition(".")

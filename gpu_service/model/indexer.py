@@ -1,22 +1,15 @@
-"""DeepSeek-V3.2 lightning indexer (DeepSeek Sparse Attention, DSA).
+"""DeepSeek-V3.2's lightning indexer: which cached positions each query attends to.
 
-Each MLA layer of a V3.2 model carries an `Indexer`: from the compressed query q_resid
-(= q_a_layernorm(q_a_proj(x))) and the layer input x it scores every cached token s for every
-query t,
+From the compressed query q_resid and the layer input x it scores every cached token s for query t,
 
     I[t, s] = sum_j  w[t, j] * ReLU(softmax_scale * q[t, j] . k[s])
     w[t, :] = weights_proj(x[t]) * n_heads^-0.5,   softmax_scale = index_head_dim^-0.5,
 
-and MLA then attends only to the causal top-`index_topk` positions of I[t, :]. Index keys k[s]
-(one single-head vector of index_head_dim per token, = k_norm(wk(x)) with RoPE on its first
-qk_rope_head_dim dims) are cached per layer beside the MLA cache (`KVPool.index_k`).
-
-This follows transformers' `DeepseekV32Indexer` (the equality reference), which differs from
-DeepSeek's own inference code in three precision-only ways: no Hadamard rotation of q and k (it is
-orthogonal, so q.k is unchanged up to rounding), no FP8 (e4m3, 128-blocks) quantisation of q or of
-the cached index keys (scores are computed in float32 from model-dtype q/k), and weights_proj kept
-in float32. The RoPE here is the half-split (non-interleaved) layout, unlike MLA's interleaved
-pairs, as in the fixed (2025-11-17) official code; it uses the same YaRN cos/sin as MLA.
+and MLA attends only to the causal top-`index_topk` positions of I[t, :]. The index keys
+k = k_norm(wk(x)), roped on their first qk_rope_head_dim dims (half-split layout), are cached per
+layer (`KVPool.index_k`). This follows transformers' `DeepseekV32Indexer` (the equality reference),
+which differs from DeepSeek's inference code in precision only: no Hadamard rotation, no FP8 of q
+or of the cached keys (scores in float32), weights_proj in float32.
 """
 from __future__ import annotations
 
@@ -70,10 +63,8 @@ class Indexer(nn.Module):
         return q, w
 
     def select(self, q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tensor, start: int) -> torch.Tensor | None:
-        """Which cached positions each query may attend to, from the roped index queries q [n, nh, hd]
-        and head weights w [n, nh] (`query`) of queries at positions start..start+n-1; index_keys
-        [S, index_head_dim] of positions 0..S-1 (S = start + n). Returns keep [n, S] bool (causal AND
-        among the top-`index_topk` index scores), or None when index_topk >= S (dense attention)."""
+        """keep [n, S] bool (causal AND top-`index_topk`) for queries at start..start+n-1 from q [n, nh, hd],
+        w [n, nh] and index_keys [S, hd]; None when index_topk >= S (dense)."""
         n, S, dev = q.shape[0], index_keys.shape[0], q.device
         if self.topk >= S:
             return None

@@ -16,10 +16,8 @@ from checkpoint.config import ModelConfig
 
 
 class KVPool:
-    """Paged pool for MLA's compressed cache: per layer [pages * page_size, kv_lora_rank + rope].
-
-    A sequence owns a list of pages; token position p lives in slot page[p // S] * S + p % S.
-    """
+    """Paged pool for MLA's compressed cache: per layer [pages * page_size, kv_lora_rank + rope];
+    position p of a sequence lives in slot page[p // S] * S + p % S."""
 
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
                  layer_devices: list[torch.device]):

@@ -87,9 +87,8 @@ class MLA(nn.Module):
         return w3[:, : self.nope], w3[:, self.nope:].transpose(1, 2)  # [nh, nope, r], [nh, r, v]
 
     def wkv(self, static: bool = False):
-        """(W_UK, W_UV^T) in the compute dtype (a quantised kv_b_proj dequantised per step; with
-        `static` into one buffer per device and dtype shared by all layers, which a layer reads only
-        between its project and mid pieces, so CUDA graphs read it in place)."""
+        """(W_UK, W_UV^T) in the compute dtype; with `static`, in one buffer per device and dtype shared by
+        all layers, which CUDA graphs read in place."""
         if self.wkv_fixed is not None:
             return self.wkv_fixed
         w = weight_of(self.kv_b_proj, self.dtype)
@@ -102,10 +101,8 @@ class MLA(nn.Module):
         return self._views(w)
 
     def project(self, xn: torch.Tensor, cs: torch.Tensor, w_uk: torch.Tensor | None) -> tuple:
-        """xn [Tp, H] (normalised), cs the step's RoPE table -> qcat, new cache rows [Tp, r + rope]
-        (V3.2, then: the indexer's roped queries [Tp, nh_i, hd_i] f32, head weights [Tp, nh_i] and
-        new index keys [Tp, hd_i]). qcat is q_nope W_UK ++ q_pe [Tp, nh, r + rope] with `w_uk`
-        (all-decode), else q_nope ++ q_pe [Tp, nh, nope + rope]."""
+        """xn [Tp, H], cs the RoPE table -> qcat, new cache rows [Tp, r + rope] (+ V3.2's indexer queries,
+        head weights, new index keys); qcat is q_nope W_UK ++ q_pe with `w_uk`, else q_nope ++ q_pe."""
         T = xn.shape[0]
         if self.a is not None:
             a = self.a(xn)  # [Tp, q_a (or q) + r + rope]

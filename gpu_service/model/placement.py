@@ -120,9 +120,8 @@ def allocated_bytes_by_gpu(model: torch.nn.Module, placement: Placement, pool=No
 
 
 def plan_devices(plan, device: torch.device | None = None) -> list[torch.device]:
-    """The CUDA devices that run the plan's GPUs: cuda:N, cuda:N+1, ... from an explicit
-    `--device cuda:N` (N = 0 otherwise). The device count is checked first, so a plan for more
-    GPUs than are visible is refused with the plan's message, never a raw "invalid device ordinal"."""
+    """cuda:N, cuda:N+1, ... for the plan's GPUs (N from `--device cuda:N`); PlanDoesNotFit when fewer
+    are visible, never a raw "invalid device ordinal"."""
     first = device.index if device is not None and device.type == "cuda" and device.index is not None else 0
     n = torch.cuda.device_count()
     want = len(plan.gpus)
@@ -135,10 +134,8 @@ def plan_devices(plan, device: torch.device | None = None) -> list[torch.device]
 
 
 def preflight(plan, plan_kwargs: dict | None = None, devices: list[torch.device] | None = None) -> None:
-    """Before allocating: each planned GPU's used bytes, less the CUDA context (mem_get_info's free
-    figure already excludes this process's context; the fragmentation allowance stays), must be
-    free right now on the device that will run it. The device count is checked before any device
-    is queried. Raises PlanDoesNotFit with the table, the missing GiB and re-planned options."""
+    """Before allocating: each planned GPU's bytes (less the CUDA context) must be free now on its
+    device; else PlanDoesNotFit with the table, the missing GiB and re-planned options."""
     if not torch.cuda.is_available():
         return
     from gpu_service import plan as P
@@ -167,6 +164,16 @@ def preflight(plan, plan_kwargs: dict | None = None, devices: list[torch.device]
 
 
 # ---- command-line wiring (generate / serve / gpu-server) ------------------------------------------
+def add_device_arguments(p) -> None:
+    """--device, --dtype and --no-cuda-graphs (the serving commands and generate)."""
+    p.add_argument("--device", default=None, help="cuda|cpu (default: cuda when available)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="run decode steps eagerly (default on CUDA: each layer's decode segments replayed as "
+                        "CUDA graphs per batch-size bucket)")
+
+
 def add_plan_arguments(p) -> None:
     """The memory-plan options of the serving commands (see `moesplit plan`)."""
     p.add_argument("--gpu", action="append", default=None, metavar="SIZE",

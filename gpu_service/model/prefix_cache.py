@@ -1,27 +1,18 @@
 """Prefix sharing over the paged KV pool: full pages keyed by their token content from the start.
 
-Structure: a block-hash chain. A full page's key is sha256(parent key || its S token ids), the
-root key is sha256(salt), so a key names the whole prefix up to the end of its page (and the
-tenant's `cache_salt`). A lookup is one dict probe per page walking from the root; nodes keep
-parent links and children so eviction can drop a subtree. Why not a radix tree: the pool's unit
-is the page (a partial page cannot be shared without copy-on-write), so a radix tree would only
-add token-level splits we cannot use; content keys also do not depend on pointers, so the same
-prefix maps to the same key in any process (a later shared host tier can reuse them).
+A block-hash chain: a full page's key is sha256(parent key || its S token ids), the root key
+sha256(salt), so a key names the whole prefix (and the tenant's `cache_salt`); a lookup is one dict
+probe per page. Not a radix tree: the pool's unit is the page, and content keys are the same in
+any process (a shared host tier can reuse them).
 
-Ownership. A node holds one copy of its page: on the GPU (`page`, a pool page) or on the host
-tier (`slot`, gpu_service.model.host_kv). Sequences hold references on the nodes of their
-leading full pages (`SeqKV.nodes`); a node with references is on the GPU and so are all its
-ancestors (a sequence references a whole chain). Unreferenced GPU nodes stay cached (counted in
-`KVPool.pages_in_use`) and are evicted least recently used only when the pool needs pages:
-moved to the host tier when there is one, else dropped. Host nodes are LRU too; dropping a node
-drops its descendants (unreachable without it). A referenced page is never evicted or written:
-a sequence writes positions >= its length only, and a lookup matches at most
-(prompt - 1) // S pages, so the last prompt token is always recomputed (its logits) into a page
-of the sequence's own.
-
-Duplicates: two sequences that prefill the same prefix at once both compute it; the second to
-fill a page finds the key taken and references the existing node while keeping its own copy
-private (freed with the sequence), so its numerics never change mid-request.
+A node holds one copy of its page, on the GPU (`page`) or on the host tier (`slot`,
+gpu_service.model.host_kv). Sequences reference the nodes of their leading full pages
+(`SeqKV.nodes`), so a referenced node and its ancestors are on the GPU and never evicted or
+written. Unreferenced GPU nodes stay cached and are evicted LRU only when the pool needs pages
+(moved to the host tier if any, else dropped; dropping a node drops its descendants). A lookup
+matches at most (prompt - 1) // S pages: the last prompt token is always recomputed. Two
+sequences prefilling the same prefix at once both compute it; the second references the existing
+node and keeps its own copy private, so its numerics never change mid-request.
 """
 from __future__ import annotations
 
@@ -66,10 +57,8 @@ def root_key(salt: str | None) -> bytes:
 
 
 class PrefixCache:
-    """Reference-counted, LRU-evicted cache of full KV pages (see the module docstring).
-
-    Attaches itself to `pool` (`pool.cache`), so `SeqKV.reserve` evicts through it and
-    `SeqKV.free` returns shared pages to it. `host`: an optional `HostKVTier`."""
+    """Reference-counted, LRU-evicted cache of full KV pages; attaches itself as `pool.cache`, so
+    `SeqKV.reserve` evicts through it and `SeqKV.free` returns shared pages to it."""
 
     def __init__(self, pool, host=None):
         self.pool, self.host, self.S = pool, host, pool.page_size
@@ -102,9 +91,8 @@ class PrefixCache:
 
     # ---- lookup -----------------------------------------------------------------------------
     def attach(self, seq, tokens: list[int], salt: str | None = None) -> tuple[int, int]:
-        """Give an empty `seq` the longest cached prefix of `tokens` (at most (len - 1) // S pages):
-        GPU pages referenced, host pages copied back into fresh pool pages (one copy per run), as
-        many as the pool can take. Sets `seq.length`. Returns (pages from the GPU, from the host)."""
+        """Give an empty `seq` the longest cached prefix of `tokens` (host pages copied back as far as the
+        pool allows); sets `seq.length`; returns (pages from the GPU, pages from the host)."""
         if seq.pages or seq.length:
             raise RuntimeError("PrefixCache.attach needs an empty sequence: free it first")
         S = self.S

@@ -1,13 +1,10 @@
-"""Weight-only quantised linears for the GPU service: FP8 (e4m3, 128x128 block scales, as in
-DeepSeek's checkpoints), INT8 (per-output-channel scales) and INT4 (compressed-tensors groups).
-Weights stay quantised in memory, halving attention/shared-expert bytes vs BF16. `forward`
-dequantises one block of QLINEAR_ROWS weight rows at a time, straight to the compute dtype with
-broadcast scale views, into one reused scratch buffer per device and dtype, and multiplies it
-into its slice of the output: a call keeps its output and that buffer, never a full-size fp32
-weight (the plan's `workspace` counts the buffer: `gpu_service.plan.bytes.qlinear_scratch_bytes`).
+"""Weight-only quantised linears: FP8 (e4m3, 128x128 block scales, as in DeepSeek's checkpoints),
+INT8 (per-output-channel scales) and INT4 (compressed-tensors groups).
 
-No fused weight-only GEMM is used: torchao / Marlin-class kernels are not installable on the
-machines this runs on (no package index), so the blockwise path is the one on CUDA and CPU.
+Weights stay quantised in memory. `forward` dequantises QLINEAR_ROWS weight rows at a time into one
+reused scratch buffer per device and dtype and multiplies it into its slice of the output, never a
+full-size weight (the plan counts the buffer: `gpu_service.plan.bytes.qlinear_scratch_bytes`). No
+fused weight-only GEMM: torchao / Marlin-class kernels are not installable where this runs.
 """
 from __future__ import annotations
 
@@ -20,9 +17,8 @@ from gpu_service.plan.bytes import QLINEAR_ROWS  # weight rows dequantised at on
 
 
 class _Scratch:
-    """One reused buffer per (device, compute dtype) into which quantised linears dequantise one
-    row block at a time; it grows to the largest block asked for (the plan counts exactly that:
-    `gpu_service.plan.bytes.qlinear_scratch_bytes`) and is never freed while the process runs."""
+    """One reused buffer per (device, compute dtype) that quantised linears dequantise into; it grows
+    to the largest block asked for and is never freed."""
 
     def __init__(self):
         self._bufs: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
@@ -63,9 +59,7 @@ def _scale_blocks_(w: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> 
 
 
 class _Blockwise(nn.Module):
-    """Shared forward of the weight-only linears: y[:, r0:r1] = x @ W[r0:r1].T with W[r0:r1]
-    dequantised straight to the compute dtype into the reused scratch buffer, so a call keeps at
-    most QLINEAR_ROWS x in_features of weight beside its output (no full fp32 rebuild)."""
+    """Shared forward: y[:, r0:r1] = x @ W[r0:r1].T, W[r0:r1] dequantised into the scratch buffer."""
 
     out_features: int
     in_features: int

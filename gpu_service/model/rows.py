@@ -1,12 +1,9 @@
 """Row padding that makes a token's result independent of what it is batched with.
 
-A CPU GEMM computes its rows in blocks whose size depends on the ISA (four rows with AVX2 MKL,
-eight to sixteen with AVX-512), and a row in a partial block takes another summation order; so
-the same token alone and in a batch would differ in the last bits. Padding every matrix product's
-rows to a multiple of the block makes each row's arithmetic the same whatever the batch. The block
-is measured once per process on this CPU (`row_block`): the smallest of 4, 8, 16, 32 for which
-every row of a padded product equals that row padded alone, over the shapes given. On CUDA it is
-1 (cuBLAS picks kernels by batch size anyway; CUDA graphs pad to their buckets).
+A CPU GEMM computes rows in ISA-dependent blocks and a partial block sums in another order, so
+every product's rows are padded to a multiple of the block, measured once per process
+(`row_block`: the smallest of 4, 8, 16, 32 for which each row of a padded product equals it padded
+alone). On CUDA it is 1 (CUDA graphs pad to their buckets).
 """
 from __future__ import annotations
 

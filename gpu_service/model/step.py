@@ -1,11 +1,9 @@
 """What one micro-batch's pass through the layers needs on one device, built once per step.
 
-`Step` holds the attention metadata (the backend's `StepMeta`), the real and padded row counts
-(rows padded to the CPU's GEMM row block, or to the CUDA-graph bucket), the RoPE table of the
-step's positions and, for an all-decode step the runner captures, the CUDA-graph set. Layer code
-runs its pieces through `Step.run(layer, name, fn, *args)`: eagerly, or as a replay of the
-piece's graph when the runner gave the step a graph set (gpu_service.runtime.cuda_graphs); the
-expert hand-off and the attention core always run eager between the pieces.
+`Step` holds the attention metadata (`StepMeta`), the real and padded row counts, the RoPE table
+of the step's positions and, for a captured all-decode step, the CUDA-graph set. Layer code runs
+its pieces through `Step.run(layer, name, fn, *args)`: eagerly, or as a replay of the piece's
+graph (gpu_service.runtime.cuda_graphs).
 """
 from __future__ import annotations
 

@@ -1,77 +1,8 @@
 """The memory plan's byte model: what every item costs, from config.json alone (nothing is allocated).
 
-Nothing is allocated. `make_plan` places every non-routed weight, the KV cache, the activation
-workspace and optional GPU-resident hot experts on the GPUs given, places the routed experts on
-CPU shards, and — for each option left at "auto" — searches for a configuration that fits.
-The GPU service executes the plan; `param_bytes_by_module` lets it compare "planned vs allocated"
-per module and device.
-
-Byte model (every number below is a module constant or a formula in this file)
--------------------------------------------------------------------------------
-Weights, per linear [out, in] of n = out*in parameters:
-    bf16  2n
-    fp8   n + 4 * ceil(out/128) * ceil(in/128)        e4m3 + f32 scale per 128x128 block
-    int8  n + 4 * out                                 per-output-channel f32 scale
-    int4  n/2 + 2 * out * ceil(in/32)                 packed int32 + bf16 scale per group of 32
-  "checkpoint" = as stored: fp8 for DeepSeek/Kimi-K2 FP8 checkpoints, bf16 for the non-expert
-  linears of Kimi-K2-Thinking (its INT4 `ignore` list), bf16 for BF16 checkpoints.
-  Quantisable on the GPU: attention (q_a/q_b or q_proj, kv_a, kv_b, o_proj), V3.2 indexer wq_b/wk,
-  shared experts and dense MLP. Always bf16: embeddings, lm_head, norms (q_a/kv_a norms are
-  counted in "attention"), the V3.2 indexer weights_proj and k_norm. Routers: f32 weight and f32
-  e_score_correction_bias (the model keeps router weights in f32).
-KV cache, bf16, per token per layer: MLA c_kv + k_pe = kv_lora_rank + qk_rope_head_dim values
-  (576 for every target model); V3.2 adds its indexer key, index_head_dim values ("index_keys").
-  `kv_tokens` is the pool size shared by all running sequences; every layer holds all of it.
-Workspace of one GPU: what the forward pass keeps alive at once beyond weights and KV, for the
-  widest layer it runs (T = chunk_tokens, Kb = min(kv_tokens, T) the prefill key block the model
-  uses, e = bytes of the compute dtype, kv = kv_tokens; tests/test_peak_memory.py measures it):
-    act    = e * T * (3*H + max(A, 3*M))   residual/normed/output rows, plus the widest of
-             A = q_lora + kv_lora + rope + heads*(qk_head_dim + rope + v_head_dim) (attention: q,
-             its rotated rope part, the new cache rows, the output) and M = widest MLP on this
-             GPU (dense intermediate, shared-expert or hot-expert width)
-    common = (e*(kv_lora + rope) + 8) * kv  the sequence's cache gathered from the pool + slots
-             + e*heads*(qk_nope + v_head_dim)*kv_lora  when kv_b_proj is quantised (dequantised
-             once per step, shared by every chunk and key block)
-             + e*index_head_dim*kv  (V3.2: the gathered index keys)
-    attn   = (4 + e')*T*heads*Kb + T*Kb + e*Kb*heads*(qk_nope + v_head_dim) + (4 + e)*T*heads*v_head_dim
-             one fp32 score block (e' = e for a 16-bit compute dtype: its compute-dtype twin lives
-             for one op; 0 for fp32), the causal mask block, the expanded K/V of the block, the fp32
-             accumulator and one p@v result; softmax in place, blocks dropped each iteration.
-             V3.2 adds T*kv for the selection mask. Decode uses the absorbed path (less).
-    index  = 4*min(T*ih*kv, max(2^26, ih*kv)) + 7*T*kv + 12*T*index_topk + 2*e*T*ih*index_head_dim
-             + 4*T*ih   (V3.2 only, ih = index heads): one fp32 score block (at most 2^26 elements),
-             the fp32 index and its masks, top-k, the indexer queries; it runs before attention,
-             so the workspace takes max(attn, index)
-    moe    = 4*T*H + 12*T*top_k                 fp32 sum of shard partials, routing ids/weights
-    logits = 2 * 4 * max_batch * vocab          fp32 logits + sampling probs (GPU with lm_head;
-             only each sequence's last position is projected)
-    scratch = max over this GPU's quantised linears of qlinear_scratch_bytes: the one reused buffer
-             a weight-only linear dequantises min(1024, out) rows into (QLINEAR_ROWS)
-    decode = e*(kv_lora + rope)*K + (2e + 8 + e')*heads*K + 9*B*K + e*B*(4H + max(A', 3M) + heads*kv_lora)
-             + 16*B*rope   the batched decode attention at B = max_batch rows over K = kv + B*MIN_KEYS
-             padded keys (gpu_service.attention's torch backend: the gather, the scores, their fp32 copy and softmax; the
-             step's padded slots and mask; when the padded batch would exceed K keys it is attended
-             in row groups of at most K keys), plus the decode pieces' rows and step buffers
-             (A' = q_lora + kv_lora + rope + heads*(qk_head_dim + 2*rope + kv_lora)). A decode step
-             runs after the step's prefill chunks have dropped theirs: max(common + attn, decode)
-    graphs = 2 * sum(buckets) * (e*(heads*(2*kv_lora + rope) + kv_lora + rope + 6H) + 12*top_k + 8*rope
-             + e*(A' + 3M + 2H) + 8*E) [+ e*heads*(qk_nope + v_head_dim)*kv_lora, a quantised kv_b_proj]
-             CUDA-graph pools (cuda_graphs, the default; on a GPU with layers): per micro-batch slot
-             and batch-size bucket (1, 2, 4, ..., 32 and powers of 2 to max_batch) one layer's static
-             segment inputs/outputs (shared by the layers) plus one set of temporaries (the pool)
-  workspace = act + max(common + max(attn, index), decode) + moe + logits + scratch + graphs
-Compute dtype (`dtype`, default bfloat16): unquantised weights ("bf16" above), norms, embeddings,
-  lm_head, GPU hot experts in "bf16" and the KV cache are held in it: e bytes per element where
-  the formulas say 2; `moesplit plan --dtype float32` plans fp32 (4 B).
-Reserve of one GPU: CUDA context 512 MiB (context, cuBLAS handles, kernel images; the user report
-  shows ~350 MiB outside PyTorch) + allocator fragmentation max(256 MiB, 3% of capacity).
-  `--gpu 24GiB` is taken as the card's total; a card that reports less (an RTX 3090 shows
-  "total capacity of 23.56 GiB") should be given its reported total for an exact plan.
-CPU shard (one per NUMA node; intermediate-slice split: shard i holds rows/cols i/n of every
-  expert's intermediate dimension): weights in the expert format (formula above, per slice)
-  + buffers 4*(2*T*H + T*top_k*(H + 3*I_slice)) + 1 GiB process baseline.
-Host RAM = all shards + GPU service host side (4 GiB + embeddings when they live on the CPU)
-  + 8 GiB for the OS; checked against --host-ram when given.
+`gpu_service.plan.search.make_plan` places the items and searches the auto options;
+`param_bytes_by_module` lets the GPU service compare "planned vs allocated" per module and device.
+Every number is a module constant or a formula here; docs/plan.md ("Byte model") writes them out.
 """
 from __future__ import annotations
 
@@ -144,9 +75,7 @@ def fmt_gib(n: int | float) -> str:
 
 # ----------------------------------------------------------------------------- weight bytes
 def linear_bytes(out: int, inp: int, fmt: str, fp8_block: tuple[int, int] = FP8_BLOCK, eb: int = 2) -> int:
-    """Bytes of one linear weight [out, inp] stored in `fmt` (see the module docstring); an FP8
-    checkpoint kept as stored has its own scale blocks (quantization_config.weight_block_size).
-    "bf16" is the unquantised weight, held in the compute dtype of `eb` bytes per element."""
+    """Bytes of one linear [out, inp] in `fmt`; "bf16" is held in the compute dtype (`eb` bytes)."""
     n = out * inp
     if fmt == "bf16":
         return eb * n
@@ -279,9 +208,8 @@ def fp8_block(cfg: ModelConfig) -> tuple[int, int]:
 
 
 def param_bytes_by_module(cfg: ModelConfig, options: Options | dict | str = "checkpoint") -> dict[str, int]:
-    """{module name: bytes} of every GPU-side parameter group with the given attention-weights
-    format (an `Options`, a dict with "attention_weights", or the format string). Names are the
-    model's module paths (model.layers.{i}.self_attn, ...mlp.shared_experts, ...mlp.gate, lm_head)."""
+    """{module name: bytes} of every GPU-side parameter group for an attention-weights format (an
+    `Options`, a dict with "attention_weights", or the format string)."""
     aw = options if isinstance(options, str) else (
         options["attention_weights"] if isinstance(options, dict) else options.attention_weights)
     dt = "bfloat16" if isinstance(options, str) else (
@@ -308,9 +236,7 @@ def gpu_reserve(capacity: int) -> int:
 
 
 def qlinear_scratch_bytes(out: int, inp: int, fmt: str, eb: int) -> int:
-    """The reused scratch of a weight-only linear [out, inp] in `fmt` (gpu_service/model/qlinear.py):
-    min(QLINEAR_ROWS, out) rows of the weight in the compute dtype (INT4: whole packed words, plus
-    its two int32 nibble temporaries of the same rows). 0 for an unquantised linear."""
+    """The reused dequantisation scratch of a weight-only linear [out, inp] (0 unquantised)."""
     if fmt == "bf16":
         return 0
     rows = min(QLINEAR_ROWS, out)
@@ -328,7 +254,7 @@ def kv_b_dequantised(cfg: ModelConfig, o: Options) -> bool:
     return o.attention_weights in ("fp8", "int8")
 
 
-GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32)  # gpu_service.runtime.cuda_graphs.BUCKETS (plus powers of 2 to max_batch)
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32)  # the CUDA-graph batch-size buckets (plus powers of 2 to max_batch)
 GRAPH_SLOTS = 2  # micro-batches of one step (ping-pong): each has its own graph sets
 MIN_KEYS = 64  # gpu_service.attention.meta.MIN_KEYS: a decode query's padded key columns at least
 
@@ -340,7 +266,7 @@ def graph_buckets(max_batch: int) -> tuple[int, ...]:
 
 
 def decode_workspace_bytes(cfg: ModelConfig, o: Options, *, mlp_width: int) -> int:
-    """The batched decode attention and the fused decode step at max_batch rows (module docstring)."""
+    """The batched decode attention and the fused decode step at max_batch rows (docs/plan.md "Byte model")."""
     B, eb, H, nh = o.max_batch, o.eb, cfg.hidden_size, cfg.num_attention_heads
     r, rope, K = cfg.kv_lora_rank, cfg.qk_rope_head_dim, o.kv_tokens + o.max_batch * MIN_KEYS
     twin = 0 if eb == 4 else eb
@@ -355,9 +281,8 @@ def decode_workspace_bytes(cfg: ModelConfig, o: Options, *, mlp_width: int) -> i
 
 
 def graph_pool_bytes(cfg: ModelConfig, o: Options, *, layers: int, mlp_width: int) -> int:
-    """CUDA-graph pools: per micro-batch slot and bucket b, one layer's static inputs and outputs
-    (shared by the set's layers) and one set of segment temporaries (the set's memory pool, reused
-    from graph to graph), b rows each; plus the dequantised kv_b_proj buffer graphs read."""
+    """CUDA-graph pools: per micro-batch slot and bucket, one layer's static buffers and one set of
+    temporaries, plus the dequantised kv_b_proj buffer graphs read."""
     if not o.cuda_graphs or not layers:
         return 0
     eb, H, nh, r, rope = o.eb, cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
@@ -375,9 +300,7 @@ def graph_pool_bytes(cfg: ModelConfig, o: Options, *, layers: int, mlp_width: in
 
 def workspace_bytes(cfg: ModelConfig, o: Options, *, mlp_width: int, lm_head: bool, scratch: int = 0,
                     layers: int = 0) -> int:
-    """Activation workspace of one GPU (formula in the module docstring): the most the forward
-    pass keeps alive at once beyond weights and KV cache, at `o.chunk_tokens` tokens per step
-    (prefill) or `o.max_batch` decode rows, plus the CUDA-graph pools of its `layers` layers."""
+    """Activation workspace of one GPU (docs/plan.md "Byte model"), CUDA-graph pools included."""
     T, H, nh, eb, kv = o.chunk_tokens, cfg.hidden_size, cfg.num_attention_heads, o.eb, o.kv_tokens
     Kb = min(kv, T)
     nope, rope, v, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank

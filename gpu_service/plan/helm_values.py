@@ -83,12 +83,9 @@ def helm_values_from_plan(plan: dict, model_path: str, image: str | None = None,
                           hugepages_size: str | None = None,
                           gpu_products: list[str] | None = None) -> dict:
     """Chart values (a dict to dump as YAML) that make Kubernetes schedule `plan` where it fits.
-
-    model_path: checkpoint directory inside the containers, e.g. /models/Kimi-K2-Thinking (its parent is the
-    volume mount). image: "registry/namespace[:tag]" where moesplit-experts and moesplit-gpu were pushed
-    (e.g. registry.local:5000/moesplit:0.1.0 -> registry.local:5000/moesplit/moesplit-experts:0.1.0). hugepages_size ("2Mi"|"1Gi"): put each shard's weights in
-    hugepages of that size (requested on top of the remaining memory).
-    """
+    `model_path`: the checkpoint inside the containers (its parent is the volume mount); `image`:
+    "registry/namespace[:tag]" the two images were pushed under; `hugepages_size` ("2Mi"|"1Gi"): each
+    shard's weights in hugepages of that size."""
     if not plan.get("fits", False):
         raise ValueError("the memory plan does not fit its hardware; Helm values for it would schedule pods that "
                          "cannot load. Re-plan with one of the options it lists (fewer KV tokens, FP8/INT8 "

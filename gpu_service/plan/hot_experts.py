@@ -1,30 +1,16 @@
 """Which routed experts to keep hot on the GPU (`--gpu-experts N`): the N most activated ones.
 
-The expert shards count every routing of a token to an expert, per MoE layer and expert
-(`moesplit_expert_activations_total{layer,expert}` on each shard's `--metrics-port`; counted by
-intermediate slice 0 only, so a sum over all shards and replicas counts each routing once). This
-module turns those counts into the hot set that `Placement.from_plan(hot_experts=...)` puts on
-the GPU, instead of the first N expert ids:
+The shards count every routing per MoE layer and expert (`moesplit_expert_activations_total`,
+slice 0 only, so a sum over all shards and replicas counts each routing once); this module turns
+the counts into the hot set `Placement.from_plan(hot_experts=...)` puts on the GPU:
 
     counts = scrape_counts(["http://shard-0:9400/metrics", "shard-1:9400"])  # {layer: {expert: n}}
     hot, fallback = top_experts(counts, 2, layers=cfg.moe_layers, n_experts=cfg.n_routed_experts)
 
-Per layer the N experts with the most activations are picked, ties going to the lower expert id;
-a layer with no counts at all falls back to the lowest ids (logged).
-
-`--hot-experts FILE` (generate / serve / gpu-server) reads JSON in either form:
-
-    {"<layer>": [expert id, ...], ...}                      the hot set of each MoE layer, as given
-    {"counts": {"<layer>": {"<expert>": count, ...}, ...}}  activation counts; the plan's N most
-                                                            activated experts of each layer are picked
-
-`moesplit hot-experts --metrics URL ... --top N -o FILE` scrapes the shards and writes both: the
-chosen ids (most activated first) under the layer keys, the counts used under "counts", and, for
-the record, "top" and "metrics" (the URLs scraped), which readers ignore. Given ids are
-authoritative and checked against the plan: every id in [0, n_routed_experts), no duplicates,
-exactly the plan's gpu_experts ids per layer, only MoE layers of the model; a MoE layer the ids
-leave out is taken from the counts, else the lowest ids (logged). No torch here, so the
-subcommand stays light.
+Ties go to the lower id; a layer without counts falls back to the lowest ids (logged). A
+`--hot-experts FILE` is `{"<layer>": [ids]}` (checked against the plan) and/or
+`{"counts": {"<layer>": {"<expert>": n}}}`; "top" and "metrics" are written for the record only
+(docs/plan.md). No torch here, so the subcommand stays light.
 """
 from __future__ import annotations
 
@@ -115,10 +101,8 @@ def scrape_counts(urls: list[str], timeout_s: float = 10.0) -> Counts:
 # ---- picking -----------------------------------------------------------------------------------------
 def top_experts(counts: Counts, n: int, layers=None, n_experts: int | None = None,
                 source: str = "counts") -> tuple[dict[int, list[int]], list[int]]:
-    """The n most activated experts of each layer (most first; ties -> lower id). `layers`
-    (default: those counted) and `n_experts` (default: 1 + the highest id counted) come from the
-    model when known. A layer without any activation gets the lowest n ids (logged). Returns
-    ({layer: ids}, the layers that fell back)."""
+    """The n most activated experts of each layer (ties -> lower id; a layer without activations gets
+    the lowest ids, logged); returns ({layer: ids}, the layers that fell back)."""
     layers = sorted(counts) if layers is None else list(layers)
     if n_experts is None:
         n_experts = 1 + max((e for row in counts.values() for e in row), default=-1)
@@ -200,9 +184,8 @@ def load_file(path: str) -> HotExpertsSpec:
 
 
 def resolve(spec: HotExpertsSpec | dict, cfg, n: int) -> dict[int, list[int]]:
-    """The hot experts of every MoE layer of `cfg` for a plan keeping `n` per layer, checked:
-    given ids first, then the n most activated by the counts, then the lowest ids (logged).
-    Raises HotExpertsError naming the fix. Returns {layer: sorted ids}."""
+    """{layer: sorted ids} for every MoE layer: given ids, else the most activated, else the lowest
+    (logged); HotExpertsError naming the fix."""
     if isinstance(spec, dict):
         spec = HotExpertsSpec({_int(k, f"hot_experts layer {k!r}"): [_int(e, f"hot_experts layer {k}") for e in v]
                                for k, v in spec.items()}, {}, "hot_experts")

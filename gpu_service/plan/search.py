@@ -1,9 +1,7 @@
 """The memory plan: `make_plan` places every item on the GPUs and CPU shards and searches the auto options.
 
-Nothing is allocated. `make_plan` places every non-routed weight, the KV cache, the activation
-workspace and optional GPU-resident hot experts on the GPUs given, places the routed experts on
-CPU shards, and — for each option left at "auto" — searches for a configuration that fits. The
-byte model of each item is in `gpu_service.plan.bytes`.
+Nothing is allocated: non-routed weights, KV cache, workspace and hot experts go on the GPUs given,
+routed experts on CPU shards; the byte model of each item is in `gpu_service.plan.bytes`.
 
 Auto search, in order of least harm (explicit options are never changed)
 ------------------------------------------------------------------------
@@ -178,24 +176,24 @@ class _Layout:
         self.moe_width = moe_w
         self.emb = self.fixed["model.embed_tokens"] if o.embeddings == "gpu" else 0
         self.tail = self.fixed["model.norm"] + self.fixed["lm_head"]
-        self.ws_cache: dict[tuple[int, bool], int] = {}
+        self.ws_cache: dict[tuple, int] = {}
 
-    def _ws(self, mlp_width: int, lm_head: bool, scratch: int = 0, layers: int = 0) -> int:
-        k = (mlp_width, lm_head, scratch, layers)
+    def workspace(self, g: int, a: int, b: int) -> int:
+        """Workspace of GPU g holding layers [a, b): its widest MLP, lm_head on the last GPU."""
+        n_dense = self.dense_prefix[b] - self.dense_prefix[a]
+        width = self.cfg.intermediate_size if n_dense else 0
+        if n_dense < b - a:
+            width = max(width, self.moe_width)
+        k = (width, g == len(self.caps) - 1, max(self.layer_scratch[a:b], default=0), b - a)
         if k not in self.ws_cache:
-            self.ws_cache[k] = workspace_bytes(self.cfg, self.o, mlp_width=mlp_width, lm_head=lm_head, scratch=scratch,
-                                               layers=layers)
+            self.ws_cache[k] = workspace_bytes(self.cfg, self.o, mlp_width=k[0], lm_head=k[1], scratch=k[2],
+                                               layers=k[3])
         return self.ws_cache[k]
 
     def used(self, g: int, a: int, b: int) -> int:
         """Bytes on GPU g holding layers [a, b)."""
         G = len(self.caps)
-        n_dense = self.dense_prefix[b] - self.dense_prefix[a]
-        width = self.cfg.intermediate_size if n_dense else 0
-        if n_dense < b - a:
-            width = max(width, self.moe_width)
-        scratch = max(self.layer_scratch[a:b], default=0)
-        u = self.prefix[b] - self.prefix[a] + self._ws(width, g == G - 1, scratch, b - a) + gpu_reserve(self.caps[g])
+        u = self.prefix[b] - self.prefix[a] + self.workspace(g, a, b) + gpu_reserve(self.caps[g])
         if g == 0:
             u += self.emb
         if g == G - 1:
@@ -214,9 +212,7 @@ class _Layout:
         best[0][0] = 1 << 62
         for g in range(1, G + 1):
             cap = self.caps[g - 1]
-            lo_j = g
-            hi_j = L - (G - g)
-            for j in range(lo_j, hi_j + 1):
+            for j in range(g, L - (G - g) + 1):
                 bv, ba = NEG, 0
                 for i in range(g - 1, j):
                     prev = best[g - 1][i]
@@ -226,8 +222,6 @@ class _Layout:
                     if v > bv:
                         bv, ba = v, i
                 best[g][j], arg[g][j] = bv, ba
-            if g == G:
-                break
         bounds = [L]
         j = L
         for g in range(G, 0, -1):
@@ -253,12 +247,7 @@ class _Layout:
             if g == G - 1:
                 items["lm_head"] = self.fixed["lm_head"]
                 items["norms"] += self.fixed["model.norm"]
-            n_dense = self.dense_prefix[b[g + 1]] - self.dense_prefix[b[g]]
-            width = self.cfg.intermediate_size if n_dense else 0
-            if n_dense < b[g + 1] - b[g]:
-                width = max(width, self.moe_width)
-            items["workspace"] = self._ws(width, g == G - 1, max(self.layer_scratch[b[g]:b[g + 1]], default=0),
-                                          b[g + 1] - b[g])
+            items["workspace"] = self.workspace(g, b[g], b[g + 1])
             items["reserve"] = gpu_reserve(self.caps[g])
             if not self.cfg.is_v32:
                 items.pop("indexer"), items.pop("index_keys")
@@ -395,9 +384,8 @@ def _most_gpu_experts(fits: Callable[[int], bool], n_routed: int) -> int:
 def _gpu_stage(cfg: ModelConfig, caps: list[int], opts: Callable[[str, str, int, int], Options],
                attention_weights: str, embeddings: str, kv_tokens: int | None, min_kv_tokens: int, n_exp: int,
                choices: list[str]) -> tuple[str, str, int]:
-    """(attention weights, embeddings, KV tokens): the first stage of least harm (checkpoint attention
-    before re-quantised, GPU embeddings before CPU ones) that fits the KV target, else the last stage
-    with the most KV tokens that fit (at least the floor). Appends the why of each choice."""
+    """(attention weights, embeddings, KV tokens): the first stage of least harm that fits the KV
+    target, else the last stage with the most KV tokens that fit; appends the why."""
     target = kv_tokens if kv_tokens is not None else DEFAULT_KV_TARGET
     floor = min(min_kv_tokens, target)
     quant = _quant_choice(cfg)
@@ -437,14 +425,9 @@ def make_plan(cfg: ModelConfig, gpus: list[int | str], host_ram: int | str | Non
               embeddings: str = "auto", gpu_experts: int | str = "auto", expert_format: str = "auto",
               max_batch: int = DEFAULT_MAX_BATCH, shard_split: str = "slice", model: str | None = None,
               suggest: bool = True, dtype: str = "bfloat16", host_kv_cache: int | str | None = "auto") -> Plan:
-    """Plan GPU and CPU memory for `cfg` on GPUs of the given total capacities (bytes or "24GiB").
-
-    Options left at "auto" (and kv_tokens, a target) are searched in the documented order of
-    least harm; explicit options are kept as given. When nothing fits, the returned plan has
-    fits=False, the most memory-saving configuration tried, and `suggestions` of changed options
-    that do fit (each verified by re-planning). `dtype` is the compute dtype (bfloat16, float16,
-    float32): the bytes per element of unquantised weights, the KV cache and the activations.
-    `host_kv_cache`: the prefix cache's host tier (gpu_service.plan.host_tier), reported in `plan.host`."""
+    """Plan GPU and CPU memory for `cfg` on GPUs of the given capacities (bytes or "24GiB"); "auto"
+    options are searched in order of least harm. A plan that does not fit carries `suggestions` of
+    changes that do (each re-planned)."""
     caps = [parse_size(g) for g in gpus]
     host = parse_size(host_ram) if host_ram is not None else None
     _check_plan_args(cfg, caps, gpus, attention_weights, embeddings, gpu_experts, expert_format, numa_nodes,

@@ -1,34 +1,21 @@
 """CUDA graphs of the model's decode pieces, per batch-size bucket, owned by the runner.
 
-`gpu_service.model.deepseek.Block.steps` runs each layer as pieces (pre, mid, shared, post)
-around two eager parts: the attention core (variable key length: it stays outside) and the
-expert hand-off. The runner passes its `Graphs` to each forward; for an all-decode step up to the
-largest bucket the step gets a `GraphSet` (gpu_service.model.step.make_step) and each piece of each layer is captured once per
-(device, micro-batch slot, bucket) as a CUDA graph over static input/output buffers and replayed
-afterwards; a step whose batch is above the largest bucket, a prefill or a mixed step runs eager.
+`gpu_service.model.deepseek.Block.steps` runs each layer as pieces (pre, mid, shared, post) around
+two eager parts: the attention core (variable key length) and the expert hand-off. For an
+all-decode step up to the largest bucket the step gets a `GraphSet` (gpu_service.model.step), and
+each piece of each layer is captured once per (device, micro-batch slot, bucket), lazily at the
+first step of that bucket, then replayed; larger, prefill and mixed steps run eager.
 
-Static buffers: a segment's inputs are copied into its static inputs before a replay unless the
-argument *is* a static buffer of the same set already (the previous segment's output, the step's
-RoPE table, a weight view): then nothing is copied. Static inputs and outputs are shared by all
-layers of a set (one buffer per segment name, argument and shape): each graph ends by copying its
-results into the set's output buffers of its segment, which the layer consumes before the next
-layer's segment of that name runs (the expert hand-off copies h / ids / w to the host at once).
-So a set holds one layer's buffers, and its graphs' temporaries come from one memory pool, reused
-from graph to graph: they replay in the order they were captured (layer by layer), the condition
-for sharing a pool. The two ping-pong micro-batches have separate sets.
+Static buffers: an argument is copied into the set's static input unless it *is* a static buffer
+already (the previous piece's output, the RoPE table, a weight view). Inputs and outputs are
+shared by all layers of a set (one buffer per piece, argument and shape; a layer consumes them
+before the next layer's piece runs), and the graphs' temporaries share one memory pool, as they
+replay in capture order. The pools are an item of the memory plan (plan.bytes.graph_pool_bytes).
 
-Capture is lazy: the first step at a bucket runs each segment once on a side stream (warm-up),
-captures it and replays it, so that step is slow and every later one replays.
-
-On CPU (tests) `mode="static"` runs the same plumbing with the segment called eagerly on the
-static buffers and its results copied into static outputs: what the graphs would compute, bit for
-bit, since a captured graph replays exactly the kernels of the eager call on the same buffers.
-The bytes of the pools are an item of the memory plan (`gpu_service.plan.bytes.graph_pool_bytes`).
-
-A capture that fails (an op that cannot be captured on some torch / driver, a capture-time error)
-never fails the request: with `on_error="eager"` (the default for mode "cuda") the segment runs
-eagerly, graphs are turned off for the rest of the process with a warning that names the error
-(`Graphs.disabled`), and every later step runs eager. Mode "static" raises (tests must see bugs).
+On CPU (tests) `mode="static"` runs the same plumbing with each piece called eagerly on the static
+buffers: what the graphs would compute, bit for bit. A capture that fails never fails the request:
+with `on_error="eager"` (mode "cuda"'s default) graphs are turned off for the process with a
+warning naming the error (`Graphs.disabled`); mode "static" raises (tests must see bugs).
 """
 from __future__ import annotations
 
@@ -36,9 +23,10 @@ import logging
 
 import torch
 
+from gpu_service.plan.bytes import GRAPH_BUCKETS
+
 log = logging.getLogger("moesplit.cuda_graphs")
 
-BUCKETS = (1, 2, 4, 8, 16, 32)
 MODES = ("cuda", "static")
 
 
@@ -159,7 +147,7 @@ class GraphSet:
 class Graphs:
     """The model's graph sets, by (device, micro-batch slot, bucket)."""
 
-    def __init__(self, buckets: tuple[int, ...] = BUCKETS, mode: str = "cuda", min_rows: int = 1,
+    def __init__(self, buckets: tuple[int, ...] = GRAPH_BUCKETS, mode: str = "cuda", min_rows: int = 1,
                  on_error: str | None = None):
         if mode not in MODES:
             raise ValueError(f"CUDA-graph mode {mode!r}: expected one of {MODES}")

@@ -1,30 +1,19 @@
 """Continuous-batching engine: one scheduler thread drives `ModelRunner.step` for many requests.
 
-Between steps the scheduler admits new requests and retires finished or cancelled ones. Each step
-is one flat batch of chunks: a one-token decode chunk for every running request past its prompt,
-then prefill chunks (of running requests, then of newly admitted ones) within `chunk_tokens`
-tokens in all (chunked prefill mixed with decode). KV lives in the runner's paged pool:
+Each step is one flat batch: a one-token decode chunk for every running request past its prompt,
+then prefill chunks (running requests first, then newly admitted ones) within `chunk_tokens` in
+all. KV lives in the runner's paged pool: admission reserves the whole prompt (+1) or the request
+waits (first come, first served); a decode that finds no free page preempts the most recently
+admitted request (pages freed, re-prefilled later from prompt + generated tokens); a request that
+can never fit is refused at `submit` (`RequestError`), so nothing runs out of memory mid-step. With
+the prefix cache (gpu_service.model.prefix_cache) admission first takes the longest cached prefix
+of the prompt (per `cache_salt`).
 
-- admission reserves pages for the request's whole prompt (+1); when the pool cannot, the request
-  waits in the queue (first come, first served);
-- a decode that needs a new page and finds none preempts the most recently admitted request:
-  its pages are freed and it goes back to the head of the queue, to be re-prefilled from
-  prompt + generated tokens later (recompute);
-- a request that can never fit (prompt + max_tokens larger than the pool or the context) is
-  refused at `submit` with a `RequestError`, so nothing ever runs out of memory mid-step;
-- with the runner's prefix cache (gpu_service.model.prefix_cache), admission first takes the
-  longest cached prefix of the prompt (per `cache_salt`) and prefills only the rest; pages are
-  inserted as they fill, and cached pages are evicted (LRU) only when a reservation needs them.
-
-One request never stops the engine: whatever raises while admitting, stepping past, sampling or
-emitting for one request (a cache key, a grammar, a sampling value) fails that request alone with
-the reason (`Output.param` names the field when the request caused it) and the others go on. The
-scheduler thread ends only when stopped or killed; then `alive` is False and every request still
-queued is answered (the server's watchdog exits the process so it is restarted).
-
-Sampling uses gpu_service.runtime.sampling with one generator per request, so a seeded request gives the
-same tokens whatever it is batched with. The model computes attention per chunk, so batching
-changes numerics only by float reassociation (greedy tokens identical alone or batched).
+One request never stops the engine: whatever raises for one request fails it alone with the reason
+(`Output.param` names the field when the request caused it). When the scheduler thread ends,
+`alive` is False and every request still queued is answered (the server's watchdog then exits).
+Each request samples with its own generator, so a seeded request gives the same tokens whatever it
+is batched with (greedy tokens identical alone or batched).
 
     engine = Engine(runner, tokenizer, max_batch=16, chunk_tokens=512).start()
     h = engine.submit(ids, SamplingParams(temperature=0.7, seed=1), max_tokens=64, stop=["\\n\\n"])
@@ -54,13 +43,9 @@ log = logging.getLogger("moesplit.engine")
 
 
 class Engine:
-    """Continuous batching over a `ModelRunner` (see the module docstring).
-
-    Limits every API gets (checked in `submit`, before any work): at most `max_waiting` requests
-    queued (QueueFull beyond), at most MAX_STOP stop strings of MAX_STOP_CHARS characters, at most
-    MAX_STOP_TOKEN_IDS stop_token_ids and MAX_LOGIT_BIAS logit_bias entries (each id once), at most
-    MAX_N choices per submit_n, and a completion of at most `max_new_tokens` (also the default when
-    max_tokens is omitted); the constants live in gpu_service.runtime.requests."""
+    """Continuous batching over a `ModelRunner`. `submit` refuses, before any work, more than
+    `max_waiting` queued requests (QueueFull), more than MAX_STOP stop strings of MAX_STOP_CHARS
+    characters, and the caps of gpu_service.runtime.requests (check_request)."""
 
     MAX_STOP = 16
     MAX_STOP_CHARS = 256
@@ -112,7 +97,7 @@ class Engine:
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the scheduler after the current step; unfinished requests end with "cancelled"."""
         self._stopping = True
-        self._wake()
+        self._wake_ev.set()
         if self._thread is not None:
             self._thread.join(timeout)
         self._abort_all("cancelled", None)
@@ -129,9 +114,6 @@ class Engine:
         """Readiness: the scheduler runs and takes new requests."""
         return self.alive and not self._stopping
 
-    def _wake(self) -> None:
-        self._wake_ev.set()
-
     # ---- submit -------------------------------------------------------------------------------
     @property
     def max_request_tokens(self) -> int:
@@ -141,25 +123,17 @@ class Engine:
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, max_tokens: int | None = None,
                stop: list[str] | tuple[str, ...] = (), ignore_eos: bool = False, grammar=None,
                prompt_logprobs: int | None = None, cache_salt: str | None = None) -> RequestHandle:
-        """Queue a request. `max_tokens=None` means up to `max_new_tokens` (within the context / pool).
-        Requests share cached prefixes only with requests of the same `cache_salt`.
-
-        `grammar`: a gpu_service.runtime.grammar.CompiledGrammar the output must match (compile it
-        first, off this thread: `GrammarCompiler.compile(spec)`); its end stops the request.
-        `prompt_logprobs=k`: report each prompt token's logprob (and top k) in the first Output;
-        then `max_tokens=0` is allowed (score the prompt only, finish "length").
-        Raises RequestError for a request that can never be served, QueueFull when `max_waiting`
-        requests wait already, EngineStopped when stopping (or when the scheduler thread died)."""
+        """Queue a request (`max_tokens=None`: up to `max_new_tokens`). `grammar`: a CompiledGrammar
+        the output must match (compiled off this thread); `prompt_logprobs=k`: the prompt's logprobs
+        in the first Output (then `max_tokens=0` scores the prompt only). RequestError / QueueFull /
+        EngineStopped when it cannot be queued."""
         return self._enqueue([self._make(prompt_ids, params, max_tokens, stop, ignore_eos, grammar,
                                          prompt_logprobs, cache_salt)])[0]
 
     def submit_n(self, prompt_ids: list[int], params: list[SamplingParams], **kw) -> list[RequestHandle]:
-        """len(params) requests on one prompt (OpenAI's `n`), queued as one unit: all or none, each
-        counted against `max_waiting`, admitted together (room in the batch for all of them). The
-        first prefills the prompt; then the others copy its KV pages for all but the last prompt
-        token and compute only that one (their own first logits), so the prompt is prefilled once.
-        A choice that cannot fork then (pool full, the first choice cancelled) is prefilled on its
-        own: same tokens, more work. Each handle cancels on its own; cancel them all to drop the unit."""
+        """len(params) requests on one prompt (OpenAI's `n`), queued and admitted as one unit. The
+        first prefills the prompt; the others copy its KV pages but for the last prompt token (a
+        choice that cannot fork then is prefilled on its own: same tokens, more work)."""
         if len(params) > MAX_N:
             raise RequestError(f"n={len(params)} choices; at most {MAX_N} (MAX_N) per request: lower n", "n")
         if len(params) > self.max_waiting:
@@ -190,7 +164,7 @@ class Engine:
         if grammar is not None and getattr(grammar, "vocab_key", None) is None:
             raise RequestError("grammar must be a CompiledGrammar (GrammarCompiler.compile(spec).result())",
                                "response_format")
-        handle = RequestHandle(f"req-{next(self._ids)}", n, max_tokens, self._wake)
+        handle = RequestHandle(f"req-{next(self._ids)}", n, max_tokens, self._wake_ev.set)
         handle._request = req = _Request(
             handle, n, prompt_ids, params, params.generator(), max_tokens, stop, ignore_eos, self.runner.new_seq(),
             grammar.matcher() if grammar is not None else None, tuple(sorted(self.eos | set(params.stop_token_ids))),
@@ -217,7 +191,7 @@ class Engine:
                 if self.observer is not None:
                     self.observer.submit(r.handle)
             self._inbox.extend(reqs)
-        self._wake()
+        self._wake_ev.set()
         return [r.handle for r in all_reqs]
 
     def _fork(self, r: _Request) -> None:
@@ -265,9 +239,8 @@ class Engine:
 
     # ---- scheduler ----------------------------------------------------------------------------
     def _loop(self) -> None:
-        """The scheduler thread. An error outside the per-request guards fails the requests of the
-        step it happened in and the loop goes on; only a BaseException (the thread being killed)
-        ends it, and then every request still here is answered with the reason."""
+        """The scheduler thread: an error outside the per-request guards fails the running requests
+        and the loop goes on; a BaseException ends it, answering every request still here."""
         try:
             while not self._stopping:
                 try:
@@ -298,7 +271,7 @@ class Engine:
         self._run(batch)
         if self.check_pool:
             try:
-                self._check_pool()
+                check_pool(self.pool, self.prefix, [r.seq for r in self.running + list(self.waiting)])
             except AssertionError as e:  # test mode: fail every request loudly, stop serving
                 self.last_error = f"KV pool invariant broken: {e}"
                 log.error("%s", self.last_error)
@@ -306,8 +279,7 @@ class Engine:
                 self._abort_all("error", self.last_error)
 
     def _fail(self, r: _Request, error: str, param: str | None = None) -> None:
-        """End request `r` alone with `error` (its field `param` when the request caused it): out of
-        the running list and the queue, pages freed; the engine keeps serving the others."""
+        """End request `r` alone with `error` (`param`: its field that caused it), pages freed."""
         if r in self.running:
             self.running.remove(r)
         if r in self.waiting:
@@ -318,8 +290,7 @@ class Engine:
             r.seq.free()
 
     def _guarded(self, r: _Request, what: str, fn, *args):
-        """fn(*args) for request `r`; an exception fails `r` alone (logged with its traceback) and
-        returns False, else True."""
+        """fn(*args) for request `r`: True, or False when it raised (`r` failed alone, logged)."""
         try:
             fn(*args)
             return True
@@ -330,12 +301,11 @@ class Engine:
             return False
 
     def _reap_cancelled(self) -> None:
-        for r in [r for r in self.running if r.handle.cancelled]:
-            self.running.remove(r)
-            self._finish(r, "cancelled")
-        for r in [r for r in self.waiting if r.handle.cancelled]:
-            self.waiting.remove(r)
-            self._finish(r, "cancelled")
+        """End the cancelled requests, running or waiting."""
+        for q in (self.running, self.waiting):
+            for r in [r for r in q if r.handle.cancelled]:
+                q.remove(r)
+                self._finish(r, "cancelled")
 
     def _preempt(self, r: _Request) -> None:
         """Free a running request's pages and put it back at the head of the queue (recompute)."""
@@ -472,9 +442,8 @@ class Engine:
                                             r.prompt_lp)
 
     def _choose(self, logits, rows: list[_Request]) -> list:
-        """choose_tokens over the sampling rows; should it raise (a bug outside its per-row guards),
-        each row again alone, so only the rows that fail by themselves fail (their seeded
-        generators may then have drawn twice this step)."""
+        """choose_tokens over the sampling rows; should it raise, each row again alone, so only the
+        rows that fail by themselves fail."""
         try:
             return choose_tokens(logits, rows)
         except Exception:  # noqa: BLE001 - isolate the row that raises
@@ -489,8 +458,7 @@ class Engine:
 
     # ---- outputs ------------------------------------------------------------------------------
     def _detok(self, r: _Request, out: list[int]) -> str:
-        """New text of the generated ids (prefix/read-offset incremental decoding: only complete
-        characters are returned, so multi-byte characters split across tokens come out whole)."""
+        """New text of the generated ids (incremental decoding: only complete characters)."""
         prefix = self.tokenizer.decode(out[r.prefix_offset:r.read_offset])
         new = self.tokenizer.decode(out[r.prefix_offset:])
         if len(new) > len(prefix) and not new.endswith("\ufffd"):
@@ -550,8 +518,7 @@ class Engine:
 
     def _finish(self, r: _Request, reason: str, error: str | None = None, unavailable: bool = False,
                 param: str | None = None) -> None:
-        """End a request without a new token (cancelled, error, shutdown) and free its pages;
-        `param`: the request field that caused an error (a client error)."""
+        """End a request without a new token (cancelled, error, shutdown) and free its pages."""
         followers, r.followers = r.followers, []  # not forked yet: end them too, or queue them on their own
         for f in reversed(followers):
             self._finish(f, reason, error) if self._stopping else self.waiting.appendleft(f)
@@ -560,10 +527,6 @@ class Engine:
         r.handle._push(Output([], "", reason, error, unavailable, param=param))
         if self.observer is not None:
             self.observer.finish(r.handle, reason)
-
-    def _check_pool(self) -> None:
-        """Test mode: every page free, private to one live request, or cached; references match."""
-        check_pool(self.pool, self.prefix, [r.seq for r in self.running + list(self.waiting)])
 
     def _abort_all(self, reason: str, error: str | None) -> None:
         """End every request (queued ones and their not-forked choices too) with `reason`."""

@@ -1,29 +1,19 @@
 """Grammar-constrained decoding: compiled grammars, per-request matchers, batched token masks.
 
-Built on llguidance (the Rust engine behind vLLM's "guidance" backend and OpenAI-style structured
-outputs in llama.cpp/SGLang ports): it needs no vocabulary-wide precompute at compile time (a JSON
-schema compiles in about a millisecond on our vocabularies), computes a token mask in tens of
-microseconds, covers JSON Schema, regex, Lark/GBNF grammars and choices, and reads both
-tokenizer.json and tiktoken vocabularies.
+Built on llguidance (vLLM's "guidance" backend): no vocabulary-wide precompute at compile time,
+a token mask in tens of microseconds, JSON Schema, regex, Lark/GBNF and choices, over tokenizer.json
+and tiktoken vocabularies.
 
-    spec = GrammarSpec.json_schema({"type": "object", ...})      # or .json_object(), .regex(r"..."),
-                                                                # .choice([...]), .grammar(lark_or_gbnf), .lark(...)
-    compiler = GrammarCompiler(vocab)                           # vocab: gpu_service.runtime.vocab.Vocabulary
-    compiled = compiler.compile(spec).result()                  # a Future: runs on the compiler's threads;
-                                                                # GrammarError (ValueError) names the reason
-    m = compiled.matcher()                                      # one per request (a copy of the cached one)
-    bitmask = fill_bitmasks([m, ...])                           # [B, ceil(V/32)] int32, one row per matcher
-    apply_bitmask(logits_rows, bitmask)                         # disallowed tokens -> -inf, in place
+    spec = GrammarSpec.json_schema({"type": "object", ...})     # or .json_object(), .regex(), .choice(), .grammar(), .lark()
+    compiled = GrammarCompiler(vocab).compile(spec).result()   # a Future on the compiler's threads; GrammarError names why
+    m = compiled.matcher()                                      # one per request
+    apply_bitmask(logits_rows, fill_bitmasks([m, ...]))        # disallowed tokens -> -inf, in place
     m.accept(token); m.stopped                                  # the grammar reached its end: stop
 
-Compiled grammars are cached by (vocabulary key, grammar) (LRU, `cache_size`), failures too, so a
-repeated bad schema is refused without recompiling. Compiling runs on the compiler's own thread
-pool, never on the engine's scheduler thread: the API layer awaits the Future before submitting,
-so a slow schema delays only its own request. `observer(seconds, kind, ok)` is called once per
-compilation (metrics: compile-time histogram).
-
-Special tokens: inside grammar text no special token is allowed; the vocabulary's EOS ids are
-allowed exactly where the grammar may end, and a grammar that can not continue stops the request.
+Compiled grammars (and failures) are cached by (vocabulary key, grammar), LRU. Compiling never runs
+on the engine's scheduler thread, so a slow schema delays only its own request; `observer(seconds,
+kind, ok)` is called once per compilation. No special token is allowed inside grammar text; the EOS
+ids are allowed exactly where the grammar may end.
 """
 from __future__ import annotations
 

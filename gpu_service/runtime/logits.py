@@ -1,17 +1,10 @@
 """From a step's logits to each sampling row's token: penalties, bias, grammar mask, logprobs.
 
-`choose_tokens(logits, rows)` takes the rows of the step's logits that sample this step (one per
-request; [R, V], any device) and each row's state (`Row`: sampling params, generator, the
-request's tokens so far, its grammar matcher, the ids `min_tokens` bans). Every operation is per
-row, so a request's tokens do not depend on what it is batched with; the batched parts (argmax of
-greedy rows, the grammar mask of constrained rows) are row-wise too. Order (sampling.py's
-docstring): logit_bias, min_tokens ban, repetition, frequency and presence penalties, grammar
-mask, then greedy argmax or temperature / top-k / top-p sampling. Logprobs come from the raw
-logits (log-softmax before any of that), as vLLM reports them by default.
-
-A row that cannot be sampled (its bans and grammar leave no token, or sampling itself fails)
-comes back as a `RowFailed` in that row's place; the other rows are sampled as if it were not
-there, so one request's failure never costs the batch.
+`choose_tokens(logits, rows)` takes the rows that sample this step ([R, V], any device) and each
+row's state (`Row`). Every operation is per row, so a request's tokens do not depend on its batch;
+the order is sampling.py's. Logprobs come from the raw logits, as vLLM reports them by default. A
+row that cannot be sampled comes back as a `RowFailed` in its place; the other rows are sampled
+as if it were not there.
 """
 from __future__ import annotations
 

@@ -52,11 +52,8 @@ class EngineStopped(RuntimeError):
 
 @dataclass
 class Output:
-    """What a request produced since the previous Output. `finish_reason` is set on the last one:
-    "stop" (EOS, a stop string or token, or the grammar's end), "length" (max_tokens), "cancelled",
-    or "error" (see `error`). `logprobs`: one TokenLogprob per token id when the request asked
-    (SamplingParams.logprobs); `prompt_logprobs` (first Output only, with `prompt_logprobs=`): one
-    per prompt token after the first."""
+    """What a request produced since the previous Output; `finish_reason` ("stop", "length",
+    "cancelled", "error") on the last; `prompt_logprobs` on the first only."""
 
     token_ids: list[int]
     text: str
@@ -69,9 +66,7 @@ class Output:
 
 
 class RequestHandle:
-    """The caller's side of one request: iterate (sync or async) over `Output`s, or `cancel()`.
-
-    Thread-safe: the scheduler pushes, any thread or event loop consumes."""
+    """The caller's side of one request: iterate (sync or async) over `Output`s, or `cancel()`."""
 
     def __init__(self, rid: str, prompt_tokens: int, max_tokens: int, wake):
         self.id = rid
@@ -165,9 +160,8 @@ def _resolve(fut: asyncio.Future) -> None:
 
 
 class _LoopWakes:
-    """Futures of one event loop to resolve, handed over in one call_soon_threadsafe: a decode step
-    that pushes a token to each of 32 streams wakes the loop once, not 32 times (each wake-up is a
-    write to the loop's self-pipe and a pass of its selector)."""
+    """Futures of one event loop resolved in one call_soon_threadsafe: a step that feeds 32 streams
+    wakes the loop once."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop, self.lock, self.futs, self.scheduled = loop, threading.Lock(), [], False

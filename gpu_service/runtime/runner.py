@@ -19,14 +19,6 @@ from gpu_service.model.placement import Placement
 from gpu_service.runtime.sampling import sample, SamplingParams
 
 
-def default_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
-def default_dtype(device: torch.device) -> torch.dtype:
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
 @dataclass
 class GenerationResult:
     token_ids: list[int]
@@ -51,8 +43,9 @@ class ModelRunner:
                  prefix_cache: bool = True, host_kv_bytes: int = 0, cuda_graphs: bool = True,
                  graph_buckets: tuple[int, ...] | None = None):
         self.cfg: ModelConfig = reader.config
-        self.device = device or (placement.devices[0] if placement else default_device())
-        self.dtype = dtype or default_dtype(self.device)
+        self.device = device or (placement.devices[0] if placement else
+                                 torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.experts = experts
         self.placement = placement or Placement.single(self.cfg, self.device, kv_tokens)
         self.plan = self.placement.plan  # the memory plan executed, if any (metrics: planned vs actual)
@@ -74,27 +67,23 @@ class ModelRunner:
         self.set_cuda_graphs(cuda_graphs and os.environ.get("MOESPLIT_CUDA_GRAPHS", "1") != "0", graph_buckets)
 
     def set_cuda_graphs(self, on: bool, buckets: tuple[int, ...] | None = None, mode: str = "cuda") -> None:
-        """The decode pieces of every layer as CUDA graphs per batch-size bucket
-        (gpu_service.runtime.cuda_graphs), on a CUDA device only (`--no-cuda-graphs` /
-        MOESPLIT_CUDA_GRAPHS=0: eager); buckets default to the powers of two up to the plan's max
-        batch (at least 1..32). mode="static" runs the same plumbing on CPU (tests)."""
-        from gpu_service.runtime.cuda_graphs import BUCKETS, Graphs
+        """The decode pieces as CUDA graphs per batch-size bucket (gpu_service.runtime.cuda_graphs), CUDA
+        only; mode="static" runs the same plumbing on CPU (tests)."""
+        from gpu_service.plan.bytes import graph_buckets
+        from gpu_service.runtime.cuda_graphs import Graphs
 
         if not on or (mode == "cuda" and self.device.type != "cuda"):
             self.graphs = None
             return
-        if buckets is None:
-            top = max(self.plan.options.max_batch if self.plan is not None else 0, BUCKETS[-1])
-            buckets = tuple(sorted(set(BUCKETS) | {1 << i for i in range(top.bit_length()) if (1 << i) <= top}))
+        if buckets is None:  # the buckets the plan counted: powers of two up to its max batch (at least 1..32)
+            buckets = graph_buckets(self.plan.options.max_batch if self.plan is not None else 0)
         self.graphs = Graphs(buckets, mode, min_rows=self.model.row_block(self.device) if mode == "static" else 1)
 
     def new_seq(self) -> SeqKV:
         return SeqKV(self.pool)
 
     def copy_prefix(self, src: SeqKV, dst: SeqKV, n: int, start: int = 0) -> None:
-        """Copy the KV of src's tokens [start, n) into dst (pages already reserved; dst already has
-        [0, start), e.g. shared prefix-cache pages); dst.length = n. (n choices of one prompt: the
-        prompt is prefilled once.)"""
+        """Copy the KV of src's tokens [start, n) into dst (pages reserved, [0, start) already there)."""
         s, d = src.slots(start, n, torch.device("cpu")), dst.slots(start, n, torch.device("cpu"))
         for t in self.pool.kv + (self.pool.index_k or []):
             t.index_copy_(0, d.to(t.device), t.index_select(0, s.to(t.device)))

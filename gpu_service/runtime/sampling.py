@@ -1,17 +1,15 @@
 """Token sampling: greedy, temperature, top-k, top-p, with a per-request seeded generator.
 
-`SamplingParams` also carries what gpu_service.runtime.logits applies to a row's logits before
-sampling (OpenAI / vLLM definitions, in this order): `logit_bias` added; EOS and `stop_token_ids`
-banned while fewer than `min_tokens` are generated; `repetition_penalty` (prompt + output tokens:
-a positive logit divided by it, a negative one multiplied); `frequency_penalty` x count and
-`presence_penalty` x (count > 0) subtracted (output tokens); the grammar's mask. `logprobs` (None
-= off, else the number of top alternatives, 0..20) are reported from the raw logits.
+`SamplingParams` also carries what gpu_service.runtime.logits applies before sampling (OpenAI /
+vLLM definitions, in this order): `logit_bias`; EOS and `stop_token_ids` banned below `min_tokens`;
+`repetition_penalty` (prompt + output: a positive logit divided, a negative one multiplied);
+`frequency_penalty` x count and `presence_penalty` x (count > 0) over the output; the grammar's
+mask. `logprobs`: None, or the number of top alternatives (0..20).
 
-Sampling runs in float32, so values that float32 cannot carry are refused when the params are
-made: a temperature below MIN_TEMPERATURE (logits / temperature would overflow to inf, and
-softmax to NaN) and a top_p below float32's smallest normal number (it rounds to 0). `sample`
-raises `SamplingError` for a row it cannot sample (every token banned, non-finite
-probabilities) so the caller fails that request alone."""
+Sampling runs in float32: a temperature below MIN_TEMPERATURE or a top_p below float32's smallest
+normal is refused when the params are made; `sample` raises `SamplingError` for a row it cannot
+sample, so the caller fails that request alone.
+"""
 from __future__ import annotations
 
 import math

@@ -1,20 +1,13 @@
-"""Token vocabularies for the grammar engine (gpu_service.runtime.grammar), one adapter per tokenizer kind.
+"""Token vocabularies for grammar matching: every token's bytes, the special and the EOS ids.
 
-A grammar is matched on bytes; the engine needs every token's bytes, which tokens are special (never
-allowed inside grammar text) and which end the sequence. A `Vocabulary` gives that to llguidance as
-an `LLTokenizer`, plus a `key` that names the vocabulary in the compiled-grammar cache:
+A `Vocabulary` gives llguidance an `LLTokenizer` plus a `key` naming the vocabulary in the
+compiled-grammar cache:
 
     vocab = vocabulary_for(tokenizer, vocab_size=cfg.vocab_size, eos_token_ids=cfg.eos_token_ids)
-    vocab.key, vocab.vocab_size, vocab.lltokenizer()
 
-Adapters here: `HFVocabulary` (a Hugging Face tokenizer.json, what `gpu_service.api.tokenizer.Tokenizer`
-loads) and `TiktokenVocabulary` (a `tiktoken.Encoding`). A tokenizer class of another kind plugs in by
-defining `grammar_vocabulary(vocab_size, eos_token_ids) -> Vocabulary`; `vocabulary_for` asks for that
-first, so no change here is needed to add one (the chat-formats issue's tiktoken tokenizer returns
-`TiktokenVocabulary(encoding, ...)` from it).
-
-`vocab_size` is the model's logits width (config.json), which may exceed the tokenizer's: ids the
-tokenizer does not know are never allowed by a grammar.
+Adapters: `HFVocabulary` (tokenizer.json) and `TiktokenVocabulary`; another tokenizer plugs in by
+defining `grammar_vocabulary(vocab_size, eos_token_ids)`, which `vocabulary_for` asks first.
+`vocab_size` is the model's logits width: ids the tokenizer does not know are never allowed.
 """
 from __future__ import annotations
 
@@ -54,9 +47,7 @@ class _LazyTokenizer:
 
 
 class HFVocabulary(_LazyTokenizer):
-    """A Hugging Face `tokenizers` tokenizer (tokenizer.json text). Special (added) tokens are
-    known to llguidance from the JSON and are only allowed where a grammar names them; EOS is
-    allowed where the grammar may end."""
+    """A `tokenizers` tokenizer (tokenizer.json text); special tokens only where a grammar names them."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]):
         super().__init__()

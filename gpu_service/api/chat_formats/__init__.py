@@ -1,15 +1,10 @@
 """Chat formats: how a conversation (+ tools) becomes the prompt text, per model family.
 
-- `JinjaFormat` (`jinja_format`): the checkpoint's Jinja template, rendered the way transformers
-  renders it: `tokenizer_config.json` `chat_template` (a string, or a list of `{name, template}`,
-  "default" first) or a `chat_template.jinja` file; `--chat-template FILE` overrides both;
-- `DeepseekV32Format` (`dsv32`): DeepSeek-V3.2's format (its release ships no template), built in
-  from `../shared/formats.md`; chosen for architecture `DeepseekV32ForCausalLM` without a template.
-
-Every format has `render(messages, tools=None, add_generation_prompt=True, **kwargs) -> str`
-(`kwargs`: the request's `chat_template_kwargs`) and `family`, the model family that picks the
-reasoning and tool-call parsers (`gpu_service.api.parsers`): kimi_k2, deepseek_v3, deepseek_r1,
-deepseek_v31, deepseek_v32 or None.
+`JinjaFormat` renders the checkpoint's template as transformers does (`chat_template` of
+tokenizer_config.json, or `chat_template.jinja`; `--chat-template FILE` overrides both);
+`DeepseekV32Format` is V3.2's built-in format. Each has `render(messages, tools=None,
+add_generation_prompt=True, **chat_template_kwargs) -> str` and `family`, which picks the
+reasoning and tool-call parsers (`gpu_service.api.parsers`).
 """
 from __future__ import annotations
 
@@ -50,10 +45,8 @@ def _template_from_config(config: dict) -> str | None:
 
 def load_chat_format(model_dir: str, tokenizer_config: dict, model_config: dict, special_tokens: dict[str, str],
                      override: str | None = None):
-    """The chat format for a checkpoint, or None when it has none (completions only).
-
-    Order: `override` (a Jinja file), tokenizer_config.json `chat_template`, `chat_template.jinja`,
-    then the built-in DeepSeek-V3.2 format for a V3.2 architecture."""
+    """The chat format for a checkpoint, or None (completions only): `override` (a Jinja file), then
+    tokenizer_config.json `chat_template`, `chat_template.jinja`, the built-in V3.2 format."""
     source, template = None, None
     if override:
         try:

@@ -19,6 +19,22 @@ from gpu_service.api.chat_formats import dsv32
 from gpu_service.api.parsers.base import ToolCall, ToolParser, until
 
 
+def _delimited(text: str, final: bool, begin: str, call: str, end: str, sep: str, call_end: str, make):
+    """Content and calls of `begin {call HEAD sep ARGS call_end} end`; make(head, args, complete) -> ToolCall."""
+    content, m, rest = until(text, (begin,), final)
+    calls: list[ToolCall] = []
+    while m is not None:
+        _, m, after = until(rest, (call, end), final)
+        if m != call:
+            break
+        head, m, after = until(after, (sep,), final)
+        if m is None:
+            break  # the head (id / name) is not complete yet
+        args, m, rest = until(after, (call_end,), final)
+        calls.append(make(head, args, m is not None))
+    return content, calls
+
+
 class KimiK2ToolParser(ToolParser):
     name = "kimi_k2"
     SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
@@ -34,18 +50,9 @@ class KimiK2ToolParser(ToolParser):
         return s.rsplit(":", 1)[0] if ":" in s else s
 
     def parse(self, text, final):
-        content, m, rest = until(text, (self.SECTION_BEGIN,), final)
-        calls: list[ToolCall] = []
-        while m is not None:
-            _, m, after = until(rest, (self.CALL_BEGIN, self.SECTION_END), final)
-            if m != self.CALL_BEGIN:
-                break
-            head, m, after = until(after, (self.ARG_BEGIN,), final)
-            if m is None:
-                break  # the id (and name) is not complete yet
-            args, m, rest = until(after, (self.CALL_END,), final)
-            calls.append(ToolCall(self.function_name(head), args, head.strip(), m is not None))
-        return content, calls
+        return _delimited(text, final, self.SECTION_BEGIN, self.CALL_BEGIN, self.SECTION_END, self.ARG_BEGIN,
+                          self.CALL_END, lambda head, args, done: ToolCall(self.function_name(head), args,
+                                                                            head.strip(), done))
 
     def forced_prefix(self, function):
         head = self.SECTION_BEGIN + self.CALL_BEGIN + "functions."
@@ -102,18 +109,8 @@ class DeepseekV31ToolParser(DeepseekV3ToolParser):
     name = "deepseek_v31"
 
     def parse(self, text, final):
-        content, m, rest = until(text, (self.CALLS_BEGIN,), final)
-        calls: list[ToolCall] = []
-        while m is not None:
-            _, m, after = until(rest, (self.CALL_BEGIN, self.CALLS_END), final)
-            if m != self.CALL_BEGIN:
-                break
-            name, m, after = until(after, (self.SEP,), final)
-            if m is None:
-                break
-            args, m, rest = until(after, (self.CALL_END,), final)
-            calls.append(ToolCall(name.strip(), args, None, m is not None))
-        return content, calls
+        return _delimited(text, final, self.CALLS_BEGIN, self.CALL_BEGIN, self.CALLS_END, self.SEP, self.CALL_END,
+                          lambda name, args, done: ToolCall(name.strip(), args, None, done))
 
     def forced_prefix(self, function):
         head = self.CALLS_BEGIN + self.CALL_BEGIN

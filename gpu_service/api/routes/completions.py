@@ -118,10 +118,7 @@ def router(ctx: ApiContext) -> APIRouter:
         echo = field(body, "echo", bool, False)
         if body.get("suffix") is not None:
             raise APIError(400, "'suffix' (insertion) is not supported", param="suffix")
-        try:
-            k = OP.logprobs_k(body, False)
-        except OP.ParamError as e:
-            raise APIError(400, str(e), param=e.param) from None
+        k = OP.logprobs_k(body, False)
         grammar = await ctx.grammar(body)
         hs = ctx.submit(prompts, body, False, grammar, prompt_lp=k if echo and k is not None else None)
         answer = _Answer(ctx, prompts, len(hs) // len(prompts), k, echo, want_ids)

@@ -4,6 +4,7 @@ a request's grammar off the event loop (`grammar`, `compile`) and submitting its
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 
@@ -22,10 +23,8 @@ BIG_BODY = 256 << 10  # bytes: JSON bodies from this size are parsed in a worker
 
 
 class ApiContext:
-    """The served model behind the routes: `engine`, `tokenizer` (None: token-id prompts only),
-    `model_name` (a request naming another model is 404), `chat_settings` (tool-call / reasoning
-    parsers), `max_chars` (the prompt cap, None: none), `created` (the server's start time),
-    `text_of` (token id -> text for logprobs)."""
+    """The served model behind the routes (`tokenizer` None: token-id prompts only; `max_chars`: the
+    prompt cap; `text_of`: token id -> text for logprobs)."""
 
     def __init__(self, engine: Engine, tokenizer, model_name: str, chat_settings: ChatSettings,
                  max_chars: int | None):
@@ -60,10 +59,7 @@ class ApiContext:
 
     async def grammar(self, body: dict):
         """The request's compiled grammar (compiled off the event loop and the scheduler), or None."""
-        try:
-            spec, key = OP.grammar_spec(body)
-        except OP.ParamError as e:
-            raise APIError(400, str(e), param=e.param) from None
+        spec, key = OP.grammar_spec(body)
         return None if spec is None else await self.compile(spec, key)
 
     async def compile(self, spec, key: str):
@@ -84,12 +80,9 @@ class ApiContext:
         """One handle per choice: prompt p's choice i is handle p * n + i, seeded with seed + i.
         A full queue is 429 with Retry-After, a stopped engine 503; nothing stays submitted on an error."""
         engine = self.engine
-        try:
-            OP.check_fields(body, OP.CHAT_FIELDS if chat else OP.COMPLETION_FIELDS,
-                            "/v1/chat/completions" if chat else "/v1/completions")
-            n = OP.choices_n(body)
-        except OP.ParamError as e:
-            raise APIError(400, str(e), param=e.param) from None
+        OP.check_fields(body, OP.CHAT_FIELDS if chat else OP.COMPLETION_FIELDS,
+                        "/v1/chat/completions" if chat else "/v1/completions")
+        n = OP.choices_n(body)
         params, stop, ignore_eos = sampling(body, engine.cfg.vocab_size, chat)
         limit = max_tokens(body, 0 if prompt_lp is not None else 1)
         if len(prompts) * n > engine.max_waiting:  # never admissible: 400, not a 429 to retry
@@ -99,7 +92,8 @@ class ApiContext:
         hs = []
         try:
             for ids in prompts:
-                ps = [params if params.seed is None else OP.with_seed(params, params.seed + i) for i in range(n)]
+                ps = [params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+                      for i in range(n)]
                 hs += engine.submit_n(ids, ps, max_tokens=limit, stop=stop, ignore_eos=ignore_eos,
                                       grammar=grammar, prompt_logprobs=prompt_lp,
                                       cache_salt=field(body, "cache_salt", str))

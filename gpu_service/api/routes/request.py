@@ -12,9 +12,8 @@ from gpu_service.runtime.sampling import SamplingParams
 
 
 def check_unicode(body, raw: bytes) -> None:
-    """400 naming the field when a string of the parsed JSON `body` holds a lone UTF-16 surrogate
-    ("\\ud800" escapes that pair with nothing: valid JSON, not valid Unicode, and it cannot be
-    tokenized, hashed or echoed back). Only bodies whose `raw` bytes hold a surrogate escape are walked."""
+    """400 naming the field when a string of `body` holds a lone UTF-16 surrogate (valid JSON, not valid
+    Unicode); only bodies whose `raw` bytes hold a surrogate escape are walked."""
     if not _SURROGATE_ESCAPE.search(raw):
         return
     stack = [(body, "")]
@@ -80,11 +79,9 @@ def sampling(body: dict, vocab_size: int = 1 << 31, chat: bool = True) -> tuple[
     if top_k < 0:  # OpenAI-style clients send -1 for "off"
         top_k = 0
     seed = field(body, "seed", int, None)
+    extra, k = OP.sampling_fields(body, vocab_size), OP.logprobs_k(body, chat)
     try:
-        extra = OP.sampling_fields(body, vocab_size)
-        params = SamplingParams(temperature, top_p, top_k, seed, logprobs=OP.logprobs_k(body, chat), **extra)
-    except OP.ParamError as e:
-        raise APIError(400, str(e), param=e.param) from None
+        params = SamplingParams(temperature, top_p, top_k, seed, logprobs=k, **extra)
     except ValueError as e:
         raise APIError(400, str(e), param=next((k for k in ("temperature", "top_p", "top_k", "seed") if k in str(e)),
                                                None)) from None

@@ -1,16 +1,11 @@
-"""`POST /tokenize` and `POST /detokenize` at the server root, as vLLM serves them, so a user can
-see exactly what the model is given.
+"""`POST /tokenize` and `POST /detokenize` at the server root, as vLLM serves them.
 
-    /tokenize    {"prompt": str, "add_special_tokens": true}                      -> {"tokens", "count", "max_model_len"}
-                 {"messages": [...], "tools": [...], "add_generation_prompt": true,
-                  "chat_template_kwargs": {...}}                                   (rendered by the chat format)
-    /detokenize  {"tokens": [int]}                                                 -> {"prompt": str}
+    /tokenize    {"prompt": str, "add_special_tokens": true}  or  {"messages": [...], "tools": [...],
+                 "add_generation_prompt": true, "chat_template_kwargs": {...}}  -> {"tokens", "count", "max_model_len"}
+    /detokenize  {"tokens": [int]}                                              -> {"prompt": str}
 
-Special-token strings in `prompt` are parsed as special tokens. The API key applies (see
-`create_app`'s middleware); ids outside the model's vocabulary are refused with 400. A prompt or
-conversation over --max-prompt-chars characters, or more ids than a request may hold, is 413 before
-any work; tokenizing, template rendering and detokenizing run off the event loop (a 7 MB prompt
-used to hold /live for seconds).
+The API key applies; ids outside the vocabulary are 400; a prompt over --max-prompt-chars or more
+ids than a request may hold is 413 before any work, and the work runs off the event loop.
 """
 from __future__ import annotations
 
