@@ -254,10 +254,9 @@ def _torch_call(cfg, T, seed, dtype):
 
 def _general(c, layer, h, ids, w):
     """The same call through forward_async (LayerCall's sum, then the caller's dtype)."""
-    from gpu_service.experts.handoff import RemoteHandle, _numpy
+    from gpu_service.experts.handoff import client_wire, RemoteHandle, _numpy
 
-    x = h if h.dtype in (torch.float32, torch.bfloat16) and c.wire_dtype != "float32" or h.dtype == torch.float32 \
-        else h.float()
+    x = h if h.dtype == torch.float32 or h.dtype == client_wire(c) else h.float()  # (as RemoteExperts hands it over)
     return RemoteHandle(c, c.forward_async(layer, _numpy(x), ids.numpy(), w.numpy()), layer, h.device, h.dtype).wait()
 
 

@@ -104,19 +104,21 @@ cdef class Client:
             a, b, c = <object>h, <object>ids, <object>w
             raise ValueError(f"send: expected C-contiguous h [T, {self.c.H}] float32 or the wire dtype, ids [T, k] "
                              f"int64, w [T, k] float32; got {a.dtype}{a.shape}, {b.dtype}{b.shape}, {c.dtype}{c.shape}")
-        cdef int rc = sc_send(&self.c, slot, seq, layer, cnp.PyArray_DATA(h), h_wire,
-                              <const int64_t *>cnp.PyArray_DATA(ids), <const float *>cnp.PyArray_DATA(w),
-                              T, k, timeout_ms)
-        if rc != SC_OK:
-            raise _error(rc, self.c.err, "doorbell send")
+        self._send(slot, seq, layer, cnp.PyArray_DATA(h), h_wire, <const int64_t *>cnp.PyArray_DATA(ids),
+                   <const float *>cnp.PyArray_DATA(w), T, k, timeout_ms)
 
     def send_at(self, int slot, uint64_t seq, int32_t layer, size_t h, bint h_wire, size_t ids, size_t w, int T,
                 int k, int timeout_ms):
         """send() from raw addresses (a caller that has checked them: gpu_service.experts.shm
         FastPath.send_at): h [T, H] float32 (h_wire False) or in the wire dtype, ids [T, k] int64,
         w [T, k] float32, all C-contiguous."""
-        cdef int rc = sc_send(&self.c, slot, seq, layer, <const void *>h, h_wire, <const int64_t *>ids,
-                              <const float *>w, T, k, timeout_ms)
+        self._send(slot, seq, layer, <const void *>h, h_wire, <const int64_t *>ids, <const float *>w, T, k,
+                   timeout_ms)
+
+    cdef _send(self, int slot, uint64_t seq, int32_t layer, const void *h, int h_wire, const int64_t *ids,
+               const float *w, int T, int k, int timeout_ms):
+        """sc_send, its failure raised (ConnectionError, TimeoutError when the doorbell stayed full)."""
+        cdef int rc = sc_send(&self.c, slot, seq, layer, h, h_wire, ids, w, T, k, timeout_ms)
         if rc != SC_OK:
             raise _error(rc, self.c.err, "doorbell send")
 
@@ -128,16 +130,7 @@ cdef class Client:
         cdef int rc
         with nogil:
             rc = sc_finish(&self.c, seq, slot, T, <void *>out, mode, shm_now_ns() + spin_ns, deadline_ns, &self.ans)
-        if rc == SC_OK:
-            return True
-        if rc == SC_OTHER:
-            return self.ans.status, self.ans.slot, self.ans.seq
-        if rc == SC_NONE:
-            return None
-        if rc == SC_INTR:
-            PyErr_CheckSignals()
-            return None
-        raise _error(rc, self.c.err, "doorbell")
+        return True if rc == SC_OK else self._answer(SC_OK if rc == SC_OTHER else rc)
 
     def wait(self, int64_t spin_ns, int64_t deadline_ns):
         """One answer as (status, slot, seq), or None: nothing by deadline_ns (CLOCK_MONOTONIC, as
@@ -147,6 +140,11 @@ cdef class Client:
         cdef int rc
         with nogil:
             rc = sc_wait(&self.c, shm_now_ns() + spin_ns, deadline_ns, &self.ans)
+        return self._answer(rc)
+
+    cdef _answer(self, int rc):
+        """sc_wait's outcome: the answer (status, slot, seq), None (nothing by the deadline, or a
+        signal: its handler run), or the doorbell's failure raised."""
         if rc == SC_OK:
             return self.ans.status, self.ans.slot, self.ans.seq
         if rc == SC_NONE:

@@ -38,19 +38,24 @@ static void put_rows(void *dst, int wire, const float *x, size_t n) {
     }
 }
 
-static void get_rows(float *y, const void *src, int wire, size_t n) {
+/* y = the n wire values as float32, or y += them (add) */
+static void get_rows(float *y, const void *src, int wire, size_t n, int add) {
     if (wire == 0) {
-        memcpy(y, src, n * 4);
+        const float *s = src;
+        if (!add) memcpy(y, src, n * 4);
+        else for (size_t i = 0; i < n; i++) y[i] += s[i];
     } else if (wire == 1) {
         const uint16_t *s = src;
         for (size_t i = 0; i < n; i++) {
             uint32_t u = (uint32_t)s[i] << 16;
-            memcpy(y + i, &u, 4);
+            float f;
+            memcpy(&f, &u, 4);
+            y[i] = add ? y[i] + f : f;
         }
     } else {
 #ifdef __FLT16_MAX__
         const _Float16 *s = src;
-        for (size_t i = 0; i < n; i++) y[i] = (float)s[i];
+        for (size_t i = 0; i < n; i++) y[i] = add ? y[i] + (float)s[i] : (float)s[i];
 #endif
     }
 }
@@ -133,7 +138,7 @@ int sc_wait(ShmClient *c, int64_t spin_end_ns, int64_t deadline_ns, ShmAnswer *a
 }
 
 void sc_read(const ShmClient *c, int slot, int T, float *out) {
-    get_rows(out, slot_at(c, slot) + c->out_off, c->wire, (size_t)T * c->H);
+    get_rows(out, slot_at(c, slot) + c->out_off, c->wire, (size_t)T * c->H, 0);
 }
 
 int sc_finish(ShmClient *c, uint64_t seq, int slot, int T, void *out, int mode, int64_t spin_end_ns,
@@ -143,29 +148,9 @@ int sc_finish(ShmClient *c, uint64_t seq, int slot, int T, void *out, int mode, 
     if (a->seq != seq || a->slot != (uint32_t)slot || a->status != 0 || T < 0 || T > c->max_tokens) return SC_OTHER;
     const unsigned char *src = slot_at(c, slot) + c->out_off;
     size_t n = (size_t)T * c->H;
-    if (mode == SC_OUT_WIRE) {
+    if (mode == SC_OUT_WIRE)
         memcpy(out, src, n * (c->wire == 0 ? 4 : 2));
-    } else if (mode == SC_OUT_F32) {
-        get_rows(out, src, c->wire, n);
-    } else { /* SC_OUT_ADD_F32: out += the answer, in float32 (the order of the caller's calls) */
-        float *y = out;
-        if (c->wire == 0) {
-            const float *v = (const float *)src;
-            for (size_t i = 0; i < n; i++) y[i] += v[i];
-        } else if (c->wire == 1) {
-            const uint16_t *v = (const uint16_t *)src;
-            for (size_t i = 0; i < n; i++) {
-                uint32_t u = (uint32_t)v[i] << 16;
-                float f;
-                memcpy(&f, &u, 4);
-                y[i] += f;
-            }
-        } else {
-#ifdef __FLT16_MAX__
-            const _Float16 *v = (const _Float16 *)src;
-            for (size_t i = 0; i < n; i++) y[i] += (float)v[i];
-#endif
-        }
-    }
+    else /* as float32: written (SC_OUT_F32) or added into out (SC_OUT_ADD_F32, in the order of the caller's calls) */
+        get_rows(out, src, c->wire, n, mode == SC_OUT_ADD_F32);
     return SC_OK;
 }
