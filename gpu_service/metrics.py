@@ -174,21 +174,15 @@ def category_of(name: str, modules: list[tuple[str, str]]) -> str:
 
 def actual_bytes(runner, placement=None) -> dict[tuple[str, str], int]:
     """{(category, device label): bytes} of the runner's parameters, buffers and KV pool, placed by
-    the placement's map (the same rule as `placement.allocated_bytes_by_gpu`)."""
-    from gpu_service.model.placement import Placement
+    the placement's map (`placement.placed_bytes`)."""
+    from gpu_service.model.placement import Placement, placed_bytes
 
     placement = placement or getattr(runner, "placement", None) or Placement.single(runner.cfg, runner.device)
     mods = _module_categories(runner.cfg)
     out: dict[tuple[str, str], int] = {}
-    model = runner.model
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        k = (category_of(name, mods), device_label(placement.gpu_index_of(name)))
-        out[k] = out.get(k, 0) + t.numel() * t.element_size()
-    pool = runner.pool
-    for cat, tensors in (("kv_cache", pool.kv), ("index_keys", getattr(pool, "index_k", None) or [])):
-        for layer, t in enumerate(tensors):
-            k = (cat, device_label(placement.layer_gpu[layer]))
-            out[k] = out.get(k, 0) + t.numel() * t.element_size()
+    for name, g, b in placed_bytes(runner.model, placement, runner.pool):
+        k = (name if name in ("kv_cache", "index_keys") else category_of(name, mods), device_label(g))
+        out[k] = out.get(k, 0) + b
     return out
 
 

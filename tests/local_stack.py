@@ -4,6 +4,7 @@ CPU runner over the experts client, the HTTP + gRPC APIs on free ports."""
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 
 @contextlib.contextmanager
@@ -28,3 +29,19 @@ def replicated_stack(model_dir: str, model: str, *, kv_tokens: int, max_batch: i
         yield st
     finally:
         st.stop()
+
+
+def shard_health_fn(addresses: list[str], timeout_s: float = 1.0, tls=None) -> Callable[[], tuple[bool, dict]]:
+    """A health check asking every shard's grpc.health.v1 (one channel each; the serving
+    stack itself uses the replica-aware `ExpertsClient.health`)."""
+    from wire.channel import make_channel
+
+    from gpu_service.experts.health import check_parallel
+
+    channels = {a: make_channel(a, [], tls) for a in addresses}
+
+    def check() -> tuple[bool, dict]:  # every shard asked at once: at most timeout_s in all
+        out = check_parallel(channels, timeout_s)
+        return all(v == "SERVING" for v in out.values()), out
+
+    return check

@@ -59,7 +59,8 @@ def _wait(pred, timeout: float, what: str, step: float = 0.2):
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     from gpu_service.local.stack import start_shards
-    from gpu_service.entrypoints.serving import ServingStack, build_runner, shard_health_fn
+    from gpu_service.entrypoints.serving import ServingStack, build_runner
+    from local_stack import shard_health_fn
     from gpu_service.local.tiny import make_tiny
 
     model_dir = make_tiny(str(tmp_path_factory.mktemp("ckpt") / MODEL), "bf16", seed=0)

@@ -33,7 +33,8 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def stack(model_dir):
     from gpu_service.local.stack import start_shards
-    from gpu_service.entrypoints.serving import ServingStack, build_runner, shard_health_fn
+    from gpu_service.entrypoints.serving import ServingStack, build_runner
+    from local_stack import shard_health_fn
 
     shards = start_shards(model_dir, 2, split="experts", backend="auto")
     try:
@@ -83,7 +84,7 @@ def test_health_503_when_a_shard_is_down(stack):
     from fastapi.testclient import TestClient
 
     from gpu_service.api.http_api import create_app
-    from gpu_service.entrypoints.serving import shard_health_fn
+    from local_stack import shard_health_fn
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

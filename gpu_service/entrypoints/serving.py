@@ -161,22 +161,6 @@ def check_serving_args(args: argparse.Namespace) -> str | None:
     return None
 
 
-def shard_health_fn(addresses: list[str], timeout_s: float = 1.0, tls=None) -> Callable[[], tuple[bool, dict]]:
-    """A health check asking every shard's grpc.health.v1 (one channel each; the serving stack uses the
-    replica-aware `ExpertsClient.health`)."""
-    from wire.channel import make_channel
-
-    from gpu_service.experts.health import check_parallel
-
-    channels = {a: make_channel(a, [], tls) for a in addresses}
-
-    def check() -> tuple[bool, dict]:  # every shard asked at once: at most timeout_s in all
-        out = check_parallel(channels, timeout_s)
-        return all(v == "SERVING" for v in out.values()), out
-
-    return check
-
-
 def build_runner(model_dir: str, addresses: list[str], device=None, dtype=None, kv_tokens: int = 8192,
                  page_size: int = 64, expert_timeout: float = 5.0, tls=None, tls_server_name: str | None = None,
                  placement=None, chat_template: str | None = None, prefix_cache: bool = True,

@@ -37,81 +37,32 @@ BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
 SPECIAL_TOKENS = [BOS, EOS, USER, ASSISTANT]  # ids 0, 1, 2, 3
 
-DEFAULT_CONFIG: dict = {
-    "architectures": ["DeepseekV3ForCausalLM"],
-    "model_type": "deepseek_v3",
-    "vocab_size": 512,
-    "hidden_size": 96,
-    "intermediate_size": 160,
-    "moe_intermediate_size": 32,
-    "num_hidden_layers": 3,
-    "first_k_dense_replace": 1,
-    "moe_layer_freq": 1,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "q_lora_rank": 48,
-    "kv_lora_rank": 32,
-    "qk_rope_head_dim": 16,
-    "qk_nope_head_dim": 16,
-    "v_head_dim": 16,
-    "n_routed_experts": 16,
-    "num_experts_per_tok": 4,
-    "n_group": 4,
-    "topk_group": 2,
-    "n_shared_experts": 1,
-    "routed_scaling_factor": 2.5,
-    "scoring_func": "sigmoid",
-    "topk_method": "noaux_tc",
-    "norm_topk_prob": True,
-    "hidden_act": "silu",
-    "max_position_embeddings": 1024,
-    "rope_theta": 10000.0,
-    "rope_scaling": {
-        "type": "yarn",
-        "factor": 4.0,
-        "original_max_position_embeddings": 256,
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-    },
-    "rms_norm_eps": 1e-6,
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "tie_word_embeddings": False,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-    "num_nextn_predict_layers": 0,
-    "initializer_range": 0.1,
-    "torch_dtype": "bfloat16",
-    "use_cache": True,
+DEFAULT_CONFIG: dict = {  # grouped by concept; real DeepSeek field names
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "vocab_size": 512, "hidden_size": 96, "intermediate_size": 160, "moe_intermediate_size": 32,
+    "num_hidden_layers": 3, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32,
+    "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16,
+    "n_routed_experts": 16, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True,
+    "hidden_act": "silu", "max_position_embeddings": 1024, "rope_theta": 10000.0,
+    "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "rms_norm_eps": 1e-6, "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,
+    "bos_token_id": 0, "eos_token_id": 1, "num_nextn_predict_layers": 0, "initializer_range": 0.1,
+    "torch_dtype": "bfloat16", "use_cache": True,
 }
 V32_EXTRA = {"index_n_heads": 4, "index_head_dim": 32, "index_topk": 8}
 
 FP8_QUANT = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
 INT4_QUANT = {  # exactly Kimi-K2-Thinking's
-    "quant_method": "compressed-tensors",
-    "format": "pack-quantized",
-    "config_groups": {
-        "group_0": {
-            "targets": ["Linear"],
-            "weights": {
-                "num_bits": 4,
-                "type": "int",
-                "symmetric": True,
-                "strategy": "group",
-                "group_size": 32,
-                "dynamic": False,
-            },
-            "input_activations": None,
-        }
-    },
-    "ignore": [
-        "lm_head",
-        "re:.*self_attn.*",
-        "re:.*shared_experts.*",
-        "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
-    ],
+    "quant_method": "compressed-tensors", "format": "pack-quantized",
+    "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32,
+                    "dynamic": False},
+        "input_activations": None}},
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
 }
 
 TOKENIZER_TEXT = """\

@@ -104,18 +104,23 @@ class Placement:
         return None if aw == "bf16" else aw
 
 
-def allocated_bytes_by_gpu(model: torch.nn.Module, placement: Placement, pool=None) -> dict[int, int]:
-    """Bytes of parameters and buffers (and the KV pool) per planned GPU index (-1 = CPU), by the
-    placement's map — on a CPU-only machine this still tells each planned device's share."""
-    out: dict[int, int] = {}
+def placed_bytes(model: torch.nn.Module, placement: Placement, pool=None):
+    """(name, planned GPU index (-1 = CPU), bytes) of every parameter and buffer, then ("kv_cache" /
+    "index_keys", GPU index, bytes) of each layer's KV pool tensors, by the placement's map."""
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        g = placement.gpu_index_of(name)
-        out[g] = out.get(g, 0) + t.numel() * t.element_size()
+        yield name, placement.gpu_index_of(name), t.numel() * t.element_size()
     if pool is not None:
-        for per_layer in (pool.kv, getattr(pool, "index_k", None) or []):  # MLA cache, V3.2 index keys
+        for cat, per_layer in (("kv_cache", pool.kv), ("index_keys", getattr(pool, "index_k", None) or [])):
             for layer, t in enumerate(per_layer):
-                g = placement.layer_gpu[layer]
-                out[g] = out.get(g, 0) + t.numel() * t.element_size()
+                yield cat, placement.layer_gpu[layer], t.numel() * t.element_size()
+
+
+def allocated_bytes_by_gpu(model: torch.nn.Module, placement: Placement, pool=None) -> dict[int, int]:
+    """Bytes of parameters and buffers (and the KV pool) per planned GPU index (-1 = CPU) — on a
+    CPU-only machine this still tells each planned device's share."""
+    out: dict[int, int] = {}
+    for _, g, b in placed_bytes(model, placement, pool):
+        out[g] = out.get(g, 0) + b
     return out
 
 

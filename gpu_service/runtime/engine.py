@@ -41,7 +41,6 @@ from gpu_service.runtime.sampling import SamplingParams
 log = logging.getLogger("moesplit.engine")
 
 
-
 class Engine:
     """Continuous batching over a `ModelRunner`. `submit` refuses, before any work, more than
     `max_waiting` queued requests (QueueFull), more than MAX_STOP stop strings of MAX_STOP_CHARS
@@ -165,11 +164,10 @@ class Engine:
             raise RequestError("grammar must be a CompiledGrammar (GrammarCompiler.compile(spec).result())",
                                "response_format")
         handle = RequestHandle(f"req-{next(self._ids)}", n, max_tokens, self._wake_ev.set)
-        handle._request = req = _Request(
+        return _Request(
             handle, n, prompt_ids, params, params.generator(), max_tokens, stop, ignore_eos, self.runner.new_seq(),
             grammar.matcher() if grammar is not None else None, tuple(sorted(self.eos | set(params.stop_token_ids))),
             prompt_logprobs, salt=cache_salt or None)
-        return req
 
     def _queued(self) -> int:
         """Requests waiting for admission, every choice of an `n` unit counted."""

@@ -216,7 +216,6 @@ class _Request:
     followers: list = field(default_factory=list)  # choices 2..n of the same prompt: fork off this one's KV
     salt: str | None = None  # cache_salt: prefixes are shared only between equal salts
     looked_up: bool = False  # the prefix-cache lookup has been counted
-    arrival: float = field(default_factory=time.monotonic)
     # incremental detokenisation (prefix/read offsets into the generated ids) and stop handling
     prefix_offset: int = 0
     read_offset: int = 0
