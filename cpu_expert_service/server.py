@@ -37,7 +37,10 @@ import time
 import grpc
 import ml_dtypes
 import numpy as np
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+try:  # optional where only load_shard is wanted (a bare CUDA host running `make gpu-check`)
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+except ImportError:
+    health = health_pb2 = health_pb2_grpc = None
 
 from checkpoint.config import ModelConfig, load_config
 from checkpoint.names import compact_ranges
@@ -457,6 +460,8 @@ def create_server(
     server = grpc.server(**server_kwargs(max_workers), interceptors=interceptors,
                          options=transport.server_options(cfg, max_tokens))
     add_servicer(servicer, server)
+    if health is None:
+        raise RuntimeError("serving a shard needs grpc.health.v1: pip install grpcio-health-checking")
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     addr = f"{host}:{port}"

@@ -11,12 +11,20 @@ import time
 from typing import Callable
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+try:  # optional: the engine and model import without it (a bare CUDA host); readiness then says so
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+except ImportError:
+    health_pb2 = health_pb2_grpc = None
+
+MISSING = "UNKNOWN: grpcio-health-checking is not installed (pip install grpcio-health-checking)"
 
 
 def check_parallel(channels: dict[str, "grpc.Channel | None"], timeout_s: float) -> dict[str, str]:
     """{address: "SERVING" | "NOT_SERVING" | "<CODE>: details"}: all asked at once, so the whole
     check takes at most `timeout_s` however many replicas are stopped."""
+    if health_pb2 is None:
+        return {addr: MISSING for addr, ch in channels.items() if ch is not None}
     req = health_pb2.HealthCheckRequest(service="")
     futs, out = {}, {}
     for addr, ch in channels.items():

@@ -11,6 +11,8 @@ plan leaves free, or of MemAvailable without a plan: `auto_host_kv_bytes`).
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 AUTO_SHARE = 0.5  # of the host RAM left free by the plan (shards, GPU service, OS reserve)
@@ -50,11 +52,20 @@ def auto_host_kv_bytes(plan=None) -> int:
 class HostKVTier:
     """`num_slots` host copies of pool pages (see the module docstring)."""
 
+    @property
+    def pool(self):
+        """The KV pool whose pages this tier copies (held weakly)."""
+        p = self._pool()
+        if p is None:
+            raise RuntimeError("the KV pool of this host tier was freed: keep the pool alive while the tier is used")
+        return p
+
     def __init__(self, pool, num_slots: int, pin: bool | None = None):
         if num_slots < 1:
             raise ValueError(f"host KV tier of {num_slots} pages: give --host-kv-cache at least one page "
                              f"({page_bytes(pool)} B) or 0 to turn it off")
-        self.pool, self.num_slots, S = pool, num_slots, pool.page_size
+        self._pool = weakref.ref(pool)  # the pool owns its cache and tier: no cycle back to it
+        self.num_slots, S = num_slots, pool.page_size
         self.pin = any(t.device.type == "cuda" for t in pool.kv) if pin is None else pin
         self.planes = [pool.kv] + ([pool.index_k] if pool.index_k is not None else [])
         L, dt = len(pool.kv), pool.kv[0].dtype

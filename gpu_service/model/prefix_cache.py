@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import time
+import weakref
 from array import array
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -61,7 +62,10 @@ class PrefixCache:
     `SeqKV.reserve` evicts through it and `SeqKV.free` returns shared pages to it."""
 
     def __init__(self, pool, host=None):
-        self.pool, self.host, self.S = pool, host, pool.page_size
+        # the pool owns its cache (`pool.cache`); the cache refers back weakly, so no reference
+        # cycle keeps a dropped runner's KV pool alive until the cycle collector happens to run
+        self._pool = weakref.ref(pool)
+        self.host, self.S = host, pool.page_size
         self.nodes: dict[bytes, Node] = {}
         self.gpu_lru: collections.OrderedDict[Node, None] = collections.OrderedDict()  # refs 0, oldest first
         self.host_lru: collections.OrderedDict[Node, None] = collections.OrderedDict()  # oldest first
@@ -70,6 +74,15 @@ class PrefixCache:
                           dropped=0, copied_in_pages=0, copied_out_pages=0, copy_in_s=0.0, copy_out_s=0.0,
                           copy_in_bytes=0, copy_out_bytes=0)
         pool.cache = self
+
+    @property
+    def pool(self):
+        """The KV pool this cache indexes (alive as long as anyone holds the pool)."""
+        p = self._pool()
+        if p is None:
+            raise RuntimeError("the KV pool of this prefix cache was freed: keep the pool (the runner) alive "
+                               "while its cache is used")
+        return p
 
     # ---- sizes ------------------------------------------------------------------------------
     @property

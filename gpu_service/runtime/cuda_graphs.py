@@ -38,6 +38,22 @@ def _sig(t: torch.Tensor) -> tuple:
     return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype
 
 
+def _body(fn, outs: tuple):
+    """fn's call that leaves its results in the static outputs `outs` (what a graph captures)."""
+
+    def body(*xs):
+        for b, o in zip(outs, _tuple(fn(*xs))):
+            b.copy_(o)
+
+    return body
+
+
+def _streams(device: torch.device) -> tuple:
+    """A (capture, side) stream pair made on `device` (under its device guard)."""
+    with torch.cuda.device(device):
+        return torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+
 class _Entry:
     __slots__ = ("inputs", "outputs", "graph", "fn")
 
@@ -50,11 +66,13 @@ class GraphSet:
 
     def __init__(self, device: torch.device, rows: int, mode: str, owner: "Graphs | None" = None):
         self.device, self.rows, self.mode, self.owner = device, rows, mode, owner
+        self.index = device.index if device.index is not None else 0
         self.pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
         self.entries: dict[tuple[int, str], _Entry] = {}
         self.static: set[tuple] = set()  # signatures of tensors used as they are (no copy)
         self.buffers: dict[tuple, torch.Tensor] = {}  # static inputs / outputs shared by the layers
         self._cs: torch.Tensor | None = None
+        self._pair: tuple | None = None  # (capture, side) streams of a set without an owner
         self.replays = 0
 
     def persist(self, *ts: torch.Tensor) -> None:
@@ -93,7 +111,11 @@ class GraphSet:
                 s.copy_(a)
         self.replays += 1
         if e.graph is not None:
-            e.graph.replay()
+            if torch.cuda.current_device() == self.index:
+                e.graph.replay()
+            else:  # a layer on another GPU: its graph replays on that device's current stream
+                with torch.cuda.device(self.index):
+                    e.graph.replay()
         else:  # static mode: the same call on the same buffers
             e.fn(*e.inputs)
         return e.outputs
@@ -109,6 +131,8 @@ class GraphSet:
         return b
 
     def _capture(self, name: str, fn, args) -> _Entry:
+        """Copy the arguments into static inputs, warm fn up on the device's side stream, then
+        capture it on the device's capture stream under that device's guard (mode "cuda")."""
         inputs = []
         for j, a in enumerate(args):
             if a is None or _sig(a) in self.static:
@@ -117,30 +141,28 @@ class GraphSet:
                 b = self._shared((name, "in", j), a)
                 b.copy_(a)
                 inputs.append(b)
-        if self.mode == "cuda":
+        if self.mode != "cuda":
+            outs = tuple(self._shared((name, "out", j), o) for j, o in enumerate(_tuple(fn(*inputs))))
+            body = _body(fn, outs)
+            body(*inputs)
+            return _Entry(inputs, outs, None, body)
+        if self.owner is not None:
+            capture, side = self.owner.streams(self.device)
+        else:
+            capture, side = self._pair = self._pair or _streams(self.device)
+        with torch.cuda.device(self.device):  # the capture stream's device is current (torch's default is cuda:0's)
             cur = torch.cuda.current_stream(self.device)
-            side = torch.cuda.Stream(self.device)
             side.wait_stream(cur)
             with torch.cuda.stream(side):
                 probe = _tuple(fn(*inputs))  # warm-up off the capture (lazy init, cuBLAS workspaces)
             cur.wait_stream(side)
-        else:
-            probe = _tuple(fn(*inputs))
-        outs = tuple(self._shared((name, "out", j), o) for j, o in enumerate(probe))
-        del probe
-
-        def body(*xs):
-            for b, o in zip(outs, _tuple(fn(*xs))):
-                b.copy_(o)
-
-        graph = None
-        if self.mode == "cuda":
+            outs = tuple(self._shared((name, "out", j), o) for j, o in enumerate(probe))
+            del probe
+            body = _body(fn, outs)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self.pool, stream=capture, capture_error_mode="thread_local"):
                 body(*inputs)
             graph.replay()
-        else:
-            body(*inputs)
         return _Entry(inputs, outs, graph, body)
 
 
@@ -160,18 +182,35 @@ class Graphs:
         self.buckets = tuple(sorted(b for b in buckets if b >= min_rows)) or (min_rows,)
         self.mode = mode
         self.sets: dict[tuple, GraphSet] = {}
+        # one capture and one side stream per device, made at its first capture and kept: each new
+        # (cuBLAS handle, stream) pair costs a workspace that is never freed (32 MiB on Hopper)
+        self._streams: dict[torch.device, tuple] = {}
         self.eager_steps = 0  # all-decode steps above the largest bucket
 
+    def streams(self, device: torch.device) -> tuple:
+        """The (capture, side) streams of `device`, made once."""
+        pair = self._streams.get(device)
+        if pair is None:
+            pair = self._streams[device] = _streams(device)
+        return pair
+
+    def devices(self) -> list[torch.device]:
+        """Every device graphs were captured (or tried) on."""
+        return sorted({*self._streams, *(s.device for s in self.sets.values())}, key=str)
+
     def disable(self, why: str) -> None:
-        """Turn graphs off for the rest of the process (every later step eager), with a warning."""
+        """Turn graphs off for the rest of the process (every later step eager), with a warning;
+        every device that captured is synchronised before its graphs and pools are dropped."""
         if self.disabled is None:
             self.disabled = why
             log.warning("CUDA graphs off, decode runs eager: %s (start with --no-cuda-graphs to skip the attempt)", why)
             if self.mode == "cuda":
-                torch.cuda.synchronize()
+                for dev in self.devices():
+                    torch.cuda.synchronize(dev)
         self.sets.clear()  # the captured graphs and their pools go
 
     def bucket(self, B: int) -> int | None:
+        """The smallest bucket holding B rows (None above the largest)."""
         return next((b for b in self.buckets if b >= B), None)
 
     def get(self, device: torch.device, slot: int, B: int) -> GraphSet | None:
@@ -190,4 +229,5 @@ class Graphs:
         return s
 
     def captured(self) -> int:
+        """Segments captured so far, over every set."""
         return sum(len(s.entries) for s in self.sets.values())
