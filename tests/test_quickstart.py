@@ -188,3 +188,32 @@ def test_moesplit_is_not_on_a_clean_path():
     if r.returncode == 0:
         pytest.skip(f"moesplit is installed system-wide at {r.stdout.strip()}")
     assert r.returncode != 0
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_written_files_get_the_umask_modes(tmp_path, umask):
+    """make-tiny (built-in and a real-format tokenizer), convert and plan --helm-values write files
+    0666 & ~umask and directories 0777 & ~umask, as open() and mkdir do; a container user (uid 10001)
+    can then read a checkpoint written with the default umask."""
+    tiny, kimi, packed, values = (tmp_path / n for n in ("tiny", "kimi", "packed", "values.yaml"))
+    py = shlex.quote(sys.executable)
+    script = "; ".join([
+        f"umask {umask:03o}", "set -e",
+        f"{py} -m moesplit make-tiny {tiny} --format bf16",
+        f"{py} -m moesplit make-tiny {kimi} --format int4 --tokenizer kimi-k2",
+        f"{py} -m moesplit convert --model {tiny} --out {packed} --shards 2",
+        f"{py} -m moesplit plan --model kimi-k2-thinking --gpu 24GiB --helm-values {values}",
+    ])
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 0, r.stderr[-3000:]
+    wrong = []
+    for top in (tiny, kimi, packed, values):
+        entries = [top] + ([p for p in top.rglob("*")] if top.is_dir() else [])
+        for p in entries:
+            want = (0o777 if p.is_dir() else 0o666) & ~umask
+            got = p.stat().st_mode & 0o7777
+            if got != want:
+                wrong.append(f"{p.relative_to(tmp_path)}: {got:04o}, expected {want:04o}")
+    assert not wrong, "\n".join(wrong)
+    assert any(p.suffix == ".safetensors" for p in tiny.iterdir())
