@@ -1,6 +1,7 @@
 """End-to-end check of the built images (`make image-test`, after scripts/build_images.sh).
 
-A tiny checkpoint (`moesplit make-tiny`) mounted read-only; 2 expert shard containers from
+A tiny checkpoint (`moesplit make-tiny`, files as it wrote them with the caller's umask) mounted read-only,
+first read file by file by the experts image's non-root user; 2 expert shard containers from
 moesplit-experts and one GPU-service container from the CPU moesplit-gpu, all on the host network;
 the official `openai` client must get the same greedy completion as the same processes run on the
 host (no container). Then: `podman stop` of a shard ends it within 10 s with exit status 0, the GPU
@@ -142,11 +143,8 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="moesplit-image-test-")
     os.chmod(work, 0o755)
     model = os.path.join(work, "tiny")
+    # written with this session's umask and left as make-tiny wrote it: the images' non-root user must read it
     subprocess.run([*moesplit, "make-tiny", model], check=True, stdout=subprocess.DEVNULL)
-    for dirpath, dirs, files in os.walk(model):  # readable by the images' non-root user
-        os.chmod(dirpath, 0o755)
-        for f in files:
-            os.chmod(os.path.join(dirpath, f), 0o644)
     with open(os.path.join(model, "config.json")) as f:
         n_experts = int(json.load(f)["n_routed_experts"])
     cmodel = "/models/tiny"
@@ -177,6 +175,14 @@ def main() -> int:
                "import torch, gpu_service.model.deepseek; print(torch.__version__, torch.version.cuda)", check=False)
     check(r.returncode == 0 and "+cpu" in r.stdout,
           f"{gpu_img}: CPU torch and the model ({r.stdout.strip() or r.stderr[-200:]})")
+
+    umask = os.umask(0o022)
+    os.umask(umask)
+    r = podman("run", "--rm", *PODMAN_RUN, *mount, "--entrypoint", "python", experts_img, "-c",
+               "import os, sys; d = sys.argv[1]; fs = sorted(os.listdir(d)); "
+               "[open(os.path.join(d, f), 'rb').read(1) for f in fs]; print(len(fs))", cmodel, check=False)
+    check(r.returncode == 0, f"{experts_img} (uid 10001) reads every file of a make-tiny checkpoint written with "
+          f"umask {umask:03o} ({(r.stdout + r.stderr).strip()[-300:]})")
 
     print("local (no container) reference run ...", flush=True)
     want, host_isa = local_run(moesplit, model, n_experts)

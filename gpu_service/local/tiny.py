@@ -212,13 +212,34 @@ def _encode(tensors: dict, fmt: str, cfg: dict) -> dict:
     return stored
 
 
-def _write_shards(out_dir: str, stored: dict, n_layers: int) -> list[str]:
-    """Write safetensors; >= 2 layers -> sharded by size (shard boundaries fall inside layers)."""
+def _umask() -> int:
+    """The process umask, read without changing it where Linux shows it (/proc/self/status)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _save_file(tensors: dict, path: str) -> None:
+    """safetensors' save_file, then the mode a plain open() would give (0666 & ~umask): safetensors
+    writes 0600, which a container running as another uid cannot read."""
     from safetensors.torch import save_file
 
+    save_file(tensors, path, metadata={"format": "pt"})
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _write_shards(out_dir: str, stored: dict, n_layers: int) -> list[str]:
+    """Write safetensors; >= 2 layers -> sharded by size (shard boundaries fall inside layers)."""
     names = list(stored)
     if n_layers < 2:
-        save_file(stored, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+        _save_file(stored, os.path.join(out_dir, "model.safetensors"))
         return ["model.safetensors"]
     n_shards = min(4, max(2, n_layers))
     sizes = [stored[n].numel() * stored[n].element_size() for n in names]
@@ -234,7 +255,7 @@ def _write_shards(out_dir: str, stored: dict, n_layers: int) -> list[str]:
     weight_map = {}
     for i, group in enumerate(shards):
         fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file({n: stored[n] for n in group}, os.path.join(out_dir, fn), metadata={"format": "pt"})
+        _save_file({n: stored[n] for n in group}, os.path.join(out_dir, fn))
         weight_map.update({n: fn for n in group})
         files.append(fn)
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:

@@ -10,6 +10,7 @@ This module imports torch and transformers; the runtime never does.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -78,11 +79,15 @@ def train_model(model, ids: list[int], steps: int = 500, seed: int = 0, lr: floa
 
 def train_tiny(out_dir: str, fmt: str = "bf16", seed: int = 7, overrides: dict | None = None,
                arch: str = "deepseek_v3", steps: int = 500, train_seed: int = 0, threads: int | None = 1,
-               text: str | None = None, log_every: int = 0, **train_kw) -> dict:
-    """`make_tiny(out_dir, fmt, seed, overrides, arch)`, then `steps` training steps on `text` and the
-    weights overwritten (in `fmt`); returns {"dir", "losses", "seconds"}."""
-    out_dir = tiny.make_tiny(out_dir, fmt=fmt, seed=seed, overrides=overrides, arch=arch)
-    cfg = tiny.tiny_config(arch, fmt, overrides)
+               text: str | None = None, log_every: int = 0, tokenizer: str | None = None, **train_kw) -> dict:
+    """`make_tiny(out_dir, fmt, seed, overrides, arch, tokenizer)`, then `steps` training steps on `text`
+    (a callable gets the written directory and returns the text) and the weights overwritten (in
+    `fmt`); returns {"dir", "losses", "seconds"}."""
+    out_dir = tiny.make_tiny(out_dir, fmt=fmt, seed=seed, overrides=overrides, arch=arch, tokenizer=tokenizer)
+    with open(os.path.join(out_dir, "config.json")) as f:
+        cfg = json.load(f)  # make_tiny's own dict (a tokenizer kind sets vocab and special ids)
+    if callable(text):
+        text = text(out_dir)
     model = tiny.build_hf_model(cfg, seed)  # the very model make_tiny wrote
     t0 = time.perf_counter()
     losses = train_model(model, corpus_ids(out_dir, text), steps=steps, seed=train_seed, threads=threads,
