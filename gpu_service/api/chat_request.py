@@ -220,10 +220,11 @@ def chat_plan(body: dict, tokenizer, settings: ChatSettings, max_chars: int | No
         if tparser is None:
             raise APIError(400, f"tool_choice {choice!r} needs a tool-call parser for this model; start the server "
                                 "with --tool-call-parser NAME", param="tool_choice")
+        tparser.call_index = sum(len(m.get("tool_calls") or []) for m in messages)
         prefix = ("</think>" if rparser is not None and rparser.start_in else "") + \
             tparser.forced_prefix(choice["function"]["name"] if isinstance(choice, dict) else None)
         prompt += prefix
-        grammar = tool_call_grammar(tparser.name, tools, choice, tokenizer)
+        grammar = tool_call_grammar(tparser.name, tools, choice, tokenizer, tparser.call_index)
     ids = tokenizer.encode(prompt, add_bos=False)
     max_calls = 1 if (not parallel or isinstance(choice, dict)) else None
     return ChatPlan(ids, prompt, OutputParser(rparser, tparser, prefix, max_calls), choice, grammar)

@@ -7,13 +7,15 @@ the closing markers. Reaching the grammar's end stops the request, and the text 
 same tool-call parser as an unforced call. Markers that are single tokens are matched by id
 (`<[id]>`, special or not); other text by literal.
 
-    kimi_k2       [NAME ":0" <|tool_call_argument_begin|>] JSON <|tool_call_end|> <|tool_calls_section_end|>
+    kimi_k2       [NAME ":N" <|tool_call_argument_begin|>] JSON <|tool_call_end|> <|tool_calls_section_end|>
     deepseek_v3   [NAME "\\n```json\\n"] JSON "\\n```" <｜tool▁call▁end｜> <｜tool▁calls▁end｜>
     deepseek_v31  [NAME <｜tool▁sep｜>] JSON <｜tool▁call▁end｜> <｜tool▁calls▁end｜>
     deepseek_v32  [NAME '">\\n'] {DSML parameter "\\n"} "</｜DSML｜invoke>\\n</｜DSML｜function_calls>"
                   (string properties raw: an enum's values, else text without '<' up to maxLength;
                   others as JSON for their sub-schema; required ones in order, the others optional)
 (the bracketed part only for `required`: the prompt's prefix already names a named function).
+Kimi's call ids count across the conversation: N is `call_index`, the number of tool calls already
+in the history, so a forced loop gets `functions.f:0`, `functions.f:1`, ... (one call per forced turn).
 """
 from __future__ import annotations
 
@@ -74,8 +76,9 @@ def _dsml_params(g: _Lark, fn: dict) -> str:
     return " ".join(parts + [json.dumps(dsv32.INVOKE_END + "\n" + dsv32.CALLS_END)])
 
 
-def tool_call_grammar(parser: str, tools: list[dict], choice, tokenizer):
-    """The GrammarSpec (Lark) of the forced continuation, for parser `parser` (a TOOL_PARSERS name)."""
+def tool_call_grammar(parser: str, tools: list[dict], choice, tokenizer, call_index: int = 0):
+    """The GrammarSpec (Lark) of the forced continuation, for parser `parser` (a TOOL_PARSERS name);
+    `call_index`: the tool calls already in the conversation (Kimi's ids count on from it)."""
     from gpu_service.runtime.grammar import GrammarSpec
 
     g = _Lark(tokenizer)
@@ -86,7 +89,8 @@ def tool_call_grammar(parser: str, tools: list[dict], choice, tokenizer):
         name = json.dumps(fn["name"])
         if parser == "kimi_k2":
             body = f"{g.json_rule(_schema(fn))} {g.marker('<|tool_call_end|>')} {g.marker('<|tool_calls_section_end|>')}"
-            head = f"{json.dumps(fn['name'] + ':0')} {g.marker('<|tool_call_argument_begin|>')} "
+            call_id = f"{fn['name']}:{int(call_index)}"
+            head = f"{json.dumps(call_id)} {g.marker('<|tool_call_argument_begin|>')} "
         elif parser == "deepseek_v3":
             body = (f"{g.json_rule(_schema(fn))} {json.dumps(chr(10) + '```')} {g.marker('<｜tool▁call▁end｜>')} "
                     f"{g.marker('<｜tool▁calls▁end｜>')}")

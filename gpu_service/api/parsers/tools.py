@@ -55,8 +55,10 @@ class KimiK2ToolParser(ToolParser):
                                                                             head.strip(), done))
 
     def forced_prefix(self, function):
+        """The section's opening up to the function name (`required`), or through the call's id
+        `functions.NAME:N` (N = `call_index`, the calls already in the conversation) for a named one."""
         head = self.SECTION_BEGIN + self.CALL_BEGIN + "functions."
-        return head if function is None else head + f"{function}:0" + self.ARG_BEGIN
+        return head if function is None else head + f"{function}:{self.call_index}" + self.ARG_BEGIN
 
 
 class DeepseekV3ToolParser(ToolParser):
