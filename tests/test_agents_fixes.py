@@ -49,3 +49,87 @@ def test_kimi_forced_ids_count_across_the_conversation(kimi, choice):
     `functions.get_weather:N`, N the calls already in the history."""
     kimi.runner.script = []
     assert _forced_loop(kimi, choice) == [f"functions.get_weather:{n}" for n in range(3)]
+
+
+@pytest.fixture(scope="module")
+def v32(tmp_path_factory):
+    st = _serve(tmp_path_factory, "deepseek-v32", "deepseek_v32")
+    yield st
+    st.stop()
+
+
+def _post(st, **body):
+    return httpx.post(st.http_url + "/v1/chat/completions",
+                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body})
+
+
+def _refused(r, param, *words):
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param, err
+    for w in words:
+        assert w in err["message"], (w, err["message"])
+
+
+def test_store_metadata_verbosity(kimi):
+    kimi.runner.script = []
+    meta = {"run": "agents-7", "user_tier": "free"}
+    r = _post(kimi, store=False, metadata=meta)
+    assert r.status_code == 200, r.text
+    assert r.json()["metadata"] == meta
+    _refused(_post(kimi, store=True), "store", "false")
+    _refused(_post(kimi, metadata={f"k{i}": "v" for i in range(17)}), "metadata", "16")
+    _refused(_post(kimi, metadata={"k" * 65: "v"}), "metadata", "64")
+    _refused(_post(kimi, metadata={"k": "v" * 513}), "metadata", "512")
+    _refused(_post(kimi, metadata={"k": 3}), "metadata", "string")
+    _refused(_post(kimi, metadata=["k"]), "metadata")
+    _refused(_post(kimi, verbosity="low"), "verbosity", "allowed")
+    _refused(_post(kimi, reasoning_effort="extreme"), "reasoning_effort", "minimal", "high")
+
+
+def test_reasoning_effort_on_an_always_reasoning_format(kimi):
+    """Kimi-K2-Thinking reasons whatever it is told: low..max accepted, none / minimal refused."""
+    kimi.runner.script = []
+    for effort in ("low", "medium", "high"):
+        assert _post(kimi, reasoning_effort=effort).status_code == 200
+    _refused(_post(kimi, reasoning_effort="none"), "reasoning_effort", "always reasons", "high")
+
+
+def test_reasoning_effort_switches_v32_thinking(v32):
+    v32.runner.script = []
+    for effort, end in (("high", "<think>"), ("low", "<think>"), ("minimal", "</think>"), ("none", "</think>")):
+        assert _post(v32, reasoning_effort=effort).status_code == 200
+        prompt = v32.tokenizer.decode(v32.runner.last_prompt, skip_special_tokens=False)
+        assert prompt.endswith("<｜Assistant｜>" + end), (effort, prompt[-40:])
+    _refused(_post(v32, reasoning_effort="high", chat_template_kwargs={"thinking": False}), "reasoning_effort",
+             "thinking")
+    assert _post(v32, reasoning_effort="high", chat_template_kwargs={"thinking": True}).status_code == 200
+
+
+def test_reasoning_effort_per_format_control():
+    """The mapping per kind of control: efforts passed through, switch, always, none."""
+    from gpu_service.api.chat_formats import JinjaFormat
+    from gpu_service.api.chat_request import reasoning_kwargs, thinking_control
+    from gpu_service.api.errors import APIError
+    from gpu_service.local import tiny_templates as T
+
+    class Efforts:  # a format that names its levels (as DeepSeek-V4's does)
+        reasoning_efforts = ("low", "high", "max")
+
+    assert reasoning_kwargs("max", Efforts(), {"x": 1}) == {"x": 1, "reasoning_effort": "max"}
+    with pytest.raises(APIError) as e:
+        reasoning_kwargs("medium", Efforts(), {})
+    assert e.value.param == "reasoning_effort" and "low, high, max" in e.value.message
+    v31 = JinjaFormat("{% if thinking %}<think>{% else %}</think>{% endif %}", None, {}, "deepseek_v31")
+    assert thinking_control(v31) == "switch"
+    assert reasoning_kwargs("minimal", v31, {}) == {"thinking": False}
+    assert reasoning_kwargs("medium", v31, {}) == {"thinking": True}
+    assert thinking_control(JinjaFormat(T.KIMI_K2_THINKING, None, {}, "kimi_k2")) == "always"
+    assert thinking_control(JinjaFormat(T.DEEPSEEK_R1, None, {}, "deepseek_r1")) == "always"
+    for plain in (T.KIMI_K2, T.DEEPSEEK_V3):
+        fmt = JinjaFormat(plain, None, {}, None)
+        assert thinking_control(fmt) is None
+        with pytest.raises(APIError) as e:
+            reasoning_kwargs("low", fmt, {})
+        assert e.value.param == "reasoning_effort" and "allowed" in e.value.message
+    assert reasoning_kwargs(None, None, {"a": 1}) == {"a": 1}

@@ -111,6 +111,7 @@ def _arguments(call: dict, where: str) -> tuple[str, dict]:
 class DeepseekV32Format:
     family = "deepseek_v32"
     name = "deepseek_v32 (built in)"
+    template_kwargs = KWARGS  # the chat_template_kwargs it takes (`thinking`: reasoning_effort's switch)
 
     def __init__(self, tools_template: str | None = None, bos: str = BOS, eos: str = EOS):
         self.tools_template = tools_template or DEFAULT_TOOLS_TEMPLATE
