@@ -133,3 +133,65 @@ def test_reasoning_effort_per_format_control():
             reasoning_kwargs("low", fmt, {})
         assert e.value.param == "reasoning_effort" and "allowed" in e.value.message
     assert reasoning_kwargs(None, None, {"a": 1}) == {"a": 1}
+
+
+NOTE = {"type": "function", "function": {"name": "note", "parameters": {  # open, nested, LangChain-style
+    "type": "object", "properties": {"text": {"type": "string"}, "tags": {"type": "array", "items": {
+        "type": "object", "properties": {"name": {"type": "string"}}}}}, "required": ["text"]}}}
+
+
+def test_open_schemas_are_closed_for_forced_calls():
+    from gpu_service.api.tool_grammar import closed_schema, FORCED_STRING_MAX_CHARS
+
+    s = closed_schema(NOTE["function"]["parameters"])
+    assert s["additionalProperties"] is False and s["properties"]["tags"]["items"]["additionalProperties"] is False
+    assert s["properties"]["text"]["maxLength"] == FORCED_STRING_MAX_CHARS
+    for bounded in ({"type": "string", "maxLength": 3}, {"type": "string", "enum": ["a"]},
+                    {"type": "string", "pattern": "^a+$"}):
+        assert closed_schema(bounded) == bounded
+    assert "additionalProperties" not in NOTE["function"]["parameters"]  # the request's schema is left alone
+    asked = {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": {"type": "string"}}
+    assert closed_schema(asked) == asked
+    both = {"allOf": [{"type": "object", "properties": {"a": {}}}, {"type": "object", "properties": {"b": {}}}]}
+    assert closed_schema(both) == both
+
+
+def _forced_random(st, tools, choice, max_tokens=600):
+    """A forced call from the random model, unstreamed then streamed: both finish with valid calls."""
+    st.runner.script = []
+    oai = _client(st)
+    kw = dict(model=st.model_name, messages=[{"role": "user", "content": "Go."}], tools=tools, tool_choice=choice,
+              max_tokens=max_tokens, temperature=1.0, seed=3)
+    c = oai.chat.completions.create(**kw).choices[0]
+    assert c.finish_reason == "tool_calls", c
+    (call,) = c.message.tool_calls
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in tools}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), {**schema, "additionalProperties": False})
+    from test_chat_api import _streamed
+
+    _, _, calls, finish = _streamed(oai, **kw)
+    assert finish == "tool_calls" and [(x["name"], x["arguments"]) for x in calls] == \
+        [(call.function.name, call.function.arguments)]
+
+
+@pytest.mark.parametrize("fixture", ["kimi", "v32"])
+def test_forced_call_on_an_open_schema_finishes(fixture, request):
+    st = request.getfixturevalue(fixture)
+    for choice in ("required", {"type": "function", "function": {"name": "note"}}):
+        _forced_random(st, [OPEN_WEATHER, NOTE], choice)
+
+
+@pytest.mark.parametrize("fixture", ["kimi", "v32"])
+def test_forced_string_cap(fixture, request, monkeypatch):
+    """An unbounded string of a forced call stops at FORCED_STRING_MAX_CHARS (here lowered to 3)."""
+    from gpu_service.api import tool_grammar
+
+    monkeypatch.setattr(tool_grammar, "FORCED_STRING_MAX_CHARS", 3)
+    st = request.getfixturevalue(fixture)
+    st.runner.script = []
+    r = _client(st).chat.completions.create(model=st.model_name, messages=[{"role": "user", "content": "Go."}],
+                                            tools=[NOTE], tool_choice="required", max_tokens=600, seed=5)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", c
+    args = json.loads(c.message.tool_calls[0].function.arguments)
+    assert len(args["text"]) <= 3 and all(len(t.get("name", "")) <= 3 for t in args.get("tags", []))
