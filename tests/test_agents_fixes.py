@@ -195,3 +195,28 @@ def test_forced_string_cap(fixture, request, monkeypatch):
     assert c.finish_reason == "tool_calls", c
     args = json.loads(c.message.tool_calls[0].function.arguments)
     assert len(args["text"]) <= 3 and all(len(t.get("name", "")) <= 3 for t in args.get("tags", []))
+
+
+@pytest.mark.parametrize("fixture", ["kimi", "v32"])
+def test_truncated_call_sent_back_is_accepted(fixture, request):
+    """A forced call cut off by max_tokens goes back as history (as the Agents SDK sends it) and the
+    next request is served; its raw arguments are in the prompt."""
+    st = request.getfixturevalue(fixture)
+    st.runner.script = []
+    oai = _client(st)
+    msgs = [{"role": "user", "content": "Go."}]
+    r = oai.chat.completions.create(model=st.model_name, messages=msgs, tools=[NOTE], tool_choice="required",
+                                    max_tokens=12, seed=1)
+    c = r.choices[0]
+    assert c.finish_reason == "length"
+    (call,) = c.message.tool_calls
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(call.function.arguments)
+    msgs += [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": call.function.name,
+                                                         "arguments": call.function.arguments}}]},
+             {"role": "tool", "tool_call_id": call.id, "content": "error: truncated"}]
+    r = oai.chat.completions.create(model=st.model_name, messages=msgs, tools=[NOTE], max_tokens=4)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    prompt = st.tokenizer.decode(st.runner.last_prompt, skip_special_tokens=False)
+    assert call.function.arguments in prompt
