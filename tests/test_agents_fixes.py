@@ -220,3 +220,31 @@ def test_truncated_call_sent_back_is_accepted(fixture, request):
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
     prompt = st.tokenizer.decode(st.runner.last_prompt, skip_special_tokens=False)
     assert call.function.arguments in prompt
+
+
+@pytest.mark.parametrize("name, stray", [("kimi_k2", "<|tool_call_end|>"), ("kimi_k2", "<|tool_calls_section_end|>"),
+                                         ("deepseek_v3", "<｜tool▁call▁end｜>"), ("deepseek_v31", "<｜tool▁sep｜>")])
+def test_stray_markers_stay_out_of_content(name, stray):
+    """A tool marker in free text outside a call section is dropped, streamed (one character at a
+    time: a partial marker is held back, never sent) and whole alike; the calls still parse."""
+    from gpu_service.api.parsers import ChatStream, OutputParser, TOOL_PARSERS
+
+    text = f"Sunny{stray} today.{stray[:5]}"
+    for final_text, want in ((text, "Sunny today." + stray[:5]), (f"A{stray}B", "AB")):
+        whole = ChatStream(OutputParser(None, TOOL_PARSERS[name]()))
+        whole.feed(final_text)
+        assert whole.message()["content"] == want
+        streamed = ChatStream(OutputParser(None, TOOL_PARSERS[name]()))
+        got = "".join((streamed.feed(ch) or {}).get("content", "") for ch in final_text)
+        got += (streamed.finish() or {}).get("content", "")
+        assert got == want
+
+
+def test_stray_marker_before_a_kimi_call(kimi):
+    _script(kimi, "Let me see<|tool_call_end|>.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+                  "<|tool_call_argument_begin|>{\"city\": \"Rome\"}<|tool_call_end|><|tool_calls_section_end|>")
+    r = _client(kimi).chat.completions.create(model=kimi.model_name, messages=[{"role": "user", "content": "?"}],
+                                              tools=[WEATHER], max_tokens=200)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content.endswith("Let me see.")
+    assert "<|" not in c.message.content and c.message.tool_calls[0].function.arguments == '{"city": "Rome"}'
