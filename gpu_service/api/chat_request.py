@@ -4,7 +4,19 @@ Validates, each failure an APIError (400) naming the field: `messages` (roles; a
 `tool_calls`, `reasoning_content`; `tool` messages need `tool_call_id`), `tools` (functions whose
 `parameters` must be a JSON schema), `tool_choice` (`auto`, `none`, `required`, or a named
 function among `tools`), `parallel_tool_calls`, `chat_template_kwargs` (template variables, e.g.
-`{"thinking": true}`); the legacy `functions` / `function_call` are refused with the new names.
+`{"thinking": true}`); the legacy `functions` / `function_call` are refused with the new names;
+`store` / `metadata` / `verbosity` as gpu_service.api.openai_params.chat_options says.
+
+`reasoning_effort` onto the format's thinking control (`reasoning_kwargs`):
+- a format with `reasoning_efforts` (a tuple of its levels): passed on as the template variable
+  `reasoning_effort`; a value outside the tuple is a 400 listing it;
+- a thinking on/off switch (the `thinking` variable: V3.2's built-in format, a Jinja template that
+  reads `thinking` such as V3.1's): "none" / "minimal" -> thinking off, "low" / "medium" / "high" /
+  "xhigh" / "max" -> on (one level of reasoning: the levels above "minimal" all mean "think");
+- a template that always reasons (writes `<think>` without a switch: Kimi-K2-Thinking, R1):
+  "low" .. "max" accepted (it reasons anyway), "none" / "minimal" a 400 (it cannot stop);
+- no reasoning at all (Kimi-K2, V3): any value is a 400.
+A `reasoning_effort` contradicting `chat_template_kwargs.thinking` is a 400.
 
 `tool_choice`:
 - `auto`: tools rendered in the prompt, the model's calls parsed;
@@ -18,15 +30,22 @@ function among `tools`), `parallel_tool_calls`, `chat_template_kwargs` (template
 """
 from __future__ import annotations
 
+import functools
+import json
+import logging
 from dataclasses import dataclass
 
+from gpu_service.api.chat_formats.common import THINK_END, THINK_START
 from gpu_service.api.errors import APIError, check_prompt_chars
+from gpu_service.api.openai_params import chat_options
 from gpu_service.api.parsers import OutputParser, ChatStream, reasoning_parser_for, tool_parser_for
 from gpu_service.api.tool_grammar import tool_call_grammar
 
 MAX_TOOLS = 128  # functions one request may list (each is rendered into the prompt and may be compiled)
 ROLES = ("system", "user", "assistant", "developer", "tool")
 RESERVED_KWARGS = ("messages", "tools", "add_generation_prompt", "documents")
+THINKING_OFF = ("none", "minimal")  # reasoning_effort values that turn an on/off switch off
+log = logging.getLogger("moesplit.chat")
 
 
 @dataclass
@@ -44,6 +63,7 @@ class ChatPlan:
     parser: OutputParser
     tool_choice: str | dict
     grammar: object = None  # GrammarSpec forcing the call (tool_choice required / named), else None
+    metadata: dict | None = None  # the request's `metadata`, returned on the chat.completion object
 
     def stream(self) -> ChatStream:
         return ChatStream(self.parser)
@@ -181,6 +201,59 @@ def validate_tool_choice(choice, tools: list[dict]) -> str | dict:
                         "{type: 'function', function: {name}}", param="tool_choice")
 
 
+def thinking_control(fmt) -> str | None:
+    """How a chat format controls reasoning: "efforts" (a `reasoning_efforts` tuple), "switch" (the
+    `thinking` template variable), "always" (it reasons, no switch), or None (no reasoning)."""
+    if isinstance(getattr(fmt, "reasoning_efforts", None), tuple):
+        return "efforts"
+    if "thinking" in (getattr(fmt, "template_kwargs", None) or ()):
+        return "switch"
+    text = getattr(fmt, "template_text", None)
+    if text is None:
+        return None
+    if "thinking" in _template_variables(text):
+        return "switch"
+    return "always" if THINK_START in text or THINK_END in text else None
+
+
+@functools.lru_cache(maxsize=8)
+def _template_variables(text: str) -> frozenset:
+    """The variables a Jinja template reads from its caller."""
+    import jinja2.meta
+
+    from gpu_service.api.chat_formats.jinja_format import make_environment
+
+    return frozenset(jinja2.meta.find_undeclared_variables(make_environment().parse(text)))
+
+
+def reasoning_kwargs(effort: str | None, fmt, kwargs: dict) -> dict:
+    """`chat_template_kwargs` with `reasoning_effort` applied (see the module docstring)."""
+    if effort is None:
+        return kwargs
+    control = thinking_control(fmt)
+    if control == "efforts":
+        allowed = fmt.reasoning_efforts
+        if effort not in allowed:
+            raise APIError(400, f"'reasoning_effort' {effort!r} is not one this model takes: use one of "
+                                f"{', '.join(allowed)}", param="reasoning_effort")
+        return {**kwargs, "reasoning_effort": effort}
+    if control == "switch":
+        on = effort not in THINKING_OFF
+        if "thinking" in kwargs and bool(kwargs["thinking"]) != on:
+            raise APIError(400, f"'reasoning_effort' {effort!r} turns thinking {'on' if on else 'off'} but "
+                                f"chat_template_kwargs.thinking is {kwargs['thinking']!r}: drop one",
+                           param="reasoning_effort")
+        return {**kwargs, "thinking": on}
+    if control == "always":
+        if effort in THINKING_OFF:
+            raise APIError(400, f"'reasoning_effort' {effort!r}: this model always reasons and cannot turn it "
+                                "off; use low, medium, high, xhigh or max (all the same here), or leave it out",
+                           param="reasoning_effort")
+        return kwargs
+    raise APIError(400, f"'reasoning_effort' {effort!r}: this model has no reasoning control; leave it out "
+                        "(allowed: null)", param="reasoning_effort")
+
+
 def chat_plan(body: dict, tokenizer, settings: ChatSettings, max_chars: int | None = None) -> ChatPlan:
     """Validate the chat fields of `body`, render the prompt and set up its output parsers; a
     conversation over `max_chars` characters is refused before the template runs."""
@@ -190,6 +263,12 @@ def chat_plan(body: dict, tokenizer, settings: ChatSettings, max_chars: int | No
     for legacy, new in (("functions", "tools"), ("function_call", "tool_choice")):
         if body.get(legacy) is not None:
             raise APIError(400, f"'{legacy}' is the deprecated form: send '{new}' instead", param=legacy)
+    try:
+        metadata, effort = chat_options(body)
+    except ValueError as e:  # RequestError
+        raise APIError(400, str(e), param=getattr(e, "param", None)) from None
+    if metadata is not None:
+        log.info("chat request metadata %s", json.dumps(metadata, ensure_ascii=False))
     fmt = tokenizer.chat_format
     family = getattr(fmt, "family", None)
     messages = normalize_messages(body.get("messages"), keep_developer=family == "deepseek_v32")
@@ -207,6 +286,7 @@ def chat_plan(body: dict, tokenizer, settings: ChatSettings, max_chars: int | No
     if bad:
         raise APIError(400, f"chat_template_kwargs may not set {bad}: use the request's own fields",
                        param="chat_template_kwargs")
+    kwargs = reasoning_kwargs(effort, fmt, kwargs)
     rendered_tools = tools if choice != "none" else None
     try:
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=rendered_tools, **kwargs)
@@ -220,10 +300,11 @@ def chat_plan(body: dict, tokenizer, settings: ChatSettings, max_chars: int | No
         if tparser is None:
             raise APIError(400, f"tool_choice {choice!r} needs a tool-call parser for this model; start the server "
                                 "with --tool-call-parser NAME", param="tool_choice")
+        tparser.call_index = sum(len(m.get("tool_calls") or []) for m in messages)
         prefix = ("</think>" if rparser is not None and rparser.start_in else "") + \
             tparser.forced_prefix(choice["function"]["name"] if isinstance(choice, dict) else None)
         prompt += prefix
-        grammar = tool_call_grammar(tparser.name, tools, choice, tokenizer)
+        grammar = tool_call_grammar(tparser.name, tools, choice, tokenizer, tparser.call_index)
     ids = tokenizer.encode(prompt, add_bos=False)
     max_calls = 1 if (not parallel or isinstance(choice, dict)) else None
-    return ChatPlan(ids, prompt, OutputParser(rparser, tparser, prefix, max_calls), choice, grammar)
+    return ChatPlan(ids, prompt, OutputParser(rparser, tparser, prefix, max_calls), choice, grammar, metadata)

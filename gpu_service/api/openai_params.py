@@ -16,6 +16,12 @@ the others' steps (tests/test_hostile_cost.py measures it): at most MAX_STOP_TOK
 `stop_token_ids`, MAX_LOGIT_BIAS `logit_bias` entries with canonical decimal keys ("5", never
 "05" or " 5 ", so no two keys alias one id and no id's bias can sum past +-100), and JSON
 schemas at most MAX_SCHEMA_DEPTH containers deep (gpu_service.runtime.grammar).
+
+Options agent frameworks send (`chat_options`): `store` only false (nothing is stored here);
+`metadata` as OpenAI bounds it (at most 16 string keys of <= 64 characters, string values of <= 512),
+logged and returned on the chat.completion object; `reasoning_effort` one of REASONING_EFFORTS
+(what it does depends on the model's format: gpu_service.api.chat_request); `verbosity` refused
+(no model served here has a verbosity control).
 """
 from __future__ import annotations
 
@@ -32,9 +38,52 @@ _COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "n", "se
 CHAT_FIELDS = frozenset(_COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                                    # gpu_service.api.chat_request
                                    "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
-                                   "functions", "function_call"})
+                                   "functions", "function_call",
+                                   # chat_options (reasoning_effort: gpu_service.api.chat_request)
+                                   "store", "metadata", "reasoning_effort", "verbosity"})
 COMPLETION_FIELDS = frozenset(_COMMON | {"prompt", "logprobs", "echo", "best_of"})
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # OpenAI's values
+MAX_METADATA_KEYS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+
+
+def _metadata(v) -> dict | None:
+    """`metadata` checked as OpenAI does: <= 16 string keys of <= 64 characters to strings of <= 512."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise RequestError("'metadata' must be an object of string keys to string values", "metadata")
+    if len(v) > MAX_METADATA_KEYS:
+        raise RequestError(f"'metadata' has {len(v)} keys; at most {MAX_METADATA_KEYS} are allowed", "metadata")
+    for k, x in v.items():
+        if len(k) > MAX_METADATA_KEY:
+            raise RequestError(f"metadata key {k[:20]!r}... has {len(k)} characters; at most {MAX_METADATA_KEY} "
+                               "are allowed", "metadata")
+        if not isinstance(x, str):
+            raise RequestError(f"metadata[{k!r}] must be a string, got {type(x).__name__}", "metadata")
+        if len(x) > MAX_METADATA_VALUE:
+            raise RequestError(f"metadata[{k!r}] has {len(x)} characters; at most {MAX_METADATA_VALUE} are "
+                               "allowed", "metadata")
+    return dict(v)
+
+
+def chat_options(body: dict) -> tuple[dict | None, str | None]:
+    """(metadata, reasoning_effort) of a chat request, after checking `store` (false only) and
+    refusing `verbosity`; each refusal names the field and the values it may take."""
+    store = body.get("store")
+    if store is not None and store is not False:
+        raise RequestError(f"'store' may only be false (this server stores no completions), got {store!r}",
+                           "store")
+    if body.get("verbosity") is not None:
+        raise RequestError(f"'verbosity' ({body['verbosity']!r}) is not supported: the served models have no "
+                           "verbosity control; remove it (allowed: null)", "verbosity")
+    effort = body.get("reasoning_effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise RequestError(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
+                           "reasoning_effort")
+    return _metadata(body.get("metadata")), effort
 
 
 def check_fields(body: dict, allowed: frozenset, endpoint: str) -> None:

@@ -12,7 +12,8 @@ Written from `../shared/formats.md` (`\\n` a newline; BOS/EOS the checkpoint's t
 DSML calls: "\\n\\n<｜DSML｜function_calls>\\n" + invokes joined by "\\n" + "\\n</｜DSML｜function_calls>";
 an invoke: `<｜DSML｜invoke name="N">` "\\n" + parameters joined by "\\n" + "\\n</｜DSML｜invoke>"; a
 parameter: `<｜DSML｜parameter name="K" string="true">raw string</｜DSML｜parameter>`, or
-`string="false"` with the value as JSON. Request-level `tools` go to the first system message (an
+`string="false"` with the value as JSON; arguments that are not a JSON object (a call cut short by
+`max_tokens`) go in raw as the invoke's body. Request-level `tools` go to the first system message (an
 empty one is inserted when there is none). The preamble's wording is `TOOLS_SYSTEM_TEMPLATE` of the
 checkpoint's `encoding/encoding_dsv32.py`, read as data (`ast.literal_eval`, never executed), else
 our own (`DEFAULT_TOOLS_TEMPLATE`). `chat_template_kwargs`: `thinking` (default false). The
@@ -93,24 +94,31 @@ def _fill(template: str, schemas: str) -> str:
     return template.rstrip("\n") + f"\n<functions>\n{schemas}\n</functions>\n"
 
 
-def _arguments(call: dict, where: str) -> tuple[str, dict]:
+def _invoke(call: dict, where: str) -> str:
+    """One history call as a DSML invoke: its arguments as parameters when they are a JSON object,
+    else (a call cut short by max_tokens, or any other string a client holds) the raw text as the
+    invoke's body, as OpenAI accepts any string there and the other formats render it raw."""
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise ChatTemplateError(f"{where}.function.name is required")
     args = fn.get("arguments", {})
     if isinstance(args, str):
         try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as e:
-            raise ChatTemplateError(f"{where}.function.arguments is not valid JSON: {e}") from None
+            parsed = json.loads(args) if args.strip() else {}
+        except (json.JSONDecodeError, RecursionError):
+            parsed = None
+        if not isinstance(parsed, dict):
+            return f'<｜DSML｜invoke name="{fn["name"]}">\n{args}\n{INVOKE_END}'
+        args = parsed
     if not isinstance(args, dict):
-        raise ChatTemplateError(f"{where}.function.arguments must be a JSON object")
-    return fn["name"], args
+        raise ChatTemplateError(f"{where}.function.arguments must be a JSON object or a string")
+    return invoke_text(fn["name"], args)
 
 
 class DeepseekV32Format:
     family = "deepseek_v32"
     name = "deepseek_v32 (built in)"
+    template_kwargs = KWARGS  # the chat_template_kwargs it takes (`thinking`: reasoning_effort's switch)
 
     def __init__(self, tools_template: str | None = None, bos: str = BOS, eos: str = EOS):
         self.tools_template = tools_template or DEFAULT_TOOLS_TEMPLATE
@@ -156,7 +164,7 @@ class DeepseekV32Format:
                 out.append(content)
                 calls = m.get("tool_calls") or []
                 if calls:
-                    out.append(calls_text([invoke_text(*_arguments(c, f"messages[{i}].tool_calls[{j}]"))
+                    out.append(calls_text([_invoke(c, f"messages[{i}].tool_calls[{j}]")
                                            for j, c in enumerate(calls)]))
                 out.append(self.eos)
             elif role == "tool":

@@ -64,6 +64,8 @@ class ToolParser:
 
     name = "none"
     markers: tuple[str, ...] = ()
+    # tool calls already in the conversation: Kimi numbers its call ids across it (`functions.NAME:N`)
+    call_index = 0
 
     def parse(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
         """(content before the calls, the calls seen so far)."""

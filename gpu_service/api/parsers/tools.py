@@ -9,7 +9,10 @@
                   string="true|false">V</｜DSML｜parameter>}\\n</｜DSML｜invoke>}\\n</｜DSML｜function_calls>
                   (arguments assembled as a JSON object: string="true" values raw strings, else JSON)
 
-Content is the text before the calls. See `parsers.base` for the streaming contract.
+Content is the text before the calls. A format's own special markers found there outside a call
+section (a random or confused model writing `<|tool_call_end|>` in free text) are dropped from it
+(`STRAY`: every tool marker but the one that opens the calls); see `parsers.base` for the
+streaming contract (a marker's partial tail is held back like the opening's).
 """
 from __future__ import annotations
 
@@ -19,9 +22,21 @@ from gpu_service.api.chat_formats import dsv32
 from gpu_service.api.parsers.base import ToolCall, ToolParser, until
 
 
-def _delimited(text: str, final: bool, begin: str, call: str, end: str, sep: str, call_end: str, make):
+def content_until(text: str, final: bool, begins: tuple, stray: tuple) -> tuple[str, str | None, str]:
+    """`until(text, begins, final)` with the `stray` markers before the first of `begins` dropped
+    from the content (and their partial tails held back while streaming)."""
+    parts = []
+    while True:
+        before, m, text = until(text, begins + stray, final)
+        parts.append(before)
+        if m is None or m in begins:
+            return "".join(parts), m, text
+
+
+def _delimited(text: str, final: bool, begin: str, call: str, end: str, sep: str, call_end: str, make,
+               stray: tuple = ()):
     """Content and calls of `begin {call HEAD sep ARGS call_end} end`; make(head, args, complete) -> ToolCall."""
-    content, m, rest = until(text, (begin,), final)
+    content, m, rest = content_until(text, final, (begin,), stray)
     calls: list[ToolCall] = []
     while m is not None:
         _, m, after = until(rest, (call, end), final)
@@ -40,6 +55,7 @@ class KimiK2ToolParser(ToolParser):
     SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
     CALL_BEGIN, ARG_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
     markers = (SECTION_BEGIN,)
+    STRAY = (SECTION_END, CALL_BEGIN, ARG_BEGIN, CALL_END)
 
     @staticmethod
     def function_name(call_id: str) -> str:
@@ -52,11 +68,13 @@ class KimiK2ToolParser(ToolParser):
     def parse(self, text, final):
         return _delimited(text, final, self.SECTION_BEGIN, self.CALL_BEGIN, self.SECTION_END, self.ARG_BEGIN,
                           self.CALL_END, lambda head, args, done: ToolCall(self.function_name(head), args,
-                                                                            head.strip(), done))
+                                                                            head.strip(), done), self.STRAY)
 
     def forced_prefix(self, function):
+        """The section's opening up to the function name (`required`), or through the call's id
+        `functions.NAME:N` (N = `call_index`, the calls already in the conversation) for a named one."""
         head = self.SECTION_BEGIN + self.CALL_BEGIN + "functions."
-        return head if function is None else head + f"{function}:0" + self.ARG_BEGIN
+        return head if function is None else head + f"{function}:{self.call_index}" + self.ARG_BEGIN
 
 
 class DeepseekV3ToolParser(ToolParser):
@@ -65,6 +83,7 @@ class DeepseekV3ToolParser(ToolParser):
     CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
     FENCE = "```json\n"
     markers = (CALLS_BEGIN,)
+    STRAY = (CALLS_END, CALL_BEGIN, CALL_END, SEP)
 
     def _body(self, after: str, final: bool) -> str | None:
         """The arguments' text after the name line: past the ```json fence (None: fence still arriving)."""
@@ -78,7 +97,7 @@ class DeepseekV3ToolParser(ToolParser):
         return after
 
     def parse(self, text, final):
-        content, m, rest = until(text, (self.CALLS_BEGIN,), final)
+        content, m, rest = content_until(text, final, (self.CALLS_BEGIN,), self.STRAY)
         calls: list[ToolCall] = []
         while m is not None:
             _, m, after = until(rest, (self.CALL_BEGIN, self.CALLS_END), final)
@@ -110,7 +129,7 @@ class DeepseekV31ToolParser(DeepseekV3ToolParser):
 
     def parse(self, text, final):
         return _delimited(text, final, self.CALLS_BEGIN, self.CALL_BEGIN, self.CALLS_END, self.SEP, self.CALL_END,
-                          lambda name, args, done: ToolCall(name.strip(), args, None, done))
+                          lambda name, args, done: ToolCall(name.strip(), args, None, done), self.STRAY)
 
     def forced_prefix(self, function):
         head = self.CALLS_BEGIN + self.CALL_BEGIN

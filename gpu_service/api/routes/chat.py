@@ -46,7 +46,10 @@ def router(ctx: ApiContext) -> APIRouter:
             chunk = _chunk_fn(ctx, rid, now, parsed, want_ids)
             return stream_response(hs, chunk, with_usage, "chat.completion.chunk", rid, ctx.model_name, len(hs))
         results = await collect_all(request, hs)
-        return _completion(ctx, body, rid, now, hs, parsed, results, want_ids)
+        out = _completion(ctx, body, rid, now, hs, parsed, results, want_ids)
+        if plan.metadata is not None:  # OpenAI's chat.completion object carries the request's metadata
+            out["metadata"] = plan.metadata
+        return out
 
     return r
 
