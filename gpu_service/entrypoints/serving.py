@@ -278,6 +278,7 @@ class ServingStack:
         if self.grpc_server is not None:
             self.grpc_server.stop(grace=2.0).wait()
         close_all(self.closers)
+        gc.unfreeze()  # what start froze is collectable again (a process that serves on, e.g. tests)
 
     def __enter__(self) -> "ServingStack":
         return self
