@@ -139,6 +139,11 @@ class ModelConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
+    def is_v4(self) -> bool:
+        """False: DeepSeek-V4 has its own config type (checkpoint.config_v4.V4Config)."""
+        return False
+
+    @property
     def is_v32(self) -> bool:
         return self.model_type == "deepseek_v32"
 
@@ -174,6 +179,12 @@ class ModelConfig:
     def from_dict(d: dict[str, Any], source: str = "config.json") -> "ModelConfig":
         archs = d.get("architectures") or []
         arch = archs[0] if archs else None
+        if arch == "DeepseekV4ForCausalLM" or d.get("model_type") == "deepseek_v4":
+            raise ConfigError(
+                f"{source}: a DeepSeek-V4 checkpoint; `moesplit plan` and the checkpoint readers take it "
+                "(checkpoint.config_v4.load_any_config), but the runtime has no DeepSeek-V4 model yet "
+                "(gpu_service/model implements V3 / V3.2 only), so it cannot be served"
+            )
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(
                 f"{source}: architecture {arch!r} is not supported; moesplit serves "
