@@ -50,6 +50,11 @@ class V4Quant:
     expert_dtype: str = "fp4"
     raw: dict = field(default_factory=dict, compare=False, hash=False)
 
+    @property
+    def method(self) -> str:
+        """"fp8", as checkpoint.config.QuantConfig.method says for block-FP8 checkpoints."""
+        return "fp8"
+
     @staticmethod
     def from_dict(q: dict, top_expert_dtype: str | None, source: str) -> "V4Quant":
         """quantization_config (+ a top-level `expert_dtype`) -> V4Quant; anything else is an error."""

@@ -290,19 +290,19 @@ def write_tokenizer(out_dir: str, vocab_size: int) -> None:
         json.dump({"bos_token": BOS, "eos_token": EOS, "pad_token": EOS}, f, indent=2, ensure_ascii=False)
 
 
-def make_tiny(out_dir: str, fmt: str = "bf16", seed: int = 0, overrides: dict | None = None,
+def make_tiny(out_dir: str, fmt: str | None = None, seed: int = 0, overrides: dict | None = None,
               arch: str = "deepseek_v3", tokenizer: str | None = None, v4_schedule: str = "flash") -> str:
     """Write a tiny random checkpoint to out_dir (created if needed); returns out_dir. `tokenizer`:
-    None for the simple built-in one, else one of gpu_service.local.tiny_tokenizers.KINDS.
-    arch "deepseek_v4": gpu_service.local.tiny_v4.make_tiny_v4 (fmt mxfp4|fp8|bf16, v4_schedule
-    flash|pro) with the simple tokenizer."""
+    None for the simple built-in one, else one of gpu_service.local.tiny_tokenizers.KINDS. fmt
+    None: bf16 (V3 / V3.2). arch "deepseek_v4": gpu_service.local.tiny_v4.make_tiny_v4 (fmt
+    mxfp4 (None) | fp8 | bf16, v4_schedule flash|pro) with the simple tokenizer."""
     from gpu_service.local import tiny_tokenizers
 
     if arch == "deepseek_v4":
         if tokenizer is not None:
             raise ValueError("tokenizer kinds are not available for deepseek_v4 yet (its encoder is its own "
                              "piece of work); pass tokenizer=None for the simple built-in tokenizer")
-        return tiny_v4.make_tiny_v4(out_dir, fmt=fmt, seed=seed, overrides=overrides, v4_schedule=v4_schedule,
+        return tiny_v4.make_tiny_v4(out_dir, fmt=fmt or "mxfp4", seed=seed, overrides=overrides, v4_schedule=v4_schedule,
                                     write_tokenizer=write_tokenizer)
 
     if tokenizer is not None:
@@ -310,6 +310,7 @@ def make_tiny(out_dir: str, fmt: str = "bf16", seed: int = 0, overrides: dict | 
         if tokenizer.startswith("kimi"):
             n = overrides["vocab_size"] - 256
             overrides = {"bos_token_id": n, "eos_token_id": n + 1, **overrides}
+    fmt = fmt or "bf16"
     cfg = tiny_config(arch, fmt, overrides)
     os.makedirs(out_dir, exist_ok=True)
     model = build_hf_model(cfg, seed)
