@@ -181,9 +181,11 @@ class ModelConfig:
         arch = archs[0] if archs else None
         if arch == "DeepseekV4ForCausalLM" or d.get("model_type") == "deepseek_v4":
             raise ConfigError(
-                f"{source}: a DeepSeek-V4 checkpoint; `moesplit plan` and the checkpoint readers take it "
-                "(checkpoint.config_v4.load_any_config), but the runtime has no DeepSeek-V4 model yet "
-                "(gpu_service/model implements V3 / V3.2 only), so it cannot be served"
+                f"{source}: a DeepSeek-V4 checkpoint, which cannot be served yet: the runtime has no V4 model "
+                "(gpu_service/model: window + compressed attention, mHC, hash routing) and the expert shards "
+                "do not apply swiglu_limit nor read MXFP4 (cpu_expert_service); `moesplit plan --model` and "
+                "`moesplit make-tiny --arch deepseek_v4` take V4 today (checkpoint.config_v4.load_any_config, "
+                "CheckpointReader(dir, any_architecture=True) read it)"
             )
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(

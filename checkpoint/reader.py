@@ -29,7 +29,7 @@ import ml_dtypes
 import numpy as np
 
 from checkpoint import names_v4
-from checkpoint.config import ModelConfig
+from checkpoint.config import ModelConfig, load_config
 from checkpoint.config_v4 import V4Config, load_any_config
 from checkpoint.formats import dequant_fp8_block, dequant_int8_channel, fp8_scale_shape, int4_shapes, unpack_int4
 from checkpoint.formats_v4 import dequant_fp8_e8m0, dequant_mxfp4, fp8_e8m0_scale_shape, mxfp4_shapes
@@ -215,11 +215,17 @@ class CheckpointReader:
     """A Hugging Face checkpoint directory: config.json + model.safetensors or sharded
     model-XXXXX-of-YYYYY.safetensors with model.safetensors.index.json."""
 
-    def __init__(self, model_dir: str | os.PathLike, config: ModelConfig | V4Config | None = None):
+    def __init__(self, model_dir: str | os.PathLike, config: ModelConfig | V4Config | None = None, *,
+                 any_architecture: bool = False):
+        """config None: read config.json with checkpoint.config.load_config, which refuses what the
+        runtime cannot serve (DeepSeek-V4 today); any_architecture=True reads every supported
+        architecture (checkpoint.config_v4.load_any_config), for tools that only read weights."""
         self.model_dir = os.path.abspath(os.fspath(model_dir))
         if not os.path.isdir(self.model_dir):
             raise CheckpointError(f"{self.model_dir}: not a directory; pass a checkpoint directory")
-        self.config = config if config is not None else load_any_config(self.model_dir)
+        if config is None:
+            config = load_any_config(self.model_dir) if any_architecture else load_config(self.model_dir)
+        self.config = config
         self.v4 = self.config.is_v4
         self._files: dict[str, SafetensorsFile] = {}
         self._weight_map: dict[str, str] = self._load_weight_map()  # stored name -> file name

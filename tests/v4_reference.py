@@ -65,7 +65,7 @@ def dequantised_copy(model_dir: str, out_dir: str) -> dict:
     out_dir with transformers' config; returns {"written": names, "mtp": names}."""
     from safetensors.numpy import save_file
 
-    r = CheckpointReader(model_dir)
+    r = CheckpointReader(model_dir, any_architecture=True)
     cfg = r.config
     if not cfg.is_v4:
         raise ValueError(f"{model_dir} is not a DeepSeek-V4 checkpoint")
