@@ -245,3 +245,18 @@ def test_reader_reads_v4_pairs_in_both_spellings(tmp_path, prefix):
         r.verify(["layers.0.attn.wkv.weight"])
     r.verify(["layers.0.ffn.experts.0.w1.weight"])
     assert os.path.basename(r.file_of("layers.0.attn.wkv.weight")) == "model.safetensors"
+
+
+def test_mxfp4_rounding_matches_ml_dtypes_round_to_nearest_even():
+    """quant_mxfp4's e2m1 rounding (ties to the even code) agrees with ml_dtypes' float4_e2m1fn cast
+    on every midpoint and a random spread, at scale 2**0 (group amax exactly 6)."""
+    mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.3, 0.7, 2.9, 4.6, 5.9], np.float32)
+    rng = np.random.default_rng(5)
+    vals = np.concatenate([mids, -mids, rng.uniform(-6, 6, 40).astype(np.float32)])
+    vals[0] = 6.0  # the group's amax -> scale 2**ceil(log2(6/6)) = 1
+    w = vals.reshape(2, 32)
+    w[1, 0] = -6.0
+    packed, scale = quant_mxfp4(w)
+    assert (scale.view(np.uint8) == 127).all()
+    want = w.astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    np.testing.assert_array_equal(dequant_mxfp4(packed, scale), want)
