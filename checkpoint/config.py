@@ -139,6 +139,11 @@ class ModelConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
+    def is_v4(self) -> bool:
+        """False: DeepSeek-V4 has its own config type (checkpoint.config_v4.V4Config)."""
+        return False
+
+    @property
     def is_v32(self) -> bool:
         return self.model_type == "deepseek_v32"
 
@@ -174,6 +179,14 @@ class ModelConfig:
     def from_dict(d: dict[str, Any], source: str = "config.json") -> "ModelConfig":
         archs = d.get("architectures") or []
         arch = archs[0] if archs else None
+        if arch == "DeepseekV4ForCausalLM" or d.get("model_type") == "deepseek_v4":
+            raise ConfigError(
+                f"{source}: a DeepSeek-V4 checkpoint, which cannot be served yet: the runtime has no V4 model "
+                "(gpu_service/model: window + compressed attention, mHC, hash routing) and the expert shards "
+                "do not apply swiglu_limit nor read MXFP4 (cpu_expert_service); `moesplit plan --model` and "
+                "`moesplit make-tiny --arch deepseek_v4` take V4 today (checkpoint.config_v4.load_any_config, "
+                "CheckpointReader(dir, any_architecture=True) read it)"
+            )
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(
                 f"{source}: architecture {arch!r} is not supported; moesplit serves "

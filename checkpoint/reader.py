@@ -11,6 +11,11 @@ Logical names: an FP8 `X.weight` + `X.weight_scale_inv`, or an INT4 `X.weight_pa
 `X.weight_scale` + `X.weight_shape`, or an INT8 `X.weight` (int8) + `X.weight_scale` (f32 per
 output channel, moesplit's packed format), are one logical `X.weight`. `get()` dequantises to float32;
 `get_stored()` returns the stored arrays (zero-copy, read-only memmap views).
+
+DeepSeek-V4 checkpoints (config `DeepseekV4ForCausalLM`): `X.weight` + `X.scale` (F8_E8M0) is one
+logical `X.weight`, format "fp8_e8m0" when the weight is F8_E4M3 (128x128 blocks) or "mxfp4" when
+it is I8 (packed e2m1, see checkpoint.formats_v4); a leading `model.` (transformers' save_pretrained
+spelling) is dropped from logical names, so both spellings read the same.
 """
 from __future__ import annotations
 
@@ -23,8 +28,11 @@ from dataclasses import dataclass, field
 import ml_dtypes
 import numpy as np
 
+from checkpoint import names_v4
 from checkpoint.config import ModelConfig, load_config
+from checkpoint.config_v4 import V4Config, load_any_config
 from checkpoint.formats import dequant_fp8_block, dequant_int8_channel, fp8_scale_shape, int4_shapes, unpack_int4
+from checkpoint.formats_v4 import dequant_fp8_e8m0, dequant_mxfp4, fp8_e8m0_scale_shape, mxfp4_shapes
 from checkpoint.names import expected_shapes, is_mtp
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -193,9 +201,12 @@ def _split(stored: str) -> tuple[str, str]:
     return stored[: i + 1], stored[i + 1 :]
 
 
-def _logical(stored: str) -> str:
+def _logical(stored: str, v4: bool = False) -> str:
+    """Logical name of a stored tensor (scale / packing companions fold into `…weight`)."""
+    if v4:
+        stored = names_v4.strip_prefix(stored)
     prefix, suffix = _split(stored)
-    if suffix in FP8_SUFFIXES or suffix in INT4_SUFFIXES:
+    if suffix in FP8_SUFFIXES or suffix in INT4_SUFFIXES or (v4 and suffix == "scale"):
         return prefix + "weight"
     return stored
 
@@ -204,16 +215,23 @@ class CheckpointReader:
     """A Hugging Face checkpoint directory: config.json + model.safetensors or sharded
     model-XXXXX-of-YYYYY.safetensors with model.safetensors.index.json."""
 
-    def __init__(self, model_dir: str | os.PathLike, config: ModelConfig | None = None):
+    def __init__(self, model_dir: str | os.PathLike, config: ModelConfig | V4Config | None = None, *,
+                 any_architecture: bool = False):
+        """config None: read config.json with checkpoint.config.load_config, which refuses what the
+        runtime cannot serve (DeepSeek-V4 today); any_architecture=True reads every supported
+        architecture (checkpoint.config_v4.load_any_config), for tools that only read weights."""
         self.model_dir = os.path.abspath(os.fspath(model_dir))
         if not os.path.isdir(self.model_dir):
             raise CheckpointError(f"{self.model_dir}: not a directory; pass a checkpoint directory")
-        self.config = config if config is not None else load_config(self.model_dir)
+        if config is None:
+            config = load_any_config(self.model_dir) if any_architecture else load_config(self.model_dir)
+        self.config = config
+        self.v4 = self.config.is_v4
         self._files: dict[str, SafetensorsFile] = {}
         self._weight_map: dict[str, str] = self._load_weight_map()  # stored name -> file name
         self._groups: dict[str, dict[str, str]] = {}  # logical -> {suffix: stored name}
         for stored in self._weight_map:
-            self._groups.setdefault(_logical(stored), {})[_split(stored)[1]] = stored
+            self._groups.setdefault(_logical(stored, self.v4), {})[_split(stored)[1]] = stored
 
     # ---- files ------------------------------------------------------------------------------
     def _load_weight_map(self) -> dict[str, str]:
@@ -290,6 +308,8 @@ class CheckpointReader:
     # ---- logical tensors ---------------------------------------------------------------------
     def names(self, include_mtp: bool = False) -> list[str]:
         """Logical tensor names in the checkpoint (MTP layers left out unless include_mtp)."""
+        if self.v4:
+            return [n for n in self._groups if include_mtp or not names_v4.is_mtp(n)]
         return [n for n in self._groups if include_mtp or not is_mtp(n, self.config)]
 
     def has(self, name: str) -> bool:
@@ -315,6 +335,12 @@ class CheckpointReader:
             return "fp8"
         if set(g) == {"weight", "weight_scale"} and self._info(g["weight"], name).dtype == "I8":
             return "int8"  # symmetric per output channel: moesplit's packed int8 (cpu_expert_service.packed)
+        if self.v4 and set(g) == {"weight", "scale"}:
+            dt = self._info(g["weight"], name).dtype
+            if dt in ("F8_E4M3", "I8"):
+                return "fp8_e8m0" if dt == "F8_E4M3" else "mxfp4"
+            raise CheckpointError(f"{self.file_of(name)}: tensor {name!r}: weight dtype {dt} with a `.scale` is not "
+                                  "a DeepSeek-V4 layout (F8_E4M3 block FP8 or I8 packed MXFP4)")
         if len(g) > 1:
             raise CheckpointError(
                 f"{self.file_of(name)}: tensor {name!r} is stored as {sorted(g)}, a layout moesplit does not "
@@ -341,12 +367,16 @@ class CheckpointReader:
                     raise self._missing(_split(g["weight_packed"])[0] + s)
         elif fmt == "fp8" and "weight" not in g:
             raise self._missing(name)
+        elif fmt in ("fp8_e8m0", "mxfp4") and "weight" not in g:
+            raise self._missing(name)
         arrays = {}
         for suffix, stored in g.items():
             info = self._info(stored, name)
             arrays[suffix] = self._file(self._weight_map[stored]).array(info.name)
         if fmt == "int4":
             shape = tuple(int(s) for s in np.asarray(arrays["weight_shape"]).reshape(-1))
+        elif fmt == "mxfp4":
+            shape = (arrays["weight"].shape[0], arrays["weight"].shape[1] * 2)
         else:
             shape = tuple(arrays["weight"].shape) if "weight" in arrays else tuple(next(iter(arrays.values())).shape)
         return StoredTensor(fmt, arrays, shape, dict(g))
@@ -356,6 +386,8 @@ class CheckpointReader:
 
     def _fp8_block(self) -> tuple[int, int]:
         q = self.config.quantization
+        if self.v4:
+            return tuple(q.block_size) if q is not None else (128, 128)
         return tuple(q.block_size) if q is not None and q.method == "fp8" else (128, 128)
 
     def _group_size(self) -> int:
@@ -374,6 +406,10 @@ class CheckpointReader:
                 )
             if st.format == "int8":
                 return dequant_int8_channel(st.arrays["weight"], st.arrays["weight_scale"])
+            if st.format == "fp8_e8m0":
+                return dequant_fp8_e8m0(st.arrays["weight"], st.arrays["scale"], self._fp8_block())
+            if st.format == "mxfp4":
+                return dequant_mxfp4(st.arrays["weight"], st.arrays["scale"])
         except ValueError as e:
             raise CheckpointError(f"{self.file_of(name)}: tensor {name!r}: {e}") from e
         return np.array(st.data, dtype=np.float32)
@@ -384,7 +420,7 @@ class CheckpointReader:
         offsets inside the file) and of the shape config.json implies. Raises CheckpointError listing
         the problems; returns the number of logical tensors checked. Reads headers (and INT4
         weight_shape values) only."""
-        exp = expected_shapes(self.config)
+        exp = names_v4.expected_shapes(self.config, mtp=True) if self.v4 else expected_shapes(self.config)
         todo = list(exp) if names is None else list(names)
         problems: list[str] = []
         for name in todo:
@@ -431,6 +467,8 @@ class CheckpointReader:
                 return f"weight_shape {np.asarray(ws).tolist()} != expected {list(want)}"
             return None
         w = infos.get("weight") or next(iter(infos.values()))
+        if self.v4 and "scale" in infos:
+            return _v4_stored_shape_problem(infos, want, self._fp8_block())
         if w.shape != want:
             return f"shape {list(w.shape)} != expected {list(want)} from config.json"
         if "weight_scale_inv" in infos:
@@ -448,6 +486,23 @@ class CheckpointReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _v4_stored_shape_problem(infos: dict[str, TensorInfo], want: tuple, block: tuple[int, int]) -> str | None:
+    """Shape check of a V4 `weight` + `scale` pair against the logical shape `want`."""
+    w, s = infos["weight"], infos["scale"]
+    if s.dtype != "F8_E8M0":
+        return f"scale dtype {s.dtype} != F8_E8M0 (ue8m0)"
+    if w.dtype == "I8":
+        exp = mxfp4_shapes(want)
+    elif w.dtype == "F8_E4M3":
+        exp = {"weight": want, "scale": fp8_e8m0_scale_shape(want, block)}
+    else:
+        return f"weight dtype {w.dtype} with a scale: expected F8_E4M3 or I8 (MXFP4)"
+    for k, i in (("weight", w), ("scale", s)):
+        if i.shape != tuple(exp[k]):
+            return f"{k} shape {list(i.shape)} != expected {list(exp[k])} for logical {list(want)} ({w.dtype})"
+    return None
 
 
 def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:

@@ -11,7 +11,7 @@ import sys
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("gpu_service.entrypoints.generate", "generate text with a local GPU service + shard processes"),
-    "make-tiny": ("gpu_service.local.tiny", "write a tiny random DeepSeek-V3 checkpoint (bf16|fp8|int4)"),
+    "make-tiny": ("gpu_service.local.tiny", "write a tiny random DeepSeek-V3 / V3.2 / V4 checkpoint"),
     "expert-server": ("cpu_expert_service.server", "run one CPU expert shard (container entrypoint)"),
     "gpu-server": ("gpu_service.entrypoints.server", "run the GPU service alone (container entrypoint)"),
     "serve": ("gpu_service.entrypoints.serve", "start the local stack and serve the OpenAI HTTP + gRPC APIs"),

@@ -62,7 +62,8 @@ def test_kimi_and_v32_param_counts():
 
 
 def test_presets_are_the_shared_configs():
-    assert P.presets() == ["deepseek-v3", "deepseek-v3.2", "kimi-k2-instruct", "kimi-k2-thinking"]
+    assert P.presets() == ["deepseek-v3", "deepseek-v3.2", "deepseek-v4-flash", "deepseek-v4-pro", "kimi-k2-instruct",
+                         "kimi-k2-thinking"]
     shared = "/work/shared/model-configs"
     for name in P.presets():
         src = os.path.join(shared, name + ".json")

@@ -15,6 +15,9 @@ Formats:
   int4: compressed-tensors pack-quantized INT4 for routed experts only, the rest bf16, with
         Kimi-K2-Thinking's quantization_config.
 
+DeepSeek-V4 (`--arch deepseek_v4`, `--v4-schedule flash|pro`, `--format mxfp4|fp8|bf16`) is
+written by gpu_service.local.tiny_v4 (numpy only, real V4 layout); make_tiny dispatches to it.
+
 This module imports torch and transformers; the runtime never does.
 """
 from __future__ import annotations
@@ -29,6 +32,7 @@ import numpy as np
 from checkpoint import names as N
 from checkpoint.config import load_config
 from checkpoint.formats import pack_int4, quant_fp8_block
+from gpu_service.local import tiny_v4
 
 FORMATS = ("bf16", "fp8", "int4")
 ARCHS = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
@@ -286,17 +290,27 @@ def write_tokenizer(out_dir: str, vocab_size: int) -> None:
         json.dump({"bos_token": BOS, "eos_token": EOS, "pad_token": EOS}, f, indent=2, ensure_ascii=False)
 
 
-def make_tiny(out_dir: str, fmt: str = "bf16", seed: int = 0, overrides: dict | None = None,
-              arch: str = "deepseek_v3", tokenizer: str | None = None) -> str:
+def make_tiny(out_dir: str, fmt: str | None = None, seed: int = 0, overrides: dict | None = None,
+              arch: str = "deepseek_v3", tokenizer: str | None = None, v4_schedule: str = "flash") -> str:
     """Write a tiny random checkpoint to out_dir (created if needed); returns out_dir. `tokenizer`:
-    None for the simple built-in one, else one of gpu_service.local.tiny_tokenizers.KINDS."""
+    None for the simple built-in one, else one of gpu_service.local.tiny_tokenizers.KINDS. fmt
+    None: bf16 (V3 / V3.2). arch "deepseek_v4": gpu_service.local.tiny_v4.make_tiny_v4 (fmt
+    mxfp4 (None) | fp8 | bf16, v4_schedule flash|pro) with the simple tokenizer."""
     from gpu_service.local import tiny_tokenizers
+
+    if arch == "deepseek_v4":
+        if tokenizer is not None:
+            raise ValueError("tokenizer kinds are not available for deepseek_v4 yet (its encoder is its own "
+                             "piece of work); pass tokenizer=None for the simple built-in tokenizer")
+        return tiny_v4.make_tiny_v4(out_dir, fmt=fmt or "mxfp4", seed=seed, overrides=overrides, v4_schedule=v4_schedule,
+                                    write_tokenizer=write_tokenizer)
 
     if tokenizer is not None:
         overrides = {"vocab_size": tiny_tokenizers.vocab_size(tokenizer), **(overrides or {})}
         if tokenizer.startswith("kimi"):
             n = overrides["vocab_size"] - 256
             overrides = {"bos_token_id": n, "eos_token_id": n + 1, **overrides}
+    fmt = fmt or "bf16"
     cfg = tiny_config(arch, fmt, overrides)
     os.makedirs(out_dir, exist_ok=True)
     model = build_hf_model(cfg, seed)
@@ -328,12 +342,20 @@ def make_tiny(out_dir: str, fmt: str = "bf16", seed: int = 0, overrides: dict | 
 
 # ---- CLI ---------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """make-tiny's options (V3 / V3.2 and, with --arch deepseek_v4, gpu_service.local.tiny_v4)."""
+    SCHEDULES, V4_FORMATS = tiny_v4.SCHEDULES, tiny_v4.V4_FORMATS
     p.add_argument("out_dir", metavar="DIR", help="directory to write the checkpoint to")
-    p.add_argument("--format", dest="fmt", choices=FORMATS, default="bf16", help="weight format (default bf16)")
+    p.add_argument("--format", dest="fmt", choices=tuple(dict.fromkeys(FORMATS + V4_FORMATS)), default=None,
+                   help="weight format: bf16|fp8|int4 for deepseek_v3/v32 (default bf16); mxfp4|fp8|bf16 for "
+                        "deepseek_v4 (default mxfp4: MXFP4 experts, FP8 attention)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--config", dest="config", default=None,
                    help="JSON file of config.json overrides, e.g. {\"num_hidden_layers\": 4}")
-    p.add_argument("--arch", choices=tuple(ARCHS), default="deepseek_v3", help="model architecture")
+    p.add_argument("--arch", choices=tuple(ARCHS) + ("deepseek_v4",), default="deepseek_v3",
+                   help="model architecture")
+    p.add_argument("--v4-schedule", choices=SCHEDULES, default=None,
+                   help="deepseek_v4 only: Flash-like (window, window, CSA/HCA...) or Pro-like (HCA, HCA, "
+                        "CSA/HCA...) layer schedule (default flash)")
     from gpu_service.local.tiny_tokenizers import KINDS
 
     p.add_argument("--tokenizer", default=None, choices=KINDS,
@@ -348,8 +370,30 @@ def run(args: argparse.Namespace) -> int:
             overrides = json.load(f)
         if not isinstance(overrides, dict):
             raise SystemExit(f"--config {args.config}: expected a JSON object of config.json fields")
+    if args.arch == "deepseek_v4":
+        return _run_v4(args, overrides)
+    if args.v4_schedule is not None:
+        raise SystemExit("--v4-schedule applies to --arch deepseek_v4 only")
+    args.fmt = args.fmt or "bf16"
+    if args.fmt not in FORMATS:
+        raise SystemExit(f"--format {args.fmt} is for --arch deepseek_v4; {args.arch} takes {', '.join(FORMATS)}")
     out = make_tiny(args.out_dir, fmt=args.fmt, seed=args.seed, overrides=overrides, arch=args.arch,
                     tokenizer=args.tokenizer)
     total = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.endswith(".safetensors"))
     print(f"wrote {args.arch} {args.fmt} checkpoint to {out} ({total / 1e6:.2f} MB of weights, seed {args.seed})")
+    return 0
+
+
+def _run_v4(args: argparse.Namespace, overrides: dict | None) -> int:
+    """make-tiny --arch deepseek_v4 (gpu_service.local.tiny_v4.make_tiny_v4)."""
+    fmt = args.fmt or "mxfp4"
+    if fmt not in tiny_v4.V4_FORMATS:
+        raise SystemExit(f"--format {fmt} is not a DeepSeek-V4 format; use one of {', '.join(tiny_v4.V4_FORMATS)}")
+    if args.tokenizer is not None:
+        raise SystemExit("--tokenizer is not available for deepseek_v4 yet (its encoder is its own piece of "
+                         "work); leave it out for the simple built-in tokenizer")
+    sched = args.v4_schedule or "flash"
+    out = make_tiny(args.out_dir, fmt=fmt, seed=args.seed, overrides=overrides, arch="deepseek_v4", v4_schedule=sched)
+    total = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.endswith(".safetensors"))
+    print(f"wrote deepseek_v4 ({sched}) {fmt} checkpoint to {out} ({total / 1e6:.2f} MB of weights, seed {args.seed})")
     return 0

@@ -28,12 +28,13 @@ GPU_SERVICE_HOST_BYTES = 4 * GiB
 HOST_OS_RESERVE_BYTES = 8 * GiB
 FP8_BLOCK = (128, 128)
 INT4_GROUP = 32
+MXFP4_GROUP = 32
 QLINEAR_ROWS = 1024  # weight rows a quantised linear dequantises at once (a multiple of 128, the FP8 block)
 INDEX_SCORE_ELEMS = 1 << 26  # fp32 V3.2 index scores [queries, heads, S] the indexer holds at once
 
 ATTENTION_WEIGHTS = ("auto", "checkpoint", "bf16", "fp8", "int8")
 EMBEDDINGS = ("auto", "gpu", "cpu")
-EXPERT_FORMATS = ("auto", "bf16", "int8", "int4")
+EXPERT_FORMATS = ("auto", "bf16", "int8", "int4", "mxfp4")  # mxfp4: DeepSeek-V4 checkpoints' own only
 # bytes per element of the compute dtype: unquantised weights ("bf16" items), KV cache, activations
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 DTYPES = tuple(DTYPE_BYTES)
@@ -47,8 +48,8 @@ def dtype_bytes(dtype: str) -> int:
 PRESETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
 
 # GPU item categories, in table order
-CATEGORIES = ("embeddings", "attention", "indexer", "dense_mlp", "shared_experts", "routers", "norms",
-              "lm_head", "kv_cache", "index_keys", "gpu_experts", "workspace", "reserve")
+CATEGORIES = ("embeddings", "attention", "indexer", "compressor", "mhc", "dense_mlp", "shared_experts", "routers",
+              "norms", "lm_head", "kv_cache", "index_keys", "kv_window", "gpu_experts", "workspace", "reserve")
 
 
 # ------------------------------------------------------------------------------------- sizes
@@ -85,7 +86,9 @@ def linear_bytes(out: int, inp: int, fmt: str, fp8_block: tuple[int, int] = FP8_
         return n + 4 * out
     if fmt == "int4":
         return 4 * out * math.ceil(inp / 8) + 2 * out * math.ceil(inp / INT4_GROUP)
-    raise ValueError(f"unknown weight format {fmt!r}; expected bf16, fp8, int8 or int4")
+    if fmt == "mxfp4":  # DeepSeek-V4 experts: e2m1 nibbles + one e8m0 byte per 32 inputs
+        return out * math.ceil(inp / 2) + out * math.ceil(inp / MXFP4_GROUP)
+    raise ValueError(f"unknown weight format {fmt!r}; expected bf16, fp8, int8, int4 or mxfp4")
 
 
 @dataclass(frozen=True)
@@ -99,10 +102,11 @@ class Module:
     linears: tuple[tuple[str, int, int], ...] = ()
     bf16: int = 0
     f32: int = 0
+    i64: int = 0  # integer tables (DeepSeek-V4's hash-routing tid2eid)
 
     @property
     def params(self) -> int:
-        return sum(o * i for _, o, i in self.linears) + self.bf16 + self.f32
+        return sum(o * i for _, o, i in self.linears) + self.bf16 + self.f32 + self.i64
 
 
 def gpu_modules(cfg: ModelConfig) -> list[Module]:
@@ -143,14 +147,6 @@ def gpu_modules(cfg: ModelConfig) -> list[Module]:
     mods.append(Module("model.norm", "norms", None, bf16=H))
     mods.append(Module("lm_head", "lm_head", None, bf16=V * H))
     return mods
-
-
-def param_counts(cfg: ModelConfig) -> dict[str, int]:
-    """{"routed": ..., "non_routed": ..., "total": ...} parameters (MTP layers excluded)."""
-    routed = len(cfg.moe_layers) * cfg.n_routed_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size
-    mods = gpu_modules(cfg)
-    non = sum(m.params for m in mods if not (cfg.tie_word_embeddings and m.category == "lm_head"))
-    return {"routed": routed, "non_routed": non, "total": routed + non}
 
 
 def _int4_ignored(cfg: ModelConfig, linear_name: str) -> bool:
@@ -194,7 +190,7 @@ class Options:
 
 def module_bytes(cfg: ModelConfig, mod: Module, attention_weights: str, eb: int = 2) -> int:
     """Bytes of one parameter group; `eb` bytes per element of the compute dtype."""
-    b = eb * mod.bf16 + 4 * mod.f32
+    b = eb * mod.bf16 + 4 * mod.f32 + 8 * mod.i64
     for name, o, i in mod.linears:
         fmt = checkpoint_format(cfg, name) if attention_weights == "checkpoint" else attention_weights
         b += linear_bytes(o, i, fmt, fp8_block(cfg) if attention_weights == "checkpoint" else FP8_BLOCK, eb)
@@ -216,6 +212,9 @@ def param_bytes_by_module(cfg: ModelConfig, options: Options | dict | str = "che
         options.get("dtype", "bfloat16") if isinstance(options, dict) else options.dtype)
     if aw not in ATTENTION_WEIGHTS[1:]:
         raise ValueError(f"attention_weights {aw!r} must be resolved: one of {ATTENTION_WEIGHTS[1:]}")
+    if cfg.is_v4:
+        raise ValueError("param_bytes_by_module is the MLA byte model; for DeepSeek-V4 use "
+                         "gpu_service.plan.arch.gpu_modules with module_bytes")
     return {m.name: module_bytes(cfg, m, aw, dtype_bytes(dt)) for m in gpu_modules(cfg)}
 
 

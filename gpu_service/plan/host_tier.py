@@ -8,7 +8,8 @@ sizes it from MemAvailable at start, gpu_service.model.host_kv.auto_host_kv_byte
 from __future__ import annotations
 
 from checkpoint.config import ModelConfig
-from gpu_service.plan.bytes import kv_bytes_per_token_layer, parse_size
+from gpu_service.plan.arch import kv_bytes_per_token
+from gpu_service.plan.bytes import parse_size
 
 AUTO_SHARE = 0.5
 
@@ -16,7 +17,7 @@ AUTO_SHARE = 0.5
 def host_kv_fields(cfg: ModelConfig, host: dict, host_kv_cache: int | str | None = "auto") -> dict:
     """Fields merged into `Plan.host`: host_kv_cache_bytes (None when unknown), host_kv_cache_tokens,
     and, for an explicit size, required_bytes / fits / missing_bytes updated."""
-    per_token = sum(kv_bytes_per_token_layer(cfg)) * cfg.num_hidden_layers
+    per_token = kv_bytes_per_token(cfg)
     cap = host.get("capacity_bytes")
     out: dict = {}
     if host_kv_cache in (None, "auto"):
@@ -27,5 +28,5 @@ def host_kv_fields(cfg: ModelConfig, host: dict, host_kv_cache: int | str | None
         out.update(required_bytes=req, fits=cap is None or req <= cap)
         if cap is not None and req > cap:
             out["missing_bytes"] = req - cap
-    out.update(host_kv_cache_bytes=size, host_kv_cache_tokens=None if size is None else size // per_token)
+    out.update(host_kv_cache_bytes=size, host_kv_cache_tokens=None if size is None else int(size // per_token))
     return out

@@ -4,20 +4,15 @@ from __future__ import annotations
 import json
 import os
 
-from checkpoint.config import ConfigError, ModelConfig, load_config
-from gpu_service.plan.bytes import CATEGORIES, fmt_gib, kv_bytes_per_token_layer, param_counts, PRESETS_DIR
-
-
-# ------------------------------------------------------------------------------ rendering
-_LABELS = {"embeddings": "embeddings", "attention": "attention (MLA)", "indexer": "indexer (V3.2)",
-           "dense_mlp": "dense MLP", "shared_experts": "shared experts", "routers": "routers",
-           "norms": "norms", "lm_head": "lm_head", "kv_cache": "KV cache (c_kv+k_pe)",
-           "index_keys": "indexer keys", "gpu_experts": "hot experts", "workspace": "workspace",
-           "reserve": "CUDA ctx + reserve"}
+from checkpoint.config import ConfigError, ModelConfig
+from checkpoint.config_v4 import V4Config, config_from_dict, load_any_config
+from gpu_service.plan.arch import arch_bytes, kv_bytes_per_token, param_counts
+from gpu_service.plan.bytes import CATEGORIES, fmt_gib, PRESETS_DIR
 
 
 def render_table(p: "Plan") -> str:  # a gpu_service.plan.search.Plan
     cfg, o = p.cfg, p.options
+    A = arch_bytes(cfg)
     c = param_counts(cfg)
     lines = [f"moesplit plan: {p.model} ({cfg.architecture}, {cfg.num_hidden_layers} layers, "
              f"{len(cfg.moe_layers)} MoE x {cfg.n_routed_experts} experts)",
@@ -36,13 +31,17 @@ def render_table(p: "Plan") -> str:  # a gpu_service.plan.search.Plan
     lr = [f"{g.layers[0]}-{g.layers[-1]}" if g.layers else "-" for g in p.gpus]
     lines.append(row("layers", lr))
     for k in cats:
-        lines.append(row(_LABELS[k], [fmt_gib(g.items.get(k, 0)) for g in p.gpus]))
+        lines.append(row(A.label(k), [fmt_gib(g.items.get(k, 0)) for g in p.gpus]))
     lines.append("-" * len(hdr))
     lines.append(row("used", [fmt_gib(g.used_bytes) for g in p.gpus]))
     lines.append(row("capacity", [fmt_gib(g.capacity_bytes) for g in p.gpus]))
     lines.append(row("free", [fmt_gib(g.free_bytes) for g in p.gpus]))
-    kvb = sum(kv_bytes_per_token_layer(cfg, o.eb)) * cfg.num_hidden_layers
-    lines += ["", f"KV cache: {o.kv_tokens} tokens x {kvb:,} B/token (all layers)", "",
+    kvb = kv_bytes_per_token(cfg, o.eb)
+    lines += ["", f"KV cache: {o.kv_tokens} tokens x {kvb:,.6g} B/token (all layers)"]
+    if cfg.is_v4:
+        lines.append(f"  (compressed entries + indexer keys, amortised; window {cfg.sliding_window} tokens + "
+                     f"compressor state per sequence x {o.max_batch}: {fmt_gib(sum(g.items.get('kv_window', 0) for g in p.gpus))})")
+    lines += ["",
               f"CPU shards ({len(p.shards)}, {o.expert_format} experts):"]
     for s in p.shards:
         what = f"slice {s.slice[0]}/{s.slice[1]}" if s.slice else f"experts {s.experts[0]}-{s.experts[1] - 1}"
@@ -81,15 +80,15 @@ def presets() -> list[str]:
     return sorted(f[:-5] for f in os.listdir(PRESETS_DIR) if f.endswith(".json"))
 
 
-def load_model_config(spec: str) -> tuple[ModelConfig, str]:
+def load_model_config(spec: str) -> tuple[ModelConfig | V4Config, str]:
     """--model: a checkpoint directory, a config.json path, or a preset name. Returns (cfg, name)."""
     if os.path.exists(spec):
-        cfg = load_config(spec)
+        cfg = load_any_config(spec)
         base = spec if os.path.isdir(spec) else os.path.dirname(os.path.abspath(spec))
         return cfg, os.path.basename(os.path.normpath(base)) or spec
     path = os.path.join(PRESETS_DIR, f"{spec}.json")
     if os.path.exists(path):
         with open(path) as f:
-            return ModelConfig.from_dict(json.load(f), source=path), spec
+            return config_from_dict(json.load(f), source=path), spec
     raise ConfigError(f"--model {spec!r} is neither a checkpoint directory, a config.json nor a preset; "
                       f"presets: {', '.join(presets())}")

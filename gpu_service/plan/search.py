@@ -26,11 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from checkpoint.config import ModelConfig
+from checkpoint.config_v4 import V4Config
+from gpu_service.plan.arch import arch_bytes, kv_bytes_per_token, param_counts
 from gpu_service.plan.bytes import (
-    ATTENTION_WEIGHTS, CATEGORIES, DEFAULT_CHUNK_TOKENS, DEFAULT_KV_TARGET, DEFAULT_MAX_BATCH,
-    DEFAULT_MIN_KV_TOKENS, EMBEDDINGS, expert_bytes, EXPERT_FORMATS, fmt_gib, GiB, gpu_modules,
-    gpu_reserve, GPU_SERVICE_HOST_BYTES, HOST_OS_RESERVE_BYTES, kv_bytes_per_token_layer, KV_ROUND,
-    module_bytes, Options, param_counts, parse_size, SHARD_BASELINE_BYTES, workspace_bytes, dtype_bytes,
+    ATTENTION_WEIGHTS, DEFAULT_CHUNK_TOKENS, DEFAULT_KV_TARGET, DEFAULT_MAX_BATCH,
+    DEFAULT_MIN_KV_TOKENS, EMBEDDINGS, expert_bytes, EXPERT_FORMATS, fmt_gib, GiB,
+    gpu_reserve, GPU_SERVICE_HOST_BYTES, HOST_OS_RESERVE_BYTES, KV_ROUND,
+    module_bytes, Options, parse_size, SHARD_BASELINE_BYTES, dtype_bytes,
     checkpoint_format, qlinear_scratch_bytes,
 )
 from gpu_service.plan.host_tier import host_kv_fields
@@ -82,7 +84,7 @@ class ShardPlan:
 @dataclass
 class Plan:
     model: str
-    cfg: ModelConfig
+    cfg: ModelConfig | V4Config
     options: Options
     gpus: list[GpuPlan]
     shards: list[ShardPlan]
@@ -119,7 +121,7 @@ class Plan:
             "choices": list(self.choices),
             "options": {k: getattr(self.options, k) for k in self.options.__dataclass_fields__},
             "param_counts": c,
-            "kv_bytes_per_token": sum(kv_bytes_per_token_layer(self.cfg, self.options.eb)) * self.cfg.num_hidden_layers,
+            "kv_bytes_per_token": kv_bytes_per_token(self.cfg, self.options.eb),
             "fingerprint": self.cfg.fingerprint(),
         }
         if not self.fits:
@@ -137,14 +139,15 @@ class _Layout:
 
     def __init__(self, cfg: ModelConfig, o: Options, capacities: list[int]):
         self.cfg, self.o, self.caps = cfg, o, capacities
+        self.arch = A = arch_bytes(cfg)
         L = cfg.num_hidden_layers
         self.layer_items: list[dict[str, int]] = [dict() for _ in range(L)]
-        self.fixed: dict[str, int] = {}
+        self.fixed: dict[str, int] = {}  # category -> bytes of the modules outside the layers
         self.layer_scratch = [0] * L  # the largest quantised linear's dequantisation scratch per layer
-        for m in gpu_modules(cfg):
+        for m in A.gpu_modules(cfg):
             b = module_bytes(cfg, m, o.attention_weights, o.eb)
             if m.layer is None:
-                self.fixed[m.name] = b
+                self.fixed[m.category] = self.fixed.get(m.category, 0) + b
             else:
                 it = self.layer_items[m.layer]
                 it[m.category] = it.get(m.category, 0) + b
@@ -152,12 +155,9 @@ class _Layout:
                     fmt = checkpoint_format(cfg, lname) if o.attention_weights == "checkpoint" else o.attention_weights
                     self.layer_scratch[m.layer] = max(self.layer_scratch[m.layer],
                                                       qlinear_scratch_bytes(out, inp, fmt, o.eb))
-        kv, idx = kv_bytes_per_token_layer(cfg, o.eb)
         hot = o.gpu_experts * expert_bytes(cfg, o.expert_format, eb=o.eb)
         for i in range(L):
-            self.layer_items[i]["kv_cache"] = kv * (o.kv_tokens + 1)  # + the pool's null slot
-            if idx:
-                self.layer_items[i]["index_keys"] = idx * (o.kv_tokens + 1)
+            self.layer_items[i].update(A.kv_layer_items(cfg, i, o))  # the pool (+ its null slot), per layer
             if cfg.is_moe_layer(i) and hot:
                 self.layer_items[i]["gpu_experts"] = hot
                 I, H = cfg.moe_intermediate_size, cfg.hidden_size
@@ -174,8 +174,8 @@ class _Layout:
         if o.gpu_experts:
             moe_w = max(moe_w, cfg.moe_intermediate_size)
         self.moe_width = moe_w
-        self.emb = self.fixed["model.embed_tokens"] if o.embeddings == "gpu" else 0
-        self.tail = self.fixed["model.norm"] + self.fixed["lm_head"]
+        self.emb = self.fixed["embeddings"] if o.embeddings == "gpu" else 0
+        self.tail = self.fixed["norms"] + self.fixed["lm_head"]
         self.ws_cache: dict[tuple, int] = {}
 
     def workspace(self, g: int, a: int, b: int) -> int:
@@ -186,8 +186,8 @@ class _Layout:
             width = max(width, self.moe_width)
         k = (width, g == len(self.caps) - 1, max(self.layer_scratch[a:b], default=0), b - a)
         if k not in self.ws_cache:
-            self.ws_cache[k] = workspace_bytes(self.cfg, self.o, mlp_width=k[0], lm_head=k[1], scratch=k[2],
-                                               layers=k[3])
+            self.ws_cache[k] = self.arch.workspace(self.cfg, self.o, mlp_width=k[0], lm_head=k[1], scratch=k[2],
+                                                   layers=k[3])
         return self.ws_cache[k]
 
     def used(self, g: int, a: int, b: int) -> int:
@@ -238,7 +238,7 @@ class _Layout:
         G = len(self.caps)
         out = []
         for g in range(G):
-            items = {c: 0 for c in CATEGORIES}
+            items = {c: 0 for c in self.arch.categories(self.cfg)}
             for i in range(b[g], b[g + 1]):
                 for k, v in self.layer_items[i].items():
                     items[k] += v
@@ -246,11 +246,9 @@ class _Layout:
                 items["embeddings"] = self.emb
             if g == G - 1:
                 items["lm_head"] = self.fixed["lm_head"]
-                items["norms"] += self.fixed["model.norm"]
+                items["norms"] += self.fixed["norms"]
             items["workspace"] = self.workspace(g, b[g], b[g + 1])
             items["reserve"] = gpu_reserve(self.caps[g])
-            if not self.cfg.is_v32:
-                items.pop("indexer"), items.pop("index_keys")
             out.append(GpuPlan(f"cuda:{g}", self.caps[g], list(range(b[g], b[g + 1])), items,
                                embeddings=(g == 0 and self.o.embeddings == "gpu"), lm_head=(g == G - 1)))
         assert sum(self.caps[g] - p.free_bytes for g, p in enumerate(out)) == sum(p.used_bytes for p in out)
@@ -319,6 +317,9 @@ def _check_plan_args(cfg: ModelConfig, caps: list[int], gpus, attention_weights:
         raise ValueError(f"embeddings {embeddings!r}: expected one of {EMBEDDINGS}")
     if expert_format not in EXPERT_FORMATS:
         raise ValueError(f"expert_format {expert_format!r}: expected one of {EXPERT_FORMATS}")
+    if expert_format == "mxfp4" and arch_bytes(cfg).native_expert_format(cfg) != "mxfp4":
+        raise ValueError("expert_format 'mxfp4' keeps a DeepSeek-V4 checkpoint's MXFP4 experts as stored; this "
+                         "model's experts are not MXFP4: use auto, bf16, int8 or int4")
     if gpu_experts != "auto" and (not isinstance(gpu_experts, int) or not 0 <= gpu_experts <= cfg.n_routed_experts):
         raise ValueError(f"gpu_experts {gpu_experts!r}: expected 'auto' or an int in [0, {cfg.n_routed_experts}]")
     if numa_nodes < 1:
@@ -336,9 +337,10 @@ def _expert_format(cfg: ModelConfig, expert_format: str, host: int | None, numa_
     int4, else int8 without --host-ram, else the most precise whose shards fit the host. Appends the why."""
     if expert_format != "auto":
         return expert_format
-    if cfg.quantization is not None and cfg.quantization.method == "int4":
-        choices.append("expert format int4: the checkpoint's own format (lossless)")
-        return "int4"
+    native = arch_bytes(cfg).native_expert_format(cfg)
+    if native is not None:
+        choices.append(f"expert format {native}: the checkpoint's own format (lossless)")
+        return native
     if host is None:
         choices.append("expert format int8: no --host-ram given; 1 B/param with per-channel scales")
         return "int8"

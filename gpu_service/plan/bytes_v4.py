@@ -1,0 +1,165 @@
+"""The memory plan's byte model for DeepSeek-V4 (`checkpoint.config_v4.V4Config`); docs/v4.md writes
+every formula out. gpu_service.plan.arch picks this module or the V3 one (gpu_service.plan.bytes).
+
+What differs from V3 (MLA):
+- GPU weights: per layer q_a/q_b (per-head 512-dim queries), one shared KV head `wkv`, the grouped
+  output projection `wo_a` / `wo_b`, per-head sinks, the KV compressors (bf16) and on CSA layers
+  the lightning indexer (FP8 wq_b, bf16 weights_proj and its own compressor), mHC mixing (f32),
+  a router with either a correction bias or a hash table (`tid2eid`, int64).
+- KV: every layer keeps a sliding window of `sliding_window` tokens per running sequence (a ring,
+  max_batch of them) and its compressor's pending tokens (f32 kv + score); CSA layers add one
+  compressed entry (head_dim values) and one indexer key (index_head_dim values) per 4 tokens of
+  the pool, HCA layers one entry per `ratio` tokens. The pool of `kv_tokens` tokens therefore costs
+  (head_dim + index_head_dim)/4 values per token on a CSA layer and head_dim/ratio on an HCA layer.
+- Workspace: the 4 mHC residual streams (f32) of the chunk, per-head queries [T, heads*head_dim],
+  scores over window + chunk + selected compressed keys, the indexer's scores over the pool's
+  entries in blocks, the compressors' f32 rows.
+- Experts: MXFP4 (`linear_bytes(..., "mxfp4")`) as stored, on the shards and as hot GPU experts.
+"""
+from __future__ import annotations
+
+import math
+
+from checkpoint.config_v4 import CSA_RATIO, V4Config
+from gpu_service.plan.bytes import (
+    INDEX_SCORE_ELEMS, MIN_KEYS, Module, Options, graph_buckets, GRAPH_SLOTS,
+)
+
+F32 = 4
+# categories a V4 GPU plan shows (gpu_service.plan.bytes.CATEGORIES order; "kv_window" and "kv_state" are V4's)
+V4_LABELS = {"attention": "attention (V4)", "indexer": "indexer (CSA)", "compressor": "KV compressors",
+             "mhc": "mHC mixing", "kv_cache": "KV compressed", "index_keys": "indexer keys",
+             "kv_window": "KV window + state"}
+
+
+def compressor_width(cfg: V4Config, ratio: int) -> int:
+    """Output width of a layer's KV compressor: 2*head_dim for CSA (overlapping), head_dim for HCA."""
+    return (2 if ratio == CSA_RATIO else 1) * cfg.head_dim
+
+
+def gpu_modules_v4(cfg: V4Config) -> list[Module]:
+    """Every non-routed parameter group of a V4 model, GPU-side (MTP block excluded: not served)."""
+    D, V, H, hd = cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads, cfg.head_dim
+    ql, G, ol, E = cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank, cfg.n_routed_experts
+    hc = cfg.hc_mult
+    mix = (2 + hc) * hc
+    mods = [Module("embed", "embeddings", None, bf16=V * D)]
+    for i in range(cfg.num_hidden_layers):
+        p, a, r = f"layers.{i}.", f"layers.{i}.attn.", cfg.compress_ratios[i]
+        mods.append(Module(p + "norms", "norms", i, bf16=2 * D))
+        mods.append(Module(p + "hc", "mhc", i, f32=2 * (mix * hc * D + mix + 3)))
+        mods.append(Module(p + "attn", "attention", i,
+                           ((a + "wq_a", ql, D), (a + "wq_b", H * hd, ql), (a + "wkv", hd, D),
+                            (a + "wo_a", G * ol, H * hd // G), (a + "wo_b", D, G * ol)),
+                           bf16=ql + hd, f32=H))  # q_norm, kv_norm; attn_sink
+        if r:
+            w = compressor_width(cfg, r)
+            mods.append(Module(p + "attn.compressor", "compressor", i, bf16=2 * w * D + hd, f32=r * w))
+        if r == CSA_RATIO:
+            nI, dI = cfg.index_n_heads, cfg.index_head_dim
+            mods.append(Module(p + "attn.indexer", "indexer", i, ((a + "indexer.wq_b", nI * dI, ql),),
+                               bf16=nI * D + 2 * (2 * dI) * D + dI, f32=CSA_RATIO * 2 * dI))
+        si = cfg.n_shared_experts * cfg.moe_intermediate_size
+        if si:
+            s = p + "ffn.shared_experts."
+            mods.append(Module(p + "ffn.shared_experts", "shared_experts", i,
+                               ((s + "w1", si, D), (s + "w3", si, D), (s + "w2", D, si))))
+        if cfg.is_hash_layer(i):
+            mods.append(Module(p + "ffn.gate", "routers", i, f32=E * D, i64=V * cfg.num_experts_per_tok))
+        else:
+            mods.append(Module(p + "ffn.gate", "routers", i, f32=E * D + E))
+    mods.append(Module("norm", "norms", None, bf16=D, f32=hc * hc * D + hc + 1))  # + hc_head
+    mods.append(Module("head", "lm_head", None, bf16=V * D))
+    return mods
+
+
+def entries(kv_tokens: int, ratio: int) -> int:
+    """Compressed entries a pool of kv_tokens tokens holds on a layer of this ratio, + the null slot."""
+    return math.ceil(kv_tokens / ratio) + 1 if ratio else 0
+
+
+def kv_layer_items_v4(cfg: V4Config, layer: int, o: Options) -> dict[str, int]:
+    """{category: bytes} of one layer's cache: compressed entries and indexer keys in the pool
+    (kv_tokens), the window ring and compressor pending state per running sequence (max_batch)."""
+    r, hd, e, B = cfg.compress_ratios[layer], cfg.head_dim, o.eb, o.max_batch
+    items = {"kv_window": B * (e * cfg.sliding_window * hd + _pending_bytes(cfg, r))}
+    if r:
+        items["kv_cache"] = e * hd * entries(o.kv_tokens, r)
+    if r == CSA_RATIO:
+        items["index_keys"] = e * cfg.index_head_dim * entries(o.kv_tokens, r)
+    return items
+
+
+def _pending_bytes(cfg: V4Config, ratio: int) -> int:
+    """One sequence's compressor state on a layer: f32 kv and score rows of the tokens not yet
+    compressed (CSA keeps the previous block too: 2*ratio rows), indexer compressor included."""
+    if not ratio:
+        return 0
+    rows = 2 * ratio if ratio == CSA_RATIO else ratio
+    b = 2 * F32 * rows * compressor_width(cfg, ratio)
+    if ratio == CSA_RATIO:
+        b += 2 * F32 * rows * 2 * cfg.index_head_dim
+    return b
+
+
+def kv_bytes_per_token_v4(cfg: V4Config, eb: int = 2) -> float:
+    """Pool bytes per token, all layers: the amortised compressed entries and indexer keys (the window
+    and compressor state are per sequence, not per token)."""
+    total = 0.0
+    for r in cfg.compress_ratios:
+        if r:
+            total += eb * (cfg.head_dim + (cfg.index_head_dim if r == CSA_RATIO else 0)) / r
+    return total
+
+
+def _compressed_keys(cfg: V4Config, kv: int) -> int:
+    """Compressed keys one query attends to, the most over layer types: CSA top-k, HCA all entries."""
+    keys = 0
+    for r in set(cfg.compress_ratios):
+        if r == CSA_RATIO:
+            keys = max(keys, min(cfg.index_topk, entries(kv, r)))
+        elif r:
+            keys = max(keys, entries(kv, r))
+    return keys
+
+
+def _rows(cfg: V4Config, e: int, mlp_width: int) -> int:
+    """Bytes per token row of the attention and MLP projections (compute dtype): qr, per-head q and the
+    attention output, kv, the grouped o_a output, the hidden output, the widest MLP."""
+    H, hd = cfg.num_attention_heads, cfg.head_dim
+    return e * (cfg.q_lora_rank + 2 * H * hd + hd + cfg.o_groups * cfg.o_lora_rank + cfg.hidden_size
+                + 3 * mlp_width)
+
+
+def workspace_bytes_v4(cfg: V4Config, o: Options, *, mlp_width: int, lm_head: bool, scratch: int = 0,
+                       layers: int = 0) -> int:
+    """Activation workspace of one GPU running V4 layers (docs/v4.md "Workspace")."""
+    T, B, e, kv, D = o.chunk_tokens, o.max_batch, o.eb, o.kv_tokens, cfg.hidden_size
+    H, hd, W, hc = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window, cfg.hc_mult
+    twin = 0 if e == 4 else e
+    Kc = _compressed_keys(cfg, kv)
+    streams = 2 * F32 * T * hc * D + F32 * T * (2 + hc) * hc  # X and X' (f32), the mixing coefficients
+    act = T * _rows(cfg, e, mlp_width)
+    E4 = entries(kv, CSA_RATIO) if CSA_RATIO in cfg.compress_ratios else 0
+    gathered = e * hd * max(entries(kv, r) for r in cfg.compress_ratios) + 8 * Kc * T  # entries; selection ids
+    attn = (F32 + twin) * T * H * (T + W + Kc) + T * (T + W + Kc) + e * (T + W + Kc) * hd  # scores, mask, keys
+    nI, dI = cfg.index_n_heads, cfg.index_head_dim
+    index = 0
+    if E4:
+        index = (F32 * min(T * nI * E4, max(INDEX_SCORE_ELEMS, nI * E4)) + F32 * T * E4 + 12 * T * cfg.index_topk
+                 + e * (T * nI * dI + E4 * dI))
+    comp = 2 * F32 * T * 2 * hd  # the chunk's compressor kv and score rows (f32)
+    moe = F32 * T * D + 12 * T * cfg.num_experts_per_tok
+    logits = 2 * F32 * B * cfg.vocab_size if lm_head else 0
+    Kd = W + Kc + MIN_KEYS
+    decode = (F32 + twin + e) * B * H * Kd + e * B * Kd * hd + 2 * F32 * B * hc * D + B * _rows(cfg, e, mlp_width)
+    graphs = 0
+    if o.cuda_graphs and layers:
+        row = 2 * 2 * F32 * hc * D + 2 * _rows(cfg, e, mlp_width) + 8 * cfg.n_routed_experts
+        graphs = GRAPH_SLOTS * sum(graph_buckets(B)) * row
+    return streams + max(act + gathered + max(attn, index) + comp, decode) + moe + logits + scratch + graphs
+
+
+def native_expert_format_v4(cfg: V4Config) -> str | None:
+    """The experts' stored format when the shards can keep it as is: "mxfp4" for MXFP4 checkpoints."""
+    return "mxfp4" if cfg.quantization is not None and cfg.expert_dtype == "fp4" else None
