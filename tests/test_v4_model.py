@@ -8,7 +8,8 @@ DeepseekV4ForCausalLM on tiny seeded Flash-like and Pro-like layer schedules (te
 - the whole model: every prompt position's logits within 2e-5 of transformers', 32 greedy tokens
   equal to transformers' generate on a prompt longer than the window and than several CSA and HCA
   blocks, decoding with the cache, by recompute, and after a prefill in chunks smaller than a
-  compression block;
+  compression block; a batch mixing prompt chunks and decode tokens of three sequences gives each
+  its alone run's tokens;
 - loading: every non-expert checkpoint tensor used, a wrong shape named.
 """
 import functools
@@ -174,6 +175,36 @@ def test_32_greedy_tokens_equal_transformers_generate(schedule, mode):
     got = greedy(model, _prompt().tolist(), 32, experts, chunk=chunk, recompute=mode == "recompute")
     assert PROMPT_LEN > 4 * cfg.sliding_window and PROMPT_LEN // 4 > 4 * cfg.index_topk
     assert got == _hf_greedy(schedule, 32)
+
+
+def test_mixed_batch_steps_equal_alone_runs():
+    """Three sequences in one step each time: prompt chunks of one beside decode tokens of others
+    (chunks of 5 and 13 cross CSA and HCA block ends); each decodes the tokens of its alone run
+    (and the first, transformers' generate)."""
+    _, _, cfg, model, _, experts = _setup("flash")
+    prompts = [_prompt().tolist(), _prompt(37, seed=4).tolist(), _prompt(61, seed=5).tolist()]
+    sizes = [PROMPT_LEN, 5, 13]
+    steps = 12
+    alone = [greedy(model, p, steps, experts) for p in prompts]
+    assert alone[0] == _hf_greedy("flash", 32)[:steps]
+    caches = [model.new_cache() for _ in prompts]
+    fed, out = [0] * 3, [[] for _ in prompts]
+    while any(len(o) < steps for o in out):
+        batch, who = [], []
+        for j, p in enumerate(prompts):
+            if fed[j] < len(p):
+                batch.append((torch.tensor(p[fed[j]:fed[j] + sizes[j]]), caches[j]))
+                fed[j] = min(len(p), fed[j] + sizes[j])
+            elif len(out[j]) < steps:
+                batch.append((torch.tensor(out[j][-1:]), caches[j]))
+            else:
+                continue
+            who.append(j)
+        for j, logits in zip(who, model.forward_batch(batch, experts)):
+            if fed[j] == len(prompts[j]) and len(out[j]) < steps:
+                out[j].append(int(logits.argmax()))
+    assert out == alone
+    assert len(set(map(tuple, out))) == 3
 
 
 def test_cache_holds_the_window_and_the_entries():

@@ -2,7 +2,8 @@
 hc_mult streams, per layer mHC -> attention -> mHC -> MoE, the hc_head reduction, norm and head.
 
 `DeepseekV4.forward(tokens, cache, experts)` runs a chunk of one sequence after what its
-`SeqCache` holds (a fresh cache: prefill of the whole prompt); `greedy` decodes with the cache,
+`SeqCache` holds (a fresh cache: prefill of the whole prompt), `forward_batch` chunks of several
+sequences in one step (attention per sequence, the rest over all rows); `greedy` decodes with the cache,
 by recomputing the whole sequence each step (`recompute`), or after a chunked prefill (`chunk`).
 Parameters and buffers are named as the original checkpoint (`embed`, `layers.N.attn.wq_a`,
 `layers.N.hc_attn_fn`, `layers.N.ffn.gate.tid2eid`, `hc_head_fn`, `head`, ...); `build_v4` fills
@@ -60,11 +61,15 @@ class Block(nn.Module):
         self.attn = Attention(cfg, cfg.compress_ratios[layer], ropes)
         self.ffn = MoE(cfg, layer)
 
-    def forward(self, X: torch.Tensor, pos: torch.Tensor, tokens: torch.Tensor, st: AttnState,
-                experts: ExpertsFn) -> torch.Tensor:
-        """X [n, hc_mult, hidden] streams -> the layer's output streams."""
+    def forward(self, X: torch.Tensor, segs: list[tuple[int, int, torch.Tensor]], states: list[AttnState],
+                tokens: torch.Tensor, experts: ExpertsFn) -> torch.Tensor:
+        """X [T, hc_mult, hidden] streams of the batch's rows -> the layer's output streams. Rows
+        a:b at positions pos are one sequence's chunk (segs), continuing states[j]; attention runs
+        per sequence, everything else over all rows."""
         x, post, comb = hc_pre(X, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.cfg)
-        X = hc_post(X, self.attn(self.attn_norm.norm(x), pos, st), post, comb)
+        x = self.attn_norm.norm(x)
+        y = torch.cat([self.attn(x[a:b], pos, st) for (a, b, pos), st in zip(segs, states)])
+        X = hc_post(X, y, post, comb)
         x, post, comb = hc_pre(X, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.cfg)
         return hc_post(X, self.ffn(self.ffn_norm.norm(x), tokens, experts), post, comb)
 
@@ -97,22 +102,37 @@ class DeepseekV4(nn.Module):
     def new_cache(self) -> SeqCache:
         return SeqCache(len(self.layers))
 
-    @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: SeqCache, experts: ExpertsFn,
                 all_logits: bool = False) -> torch.Tensor:
         """tokens [n] following what `cache` holds -> float32 logits of the last token [V] (all
         tokens' [n, V] with all_logits); the cache then holds them too."""
-        n = tokens.shape[0]
-        pos = torch.arange(cache.length, cache.length + n, device=tokens.device)
-        x = self.embed(tokens)  # [n, D]
-        X = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [n, hc, D]
-        for blk, st in zip(self.layers, cache.layers):
-            X = blk(X, pos, tokens, st, experts)
-        cache.length += n
-        X = X if all_logits else X[-1:]
+        return self.forward_batch([(tokens, cache)], experts, all_logits)[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, chunks: list[tuple[torch.Tensor, SeqCache]], experts: ExpertsFn,
+                      all_logits: bool = False) -> list[torch.Tensor]:
+        """One step over chunks of several sequences (tokens [n_j] each following its cache) ->
+        per chunk the float32 logits of its last token [V] (or [n_j, V]); one experts call per layer
+        for all rows."""
+        tokens = torch.cat([t for t, _ in chunks])
+        segs, a = [], 0
+        for t, c in chunks:
+            n = t.shape[0]
+            segs.append((a, a + n, torch.arange(c.length, c.length + n, device=tokens.device)))
+            a += n
+        x = self.embed(tokens)  # [T, D]
+        X = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, hc, D]
+        for i, blk in enumerate(self.layers):
+            X = blk(X, segs, [c.layers[i] for _, c in chunks], tokens, experts)
+        for t, c in chunks:
+            c.length += t.shape[0]
+        rows = torch.arange(X.shape[0]) if all_logits else torch.tensor([b - 1 for _, b, _ in segs])
+        X = X[rows.to(X.device)]
         h = self.norm.norm(hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg))
         logits = self.head(h).float()
-        return logits if all_logits else logits[0]
+        if not all_logits:
+            return list(logits.unbind(0))
+        return [logits[a:b] for a, b, _ in segs]
 
 
 def greedy(model: DeepseekV4, prompt: list[int], steps: int, experts: ExpertsFn, chunk: int | None = None,
