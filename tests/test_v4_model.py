@@ -13,6 +13,9 @@ DeepseekV4ForCausalLM on tiny seeded Flash-like and Pro-like layer schedules (te
 - loading: every non-expert checkpoint tensor used, a wrong shape named.
 """
 import functools
+import json
+import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,7 +23,7 @@ import torch
 from gpu_service.attention.sink_torch import complete_entries
 from gpu_service.model.v4.attention import AttnState
 from gpu_service.model.v4.compressor import CompressorState
-from gpu_service.model.v4.model import build_v4, greedy
+from gpu_service.model.v4.model import build_v4, DeepseekV4, greedy
 from gpu_service.model.v4.moe import ReferenceExperts
 from gpu_service.model.v4.pieces import hc_head, hc_post, hc_pre, v4_ropes
 from tests.v4_reference import original_state_dict, runtime_config, tiny_v4
@@ -233,3 +236,28 @@ def test_a_wrong_shape_is_named():
     bad["layers.1.attn.attn_sink"] = torch.zeros(3)
     with pytest.raises(ValueError, match="layers.1.attn.attn_sink"):
         build_v4(cfg, bad.__getitem__)
+
+
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "model-configs")
+
+
+@pytest.mark.parametrize("name,shapes", [
+    ("deepseek-v4-flash", {"layers.2.attn.compressor.wkv.weight": (1024, 4096), "layers.3.attn.compressor.ape": (128, 512),
+                           "layers.2.attn.indexer.wq_b.weight": (8192, 1024), "layers.0.attn.wo_a.weight": (8192, 4096),
+                           "layers.0.hc_attn_fn": (24, 16384), "layers.2.ffn.gate.tid2eid": (129280, 6)}),
+    ("deepseek-v4-pro", {"layers.0.attn.compressor.wkv.weight": (512, 7168), "layers.60.attn.indexer.wq_b.weight":
+                         (8192, 1536), "layers.0.attn.wo_a.weight": (16384, 4096), "layers.3.ffn.gate.bias": (384,)}),
+])
+def test_real_configs_build_the_checkpoint_shapes(name, shapes):
+    """The real config.json (original keys) builds (on the meta device) with the checkpoint's shapes."""
+    path = os.path.join(CONFIGS, name + ".json")
+    if not os.path.exists(path):
+        pytest.skip(f"{path} is not in this checkout")
+    with open(path) as f:
+        cfg = SimpleNamespace(**json.load(f))
+    with torch.device("meta"):
+        model = DeepseekV4(cfg)
+    have = {n: tuple(t.shape) for n, t in list(model.named_parameters()) + list(model.named_buffers())}
+    assert {n: have.get(n) for n in shapes} == shapes
+    window_only = [i for i, b in enumerate(model.layers) if b.attn.compressor is None]
+    assert window_only == ([0, 1] if "flash" in name else [])
