@@ -49,6 +49,7 @@ def runtime_config(schedule: str) -> SimpleNamespace:
 
 
 def _hf_config(schedule: str):
+    """The same config as transformers' DeepseekV4Config (its new key names)."""
     import transformers
 
     raw = raw_config(schedule)

@@ -23,7 +23,7 @@ from gpu_service.model.v4.attention import Attention, AttnState
 from gpu_service.model.v4.moe import MoE
 from gpu_service.model.v4.pieces import hc_head, hc_post, hc_pre, v4_ropes
 
-FLOAT32 = ("hc_", "attn_sink", ".ape", "gate.bias", "gate.weight")  # kept in float32 as in the reference
+FLOAT32 = ("hc_", "attn_sink", ".ape", ".ffn.gate.bias", ".ffn.gate.weight")  # kept in float32 as in the reference
 
 
 def check_config(cfg) -> None:
@@ -100,6 +100,7 @@ class DeepseekV4(nn.Module):
         self.norm.prepare()
 
     def new_cache(self) -> SeqCache:
+        """An empty cache for a new sequence."""
         return SeqCache(len(self.layers))
 
     def forward(self, tokens: torch.Tensor, cache: SeqCache, experts: ExpertsFn,

@@ -52,6 +52,7 @@ class SharedExpert(nn.Module):
         self.w3 = nn.Linear(hidden, inter, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
         return self.w2(swiglu_limited(self.w1(x), self.w3(x), self.limit))
 
 
@@ -84,6 +85,7 @@ class ReferenceExperts:
         self._w: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _weights(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w1 ++ w3 [2I, hidden], w2 [hidden, I]) of one expert, read once."""
         key = (layer, e)
         if key not in self._w:
             p = f"layers.{layer}.ffn.experts.{e}."
@@ -92,6 +94,7 @@ class ReferenceExperts:
         return self._w[key]
 
     def __call__(self, layer: int, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> Ready:
+        """The ExpertsFn call: the routed output [T, hidden], already there."""
         out = torch.zeros_like(h)
         for e in ids.unique().tolist():
             rows, cols = torch.where(ids == e)
