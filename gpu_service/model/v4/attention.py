@@ -1,0 +1,79 @@
+"""DeepSeek-V4 attention of one layer: low-rank queries (wq_a, q_norm, wq_b, a weightless per-head
+norm), one shared key = value head (wkv, kv_norm), interleaved RoPE on the last qk_rope_head_dim
+dims, a sliding window over the recent tokens, per-head sinks, the layer's compressed entries (HCA:
+every complete one; CSA: the indexer's picks), the output's rope dims rotated back at the query
+position and the grouped low-rank output projection (wo_a per head group, then wo_b).
+
+`AttnState` is one sequence's cache of this layer: the last window - 1 keys and the compressors'
+states; a chunk of any length continues it (one-shot prefill, chunked prefill and decode alike).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gpu_service.attention.sink_torch import compressed_bias, sink_attention, window_bias
+from gpu_service.model.layers import RMSNorm, Rope
+from gpu_service.model.v4.compressor import Compressor, CompressorState, Indexer
+from gpu_service.model.v4.pieces import grouped_out, rms_unit, rope_tail
+
+
+class AttnState:
+    """One sequence's cache of one layer: window keys [<= window - 1, D] and their positions'
+    start, plus the compressor / indexer states (module docstring)."""
+
+    __slots__ = ("keys", "length", "comp", "index")
+
+    def __init__(self):
+        self.keys = None
+        self.length = 0  # tokens fed so far (the next chunk's first position)
+        self.comp, self.index = CompressorState(), CompressorState()
+
+
+class Attention(nn.Module):
+    """One layer's attention (module docstring); `ratio` 0 (window only), 4 (CSA) or more (HCA)."""
+
+    def __init__(self, cfg, ratio: int, ropes: dict[str, Rope]):
+        super().__init__()
+        H, D, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
+        self.H, self.D, self.eps, self.ratio = H, D, eps, ratio
+        self.window, self.groups = cfg.sliding_window, cfg.o_groups
+        self.rope = ropes["compress" if ratio else "main"]
+        self.wq_a = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, eps)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, H * D, bias=False)
+        self.wkv = nn.Linear(cfg.hidden_size, D, bias=False)
+        self.kv_norm = RMSNorm(D, eps)
+        self.wo_a = nn.Linear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(H))
+        self.compressor = Compressor(cfg.hidden_size, D, ratio, ratio == 4, eps, ropes["compress"]) if ratio else None
+        self.indexer = Indexer(cfg, ratio, ropes["compress"]) if ratio == 4 else None
+
+    def prepare(self) -> None:
+        """At load: the norms' constants."""
+        for m in (self.q_norm, self.kv_norm) + ((self.compressor.norm,) if self.compressor else ()) + \
+                ((self.indexer.compressor.norm,) if self.indexer else ()):
+            m.prepare()
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, st: AttnState) -> torch.Tensor:
+        """x [n, hidden] (the normed collapsed streams) of the tokens at positions pos [n] that
+        follow what `st` holds -> [n, hidden]; `st` now holds them too."""
+        n, dt = x.shape[0], x.dtype
+        cos, sin = self.rope.cos_sin(pos, torch.float32)
+        cos, sin = cos.to(dt), sin.to(dt)
+        qr = self.q_norm.norm(self.wq_a(x))  # [n, q_lora]
+        q = rope_tail(rms_unit(self.wq_b(qr).view(n, self.H, self.D), self.eps), cos, sin)  # [n, H, D]
+        kv = rope_tail(self.kv_norm.norm(self.wkv(x)), cos, sin)  # [n, D]
+        keys = kv if st.keys is None else torch.cat([st.keys, kv])
+        k_pos = torch.arange(st.length + n - keys.shape[0], st.length + n, device=x.device)
+        bias = window_bias(pos, k_pos, self.window, dt)  # [n, S]
+        st.keys, st.length = keys[-(self.window - 1):] if self.window > 1 else keys[:0], st.length + n
+        if self.compressor is not None:
+            entries = self.compressor.extend(x, st.comp)  # [W, D]
+            picks = self.indexer.pick(x, qr, pos, st.index) if self.indexer is not None else None
+            keys = torch.cat([keys, entries])
+            bias = torch.cat([bias, compressed_bias(pos, entries.shape[0], self.ratio, dt, picks)], dim=-1)
+        o = sink_attention(q, keys, bias, self.attn_sink, self.D ** -0.5)  # [n, H, D]
+        o = rope_tail(o, cos, -sin)
+        return self.wo_b(grouped_out(o.reshape(n, -1), self.wo_a.weight, self.groups))

@@ -1,0 +1,119 @@
+"""DeepSeek-V4's KV compressors and the lightning indexer.
+
+A compressor pools every `ratio` source tokens into one entry: kv = wkv(x), score = wgate(x) + ape
+[slot in window], a per-channel softmax of the scores over the pooled slots weighs the kv, then
+`norm` and RoPE (the compressed base) at position w * ratio. With `overlap` (CSA, ratio 4) each token
+projects to 2 * d channels: entry w pools the first d of window w-1's tokens and the last d of
+window w's (2 * ratio slots); without it (HCA) one window, d channels.
+
+The compressors run over a sequence chunk by chunk with a `CompressorState` per sequence (tokens
+of an unfinished window, the previous window's first half for the overlap, the entries so far), so
+one-shot prefill, chunked prefill and decode run the same code and give the same entries.
+
+`Indexer` (CSA layers): its own overlapping compressor at `index_head_dim`, queries
+wq_b(q_lora) as index_n_heads heads with RoPE, score(t, s) = sum_h weights_proj(x)_h n_h^-1/2
+d^-1/2 relu(q_h . k_s); each query keeps its top `index_topk` complete entries.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gpu_service.attention.sink_torch import complete_entries
+from gpu_service.model.layers import RMSNorm, Rope
+from gpu_service.model.v4.pieces import rope_tail
+
+
+class CompressorState:
+    """One sequence's compressor progress (module docstring)."""
+
+    __slots__ = ("buf_kv", "buf_gate", "prev_kv", "prev_gate", "entries", "count")
+
+    def __init__(self):
+        self.buf_kv = self.buf_gate = None  # [< ratio, c * d]: tokens of the window not yet complete
+        self.prev_kv = self.prev_gate = None  # [ratio, d]: overlap half of the last complete window
+        self.entries = None  # [W, d]
+        self.count = 0  # W
+
+
+class Compressor(nn.Module):
+    """wkv, wgate [c * d, hidden], ape [ratio, c * d] (float32), norm [d]; c = 2 with overlap."""
+
+    def __init__(self, hidden: int, d: int, ratio: int, overlap: bool, eps: float, rope: Rope):
+        super().__init__()
+        c = 2 if overlap else 1
+        self.d, self.ratio, self.overlap, self.rope = d, ratio, overlap, rope
+        self.wkv = nn.Linear(hidden, c * d, bias=False)
+        self.wgate = nn.Linear(hidden, c * d, bias=False)
+        self.ape = nn.Parameter(torch.zeros(ratio, c * d))
+        self.norm = RMSNorm(d, eps)
+
+    def _slots(self, kv: torch.Tensor, gate: torch.Tensor, st: CompressorState) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv, gate [n_w, ratio, 2d] -> the overlapped slots [n_w, 2 * ratio, d]; the first window's
+        first half from the previous chunk (else weight 0); keeps this chunk's last first half."""
+        n_w, m, d = kv.shape[0], self.ratio, self.d
+        new_kv = kv.new_zeros((n_w, 2 * m, d))
+        new_gate = gate.new_full((n_w, 2 * m, d), float("-inf"))
+        new_kv[:, m:], new_gate[:, m:] = kv[..., d:], gate[..., d:]
+        if n_w > 1:
+            new_kv[1:, :m], new_gate[1:, :m] = kv[:-1, :, :d], gate[:-1, :, :d]
+        if st.prev_kv is not None:
+            new_kv[0, :m], new_gate[0, :m] = st.prev_kv, st.prev_gate
+        st.prev_kv, st.prev_gate = kv[-1, :, :d].clone(), gate[-1, :, :d].clone()
+        return new_kv, new_gate
+
+    def extend(self, x: torch.Tensor, st: CompressorState) -> torch.Tensor:
+        """Feed the chunk's hidden states x [n, hidden] (the tokens after those already fed);
+        returns all entries so far [W, d] (W = complete windows)."""
+        kv, gate = self.wkv(x), self.wgate(x)
+        if st.buf_kv is not None and st.buf_kv.shape[0]:
+            kv, gate = torch.cat([st.buf_kv, kv]), torch.cat([st.buf_gate, gate])
+        usable = kv.shape[0] // self.ratio * self.ratio
+        st.buf_kv, st.buf_gate = kv[usable:], gate[usable:]
+        if usable == 0:
+            if st.entries is None:
+                st.entries = kv.new_zeros((0, self.d))
+            return st.entries
+        n_w, first = usable // self.ratio, st.count * self.ratio
+        kv = kv[:usable].view(n_w, self.ratio, -1)
+        gate = gate[:usable].view(n_w, self.ratio, -1) + self.ape
+        if self.overlap:
+            kv, gate = self._slots(kv, gate, st)
+        pooled = self.norm.norm((kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1))  # [n_w, d]
+        pos = torch.arange(n_w, device=x.device) * self.ratio + first
+        cos, sin = self.rope.cos_sin(pos, torch.float32)
+        new = rope_tail(pooled, cos.to(pooled.dtype), sin.to(pooled.dtype))
+        st.entries = new if st.entries is None else torch.cat([st.entries, new])
+        st.count += n_w
+        return st.entries
+
+
+class Indexer(nn.Module):
+    """The lightning indexer of a CSA layer (module docstring). Names: `wq_b`, `weights_proj`,
+    `compressor.*` (the checkpoint's `attn.indexer.*`)."""
+
+    def __init__(self, cfg, ratio: int, rope: Rope):
+        super().__init__()
+        self.heads, self.d, self.topk, self.ratio, self.rope = cfg.index_n_heads, cfg.index_head_dim, \
+            cfg.index_topk, ratio, rope
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.heads * self.d, bias=False)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.heads, bias=False)
+        self.compressor = Compressor(cfg.hidden_size, self.d, ratio, True, cfg.rms_norm_eps, rope)
+
+    def pick(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, st: CompressorState) -> torch.Tensor:
+        """x [n, hidden], qr [n, q_lora] (the query's normed low-rank), pos [n] -> picks [n, k]:
+        each query's top entries among the complete ones, -1 where fewer are complete."""
+        keys = self.compressor.extend(x, st)  # [W, d]
+        W = keys.shape[0]
+        cos, sin = self.rope.cos_sin(pos, torch.float32)
+        q = rope_tail(self.wq_b(qr).view(-1, self.heads, self.d), cos.to(x.dtype), sin.to(x.dtype))  # [n, h, d]
+        scores = torch.relu(torch.matmul(q.float(), keys.t().float())) * self.d ** -0.5  # [n, h, W]
+        w = self.weights_proj(x).float() * self.heads ** -0.5  # [n, h]
+        scores = (scores * w.unsqueeze(-1)).sum(dim=1)  # [n, W]
+        k = min(self.topk, W)
+        if W == 0:
+            return torch.empty((x.shape[0], 0), dtype=torch.long, device=x.device)
+        ready = complete_entries(pos, self.ratio)  # [n]
+        scores = scores.masked_fill(torch.arange(W, device=x.device)[None, :] >= ready[:, None], float("-inf"))
+        picks = scores.topk(k, dim=-1).indices
+        return torch.where(picks >= ready[:, None], torch.full_like(picks, -1), picks)

@@ -1,0 +1,184 @@
+"""The DeepSeek-V4 model minus the routed experts, one sequence at a time: embeddings copied into
+hc_mult streams, per layer mHC -> attention -> mHC -> MoE, the hc_head reduction, norm and head.
+
+`DeepseekV4.forward(tokens, cache, experts)` runs a chunk of one sequence after what its
+`SeqCache` holds (a fresh cache: prefill of the whole prompt), `forward_batch` chunks of several
+sequences in one step (attention per sequence, the rest over all rows); `greedy` decodes with the cache,
+by recomputing the whole sequence each step (`recompute`), or after a chunked prefill (`chunk`).
+Parameters and buffers are named as the original checkpoint (`embed`, `layers.N.attn.wq_a`,
+`layers.N.hc_attn_fn`, `layers.N.ffn.gate.tid2eid`, `hc_head_fn`, `head`, ...); `build_v4` fills
+them from `get(name)` and returns the names it loaded.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from gpu_service.model.experts_api import ExpertsFn
+from gpu_service.model.layers import RMSNorm
+from gpu_service.model.v4.attention import Attention, AttnState
+from gpu_service.model.v4.moe import MoE
+from gpu_service.model.v4.pieces import hc_head, hc_post, hc_pre, v4_ropes
+
+FLOAT32 = ("hc_", "attn_sink", ".ape", ".ffn.gate.bias", ".ffn.gate.weight")  # kept in float32 as in the reference
+
+
+def check_config(cfg) -> None:
+    """Refuse what this model does not implement, naming the key."""
+    if getattr(cfg, "num_key_value_heads", 1) != 1:
+        raise ValueError(f"num_key_value_heads {cfg.num_key_value_heads}: DeepSeek-V4 shares one KV head")
+    bad = sorted({r for r in cfg.compress_ratios[:cfg.num_hidden_layers] if r not in (0, 4) and r < 8})
+    if bad:
+        raise ValueError(f"compress_ratios {bad}: expected 0 (window), 4 (CSA) or an HCA ratio >= 8")
+    if cfg.sliding_window < 1:
+        raise ValueError(f"sliding_window {cfg.sliding_window}: must be >= 1")
+
+
+class SeqCache:
+    """One sequence's state across chunks: per layer an AttnState, and the tokens fed so far."""
+
+    def __init__(self, n_layers: int):
+        self.layers = [AttnState() for _ in range(n_layers)]
+        self.length = 0
+
+
+class Block(nn.Module):
+    """One decoder layer with its two hyper-connections (`hc_attn_*`, `hc_ffn_*`)."""
+
+    def __init__(self, cfg, layer: int, ropes):
+        super().__init__()
+        n, D = cfg.hc_mult, cfg.hidden_size
+        self.cfg = cfg
+        self.attn_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(D, cfg.rms_norm_eps)
+        for s in ("attn", "ffn"):
+            setattr(self, f"hc_{s}_fn", nn.Parameter(torch.zeros((2 + n) * n, n * D)))
+            setattr(self, f"hc_{s}_base", nn.Parameter(torch.zeros((2 + n) * n)))
+            setattr(self, f"hc_{s}_scale", nn.Parameter(torch.zeros(3)))
+        self.attn = Attention(cfg, cfg.compress_ratios[layer], ropes)
+        self.ffn = MoE(cfg, layer)
+
+    def forward(self, X: torch.Tensor, segs: list[tuple[int, int, torch.Tensor]], states: list[AttnState],
+                tokens: torch.Tensor, experts: ExpertsFn) -> torch.Tensor:
+        """X [T, hc_mult, hidden] streams of the batch's rows -> the layer's output streams. Rows
+        a:b at positions pos are one sequence's chunk (segs), continuing states[j]; attention runs
+        per sequence, everything else over all rows."""
+        x, post, comb = hc_pre(X, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.cfg)
+        x = self.attn_norm.norm(x)
+        y = torch.cat([self.attn(x[a:b], pos, st) for (a, b, pos), st in zip(segs, states)])
+        X = hc_post(X, y, post, comb)
+        x, post, comb = hc_pre(X, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.cfg)
+        return hc_post(X, self.ffn(self.ffn_norm.norm(x), tokens, experts), post, comb)
+
+
+class DeepseekV4(nn.Module):
+    """Everything but the routed experts (module docstring)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        check_config(cfg)
+        n, D = cfg.hc_mult, cfg.hidden_size
+        self.cfg = cfg
+        ropes = v4_ropes(cfg)
+        self.embed = nn.Embedding(cfg.vocab_size, D)
+        self.layers = nn.ModuleList(Block(cfg, i, ropes) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.hc_head_fn = nn.Parameter(torch.zeros(n, n * D))
+        self.hc_head_base = nn.Parameter(torch.zeros(n))
+        self.hc_head_scale = nn.Parameter(torch.zeros(1))
+        self.head = nn.Linear(D, cfg.vocab_size, bias=False)
+
+    def prepare(self) -> None:
+        """At load: the norms' constants."""
+        for blk in self.layers:
+            blk.attn_norm.prepare()
+            blk.ffn_norm.prepare()
+            blk.attn.prepare()
+        self.norm.prepare()
+
+    def new_cache(self) -> SeqCache:
+        """An empty cache for a new sequence."""
+        return SeqCache(len(self.layers))
+
+    def forward(self, tokens: torch.Tensor, cache: SeqCache, experts: ExpertsFn,
+                all_logits: bool = False) -> torch.Tensor:
+        """tokens [n] following what `cache` holds -> float32 logits of the last token [V] (all
+        tokens' [n, V] with all_logits); the cache then holds them too."""
+        return self.forward_batch([(tokens, cache)], experts, all_logits)[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, chunks: list[tuple[torch.Tensor, SeqCache]], experts: ExpertsFn,
+                      all_logits: bool = False) -> list[torch.Tensor]:
+        """One step over chunks of several sequences (tokens [n_j] each following its cache) ->
+        per chunk the float32 logits of its last token [V] (or [n_j, V]); one experts call per layer
+        for all rows."""
+        tokens = torch.cat([t for t, _ in chunks])
+        segs, a = [], 0
+        for t, c in chunks:
+            n = t.shape[0]
+            segs.append((a, a + n, torch.arange(c.length, c.length + n, device=tokens.device)))
+            a += n
+        x = self.embed(tokens)  # [T, D]
+        X = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, hc, D]
+        for i, blk in enumerate(self.layers):
+            X = blk(X, segs, [c.layers[i] for _, c in chunks], tokens, experts)
+        for t, c in chunks:
+            c.length += t.shape[0]
+        rows = torch.arange(X.shape[0]) if all_logits else torch.tensor([b - 1 for _, b, _ in segs])
+        X = X[rows.to(X.device)]
+        h = self.norm.norm(hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg))
+        logits = self.head(h).float()
+        if not all_logits:
+            return list(logits.unbind(0))
+        return [logits[a:b] for a, b, _ in segs]
+
+
+def greedy(model: DeepseekV4, prompt: list[int], steps: int, experts: ExpertsFn, chunk: int | None = None,
+           recompute: bool = False) -> list[int]:
+    """`steps` greedy tokens after `prompt`: decode with the cache (the prompt prefilled in chunks of
+    `chunk` tokens, else at once), or with `recompute` the whole sequence from a fresh cache each step."""
+    seq = list(prompt)
+    out: list[int] = []
+    cache = model.new_cache()
+    size = chunk or len(prompt)
+    for a in range(0, len(prompt), size):
+        logits = model(torch.tensor(prompt[a:a + size]), cache, experts)
+    for i in range(steps):
+        out.append(int(logits.argmax()))
+        seq.append(out[-1])
+        if i + 1 == steps:
+            break
+        if recompute:
+            logits = model(torch.tensor(seq), model.new_cache(), experts)
+        else:
+            logits = model(torch.tensor(seq[-1:]), cache, experts)
+    return out
+
+
+def build_v4(cfg, get: Callable[[str], "np.ndarray | torch.Tensor"], dtype: torch.dtype = torch.float32,
+             device: torch.device | str = "cpu") -> tuple[DeepseekV4, set[str]]:
+    """The model on `device` with every parameter and buffer filled from `get(name)` (original
+    checkpoint names; float weights dequantised; routed experts are not asked for). Mixing and
+    sink parameters, `ape` and the gate stay float32. Returns the model and the names loaded."""
+    with torch.device("meta"):
+        model = DeepseekV4(cfg)
+    loaded: set[str] = set()
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    for name, p in tensors:
+        t = torch.as_tensor(get(name))
+        if tuple(t.shape) != tuple(p.shape):
+            raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(p.shape)} from config.json")
+        mod_name, _, attr = name.rpartition(".")
+        mod = model.get_submodule(mod_name)
+        if p.dtype == torch.long:
+            mod._buffers[attr] = t.to(device=device, dtype=torch.long)
+        else:
+            keep32 = any(k in name for k in FLOAT32)
+            mod._parameters[attr] = nn.Parameter(t.to(device=device, dtype=torch.float32 if keep32 else dtype),
+                                                 requires_grad=False)
+        loaded.add(name)
+    model.prepare()
+    return model.eval(), loaded

@@ -1,0 +1,105 @@
+"""DeepSeek-V4's MoE minus the routed experts: the gate (sqrtsoftplus scores; the first
+`num_hash_layers` choose experts by the token id through `tid2eid`, the rest by the top scores plus
+the correction bias; weights are the chosen scores normalised, times routed_scaling_factor) and the
+shared expert with the clamped SwiGLU. Routed experts go through the `ExpertsFn`.
+
+`ReferenceExperts` computes the routed experts in process from float weights, with the same clamp
+(`swiglu_limited`): the rule the CPU expert shards apply for V4.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_service.model.experts_api import ExpertsFn, Ready
+from gpu_service.model.v4.pieces import swiglu_limited
+
+
+class Gate(nn.Module):
+    """`weight` [E, hidden] and, by layer kind, `tid2eid` [vocab, k] (hash) or `bias` [E]."""
+
+    def __init__(self, cfg, hashed: bool):
+        super().__init__()
+        if cfg.scoring_func != "sqrtsoftplus":
+            raise ValueError(f"scoring_func {cfg.scoring_func!r}: DeepSeek-V4 scores with 'sqrtsoftplus'")
+        self.k, self.scale, self.hashed = cfg.num_experts_per_tok, cfg.routed_scaling_factor, hashed
+        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
+        if hashed:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, self.k, dtype=torch.long))
+        else:
+            self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts))
+
+    def route(self, h: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids [T, k], weights [T, k] float32) of h [T, hidden] and the tokens' ids [T]."""
+        scores = F.softplus(F.linear(h.float(), self.weight.float())).sqrt()  # [T, E]
+        if self.hashed:
+            ids = self.tid2eid[tokens].long()
+        else:
+            ids = torch.topk(scores + self.bias.float(), self.k, dim=-1, sorted=False).indices
+        w = scores.gather(1, ids)
+        return ids, w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.scale
+
+
+class SharedExpert(nn.Module):
+    """w2(swiglu_limited(w1 x, w3 x)); checkpoint names w1 (gate), w3 (up), w2 (down)."""
+
+    def __init__(self, hidden: int, inter: int, limit: float | None):
+        super().__init__()
+        self.limit = limit
+        self.w1 = nn.Linear(hidden, inter, bias=False)
+        self.w2 = nn.Linear(inter, hidden, bias=False)
+        self.w3 = nn.Linear(hidden, inter, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        return self.w2(swiglu_limited(self.w1(x), self.w3(x), self.limit))
+
+
+class MoE(nn.Module):
+    """gate + shared_experts (the checkpoint's `ffn.*`); routed experts via the ExpertsFn."""
+
+    def __init__(self, cfg, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.gate = Gate(cfg, layer < cfg.num_hash_layers)
+        self.shared_experts = SharedExpert(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
+                                           cfg.swiglu_limit) if cfg.n_shared_experts else None
+
+    def forward(self, h: torch.Tensor, tokens: torch.Tensor, experts: ExpertsFn) -> torch.Tensor:
+        """h [T, hidden] (post-attention normed), tokens [T] -> routed + shared [T, hidden]; the
+        shared expert runs while the routed experts are in flight."""
+        ids, w = self.gate.route(h, tokens)
+        handle = experts(self.layer, h, ids, w)
+        shared = self.shared_experts(h) if self.shared_experts is not None else None
+        routed = handle.wait()
+        return routed if shared is None else routed + shared
+
+
+class ReferenceExperts:
+    """An in-process ExpertsFn over float weights `get(name)` of `layers.N.ffn.experts.K.w{1,2,3}.weight`:
+    sum_k w[t,k] * w2(swiglu_limited(w1 h, w3 h)) of expert ids[t,k], per expert as the reference."""
+
+    def __init__(self, get, n_experts: int, limit: float | None):
+        self.get, self.E, self.limit = get, n_experts, limit
+        self._w: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _weights(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w1 ++ w3 [2I, hidden], w2 [hidden, I]) of one expert, read once."""
+        key = (layer, e)
+        if key not in self._w:
+            p = f"layers.{layer}.ffn.experts.{e}."
+            w1, w3, w2 = (torch.as_tensor(self.get(p + f"{n}.weight")).float() for n in ("w1", "w3", "w2"))
+            self._w[key] = (torch.cat([w1, w3]), w2)
+        return self._w[key]
+
+    def __call__(self, layer: int, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> Ready:
+        """The ExpertsFn call: the routed output [T, hidden], already there."""
+        out = torch.zeros_like(h)
+        for e in ids.unique().tolist():
+            rows, cols = torch.where(ids == e)
+            gate_up, down = self._weights(layer, e)
+            g, u = F.linear(h[rows], gate_up.to(h.dtype)).chunk(2, dim=-1)
+            y = F.linear(swiglu_limited(g, u, self.limit), down.to(h.dtype)) * w[rows, cols, None].to(h.dtype)
+            out.index_add_(0, rows, y)
+        return Ready(out)
