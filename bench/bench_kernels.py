@@ -163,11 +163,14 @@ def torch_bf16_gflops(budget_s: float = 20.0) -> tuple[float | None, int]:
 def add_fractions(records: list, ceilings: dict) -> None:
     """Each of our records' fraction of its ceiling: the probed read bandwidth (what bounds the
     1-token stream) and the probed peak of the instruction its GEMM runs on (what bounds prefill)."""
+    from cpu_expert_service.kernels import _moe
+
+    form = _moe.bf16_dot_form()
     for r in records:
         if r["impl"] != "moesplit":
             continue
         r["frac_of_read_bw"] = round(r["gbps"] / ceilings["read_gbps"], 3)
-        key = probes.compute_ceiling_key(r.get("isa"), r["format"])
+        key = probes.compute_ceiling_key(r.get("isa"), r["format"], form)
         if key and ceilings.get(key):
             r["compute_ceiling"] = key
             r["frac_of_compute_peak"] = round(r["gflops"] / ceilings[key], 3)

@@ -45,9 +45,14 @@ PEAK_METHOD = ("{threads} threads x 12 independent vector chains of one instruct
                "{passes}; 2 ops per multiply-add")
 
 
-def compute_ceiling_key(isa: str, fmt: str) -> str | None:
-    """The peak key a GEMM of `fmt` weights on kernel `isa` is bound by (amx: its AVX-512 form)."""
-    return COMPUTE_CEILING.get(("avx512" if isa == "amx" else isa, fmt))
+def compute_ceiling_key(isa: str | None, fmt: str, bf16_form: str | None = None) -> str | None:
+    """The peak key a GEMM of `fmt` weights on kernel `isa` is bound by (amx: its AVX-512 form);
+    AVX-512 bf16 in the "fma" form (`_moe.bf16_dot_form()`: widened weights x f32 FMA) is bound by
+    the f32 FMA peak. None for the generic kernels (no probe)."""
+    isa = "avx512" if isa == "amx" else isa
+    if isa == "avx512" and fmt == "bf16" and bf16_form == "fma":
+        return "peak_fma_f32_gflops"
+    return COMPUTE_CEILING.get((isa, fmt))
 
 
 def default_threads() -> int:
@@ -70,6 +75,17 @@ def read_bandwidth_gbps(threads: int | None = None, passes: int = READ_PASSES, n
     best = max(buf.nbytes / be.read_seconds(buf) / 1e9 for _ in range(passes))
     del be, raw, buf
     return best
+
+
+def node_read_gbps(cpus: list[int], passes: int = READ_PASSES, nbytes: int = READ_BYTES) -> float:
+    """read_bandwidth_gbps with this process confined to `cpus` (one NUMA node's) while the buffer
+    is allocated, touched and read: the kernels' pool on that node reading node-local memory."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        return read_bandwidth_gbps(len(cpus), passes, nbytes)
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def probe_gops(kind: str, threads: int | None = None, iters: int = PEAK_ITERS, passes: int = PEAK_PASSES) -> float | None:
@@ -243,6 +259,13 @@ def measure(threads: int | None = None, quick: bool = False) -> dict:
         g = probe_gops(kind, threads, iters, ppasses)
         ceil[key] = round(g, 1) if g else None
     ceil["peak_method"] = PEAK_METHOD.format(threads=threads, passes=ppasses)
+    ceil["gemm_peak_key"] = {fmt: compute_ceiling_key(out["kernel_isa"], fmt, out["bf16_dot_form"])
+                             for fmt in ("bf16", "int8", "int4")}  # the peak each format's GEMM runs at
+    nodes = [n for n in out["numa"] if n["cpus"] and set(n["cpus"]) <= set(os.sched_getaffinity(0))]
+    if len(nodes) > 1:  # each node's own: its CPUs reading memory they first touched (node-local)
+        ceil["read_gbps_per_node"] = {str(n["node"]): round(node_read_gbps(n["cpus"], rpasses, nbytes), 2) for n in nodes}
+        ceil["read_gbps_across_nodes_method"] = ("read_gbps: every allowed CPU reading one buffer first touched by "
+                                                 "one thread (one node's memory), as a shard spanning nodes")
     ceil.update({k: v for k, v in theoretical_peaks(threads).items()  # only for instructions this CPU has
                  if not k.startswith("theoretical_") or k == "theoretical_method"
                  or ceil.get(k.replace("theoretical_", "peak_")) is not None})

@@ -142,11 +142,14 @@ def test_doctor_predicts_kimi_on_a_24gib_gpu():
     assert p["by_streams"]["32"]["tokens_per_s"] > p["by_streams"]["1"]["tokens_per_s"]
 
 
-def test_doctor_needs_a_gpu_size_to_plan_without_a_gpu():
+def test_doctor_refuses_bad_input_before_measuring():
+    """No GPU size to plan on, an unknown model: exit 2 naming the fix, before the probes run."""
     if _driver_lists_gpus():
         pytest.skip("a GPU is found here: the doctor plans on it")
-    r = _doctor("--quick", "--model", "kimi-k2-thinking", "--no-gpu-probe")
-    assert r.returncode == 2 and "--gpu SIZE" in r.stderr
+    r = _doctor("--model", "kimi-k2-thinking", "--no-gpu-probe")
+    assert r.returncode == 2 and "--gpu SIZE" in r.stderr and r.stdout == ""
+    r = _doctor("--model", "no-such-model", "--gpu", "24GiB")
+    assert r.returncode == 2 and "presets:" in r.stderr
 
 
 def test_prediction_formula_by_hand():
@@ -186,6 +189,7 @@ def test_bench_tiny_checkpoint_measured_vs_predicted(tmp_path, capsys):
         assert r["tokens_per_s"] > 0 and r["ttft_s"] > 0
         assert r["measured_over_predicted"] == pytest.approx(r["tokens_per_s"] / r["predicted_tokens_per_s"], rel=2e-3)
         assert r["predicted_tokens_per_s"] == res["prediction"]["by_streams"][b]["tokens_per_s"]
+        assert r["measured_step_ms"] == pytest.approx(int(b) / r["tokens_per_s"] * 1e3, rel=2e-3)
     assert res["prediction"]["inputs"]["expert_format"] == "bf16" and res["prediction"]["inputs"]["moe_layers"] >= 1
     assert res["results"]["32"]["tokens_per_s"] > res["results"]["1"]["tokens_per_s"]  # batching helps
 
@@ -195,3 +199,41 @@ def test_bench_refuses_a_directory_without_a_checkpoint(tmp_path, capsys):
 
     assert main(["bench", "--model", str(tmp_path)]) == 2
     assert "make-tiny" in capsys.readouterr().err
+
+
+def test_pci_links_and_the_card_table(tmp_path):
+    """PCIe links are read from sysfs for NVIDIA display controllers only; cards are found by name
+    (the most specific key first) or by the memory they are sold with."""
+    from gpu_service.local.devices import card_bandwidth, card_for_memory, pci_gpus
+
+    def dev(addr, vendor, cls, width="16"):
+        d = tmp_path / addr
+        d.mkdir()
+        for k, v in {"vendor": vendor, "class": cls, "current_link_speed": "16.0 GT/s PCIe",
+                     "current_link_width": width, "max_link_speed": "32.0 GT/s PCIe", "max_link_width": "16"}.items():
+            (d / k).write_text(v + "\n")
+
+    dev("0000:17:00.0", "0x10de", "0x030200", width="8")
+    dev("0000:18:00.0", "0x8086", "0x030000")  # another vendor's display controller
+    dev("0000:19:00.0", "0x10de", "0x040300")  # an NVIDIA audio function
+    links = pci_gpus(str(tmp_path))
+    assert [x["pci"] for x in links] == ["0000:17:00.0"]
+    assert links[0]["current_link_width"] == "8" and links[0]["max_link_speed"] == "32.0 GT/s PCIe"
+    assert card_bandwidth("NVIDIA H100 PCIe") == (2000.0, "h100 pcie")
+    assert card_bandwidth("NVIDIA H100 80GB HBM3") == (3350.0, "h100")
+    assert card_bandwidth("NVIDIA GH200 480GB") == (4000.0, "gh200")
+    assert card_bandwidth("NVIDIA GeForce RTX 4090") == (1008.0, "rtx 4090")
+    assert card_bandwidth("Radeon 7900") is None
+    assert card_for_memory(24 << 30)[1] == "rtx 4090" and card_for_memory(141 * 10**9)[1] == "h200"
+    assert card_for_memory(3 << 30) is None
+
+
+@pytest.mark.gpu
+def test_doctor_describes_the_gpu_and_plans_on_it():
+    """On a CUDA machine: name, memory, capability, copies timed; --model plans on the GPU found."""
+    r = _doctor("--json", "--quick", "--model", "kimi-k2-thinking")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    g = rep["gpus"]["gpus"][0]
+    assert rep["gpus"]["count"] >= 1 and g["memory_bytes"] > 1 << 30 and g["h2d_gbps"] > 1 and g["d2h_gbps"] > 1
+    assert rep["prediction"]["sides"]["link_gbps"] == g["h2d_gbps"]

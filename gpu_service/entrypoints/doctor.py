@@ -81,17 +81,11 @@ def cpu_report(threads: int | None = None, quick: bool = False) -> dict:
     return json.loads(r.stdout)
 
 
-def dot_peak(cpu: dict, fmt: str) -> tuple[float | None, str]:
-    """(G ops/s, key) of the instruction the shards' GEMM on `fmt` weights runs on (bf16 in the
-    'fma' form: widened weights x f32 FMA)."""
-    isa = cpu.get("kernel_isa") or "generic"
-    if fmt == "bf16" and isa in ("avx512", "amx") and cpu.get("bf16_dot_form") == "fma":
-        key = "peak_fma_f32_gflops"
-    else:
-        key = {("avx512", "bf16"): "peak_dpbf16_gflops", ("avx2", "bf16"): "peak_fma_f32_avx2_gflops",
-               ("avx2", "int8"): "peak_maddubs_int8_avx2_gops", ("avx2", "int4"): "peak_maddubs_int8_avx2_gops",
-               }.get(("avx512" if isa == "amx" else isa, fmt), "peak_vnni_int8_gops" if isa in ("avx512", "amx") else "")
-    return cpu["ceilings"].get(key), key
+def dot_peak(cpu: dict, fmt: str) -> tuple[float | None, str | None]:
+    """(G ops/s, key) of the instruction the shards' GEMM on `fmt` weights runs on, as the probes
+    name it (cpu_expert_service.probes.compute_ceiling_key); (None, None) without a probe."""
+    key = cpu["ceilings"].get("gemm_peak_key", {}).get(fmt)
+    return (cpu["ceilings"].get(key), key) if key else (None, None)
 
 
 def make_side(cpu: dict, gpus: dict, fmt: str, args: argparse.Namespace, gpu_sizes: list[int] | None,
@@ -163,7 +157,9 @@ def text_lines(rep: dict) -> list[str]:
              f"{c['hugepages_total']} x {gib(c['hugepage_size_bytes'])}; THP {c['thp_enabled']} (defrag "
              f"{c['thp_defrag']}); memlock {'unlimited' if c['memlock_bytes'] is None else gib(c['memlock_bytes'])}; "
              f"/dev/shm {gib(c['dev_shm_bytes'])}",
-             f"read bw   {ce['read_gbps']:.2f} GB/s ({ce['read_gbps_method']})",
+             f"read bw   {ce['read_gbps']:.2f} GB/s ({ce['read_gbps_method']})"
+             + ("; per node (local): " + ", ".join(f"node {k} {v:.2f} GB/s" for k, v in ce["read_gbps_per_node"].items())
+                if ce.get("read_gbps_per_node") else "; one NUMA node"),
              "dot peaks " + ", ".join(f"{k[5:]} {v}" for k, v in ce.items() if k.startswith("peak_") and k != "peak_method"
                                       and v is not None) + f" ({ce['threads']} threads)"]
     if g["count"]:
@@ -184,17 +180,35 @@ def text_lines(rep: dict) -> list[str]:
     return lines
 
 
-def run(args: argparse.Namespace) -> int:
+def _input_error(args: argparse.Namespace, gpus: dict) -> str | None:
+    """What is wrong with the arguments, found before anything is measured; None when nothing."""
     for name in ("threads", "context"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
-            print(f"moesplit doctor: --{name} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
-            return 2
+            return f"--{name} must be >= 1, got {getattr(args, name)}"
+    if args.model:
+        from checkpoint.config import ConfigError
+        from gpu_service.plan.report import load_model_config
+
+        try:
+            load_model_config(args.model)
+        except ConfigError as e:
+            return str(e)
+        if not args.gpu and not gpus.get("count"):
+            return "--model needs --gpu SIZE (no GPU found here to plan on), e.g. --gpu 24GiB"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    gpus = gpu_facts(probe=not args.no_gpu_probe)
+    err = _input_error(args, gpus)
+    if err:
+        print(f"moesplit doctor: {err}", file=sys.stderr)
+        return 2
     try:
         cpu = cpu_report(args.threads, args.quick)
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         print(f"moesplit doctor: {e}", file=sys.stderr)
         return 1
-    gpus = gpu_facts(probe=not args.no_gpu_probe)
     rep = {"cpu": cpu, "gpus": gpus, "findings": cpu.pop("findings") + gpu_findings(gpus)}
     if args.model:
         from checkpoint.config import ConfigError

@@ -44,11 +44,11 @@ def _read(path: str) -> str | None:
         return None
 
 
-def pci_gpus() -> list[dict]:
+def pci_gpus(root: str = "/sys/bus/pci/devices") -> list[dict]:
     """NVIDIA display / 3D controllers on the PCI bus with their link (speed, width; current and
-    max), from /sys/bus/pci/devices, no driver or torch needed."""
+    max), from /sys/bus/pci/devices (`root`), no driver or torch needed."""
     out = []
-    for d in sorted(glob.glob("/sys/bus/pci/devices/*")):
+    for d in sorted(glob.glob(os.path.join(root, "*"))):
         if _read(os.path.join(d, "vendor")) != NVIDIA_VENDOR or not (_read(os.path.join(d, "class")) or "").startswith("0x03"):
             continue
         out.append({"pci": os.path.basename(d),
