@@ -1,9 +1,9 @@
 """`moesplit doctor` against `make bench-kernels`' ceilings, and `moesplit bench` on a tiny checkpoint.
 
 Part 1: `moesplit doctor --json --threads 2` and `bench/bench_kernels.py --ceilings-only` (the ceilings
-`make bench-kernels` records), run alternately as separate processes for --rounds rounds in one
-session; per figure (read bandwidth, each dot peak) the median of each and their ratio, and
-whether the doctor is within 10% of bench-kernels. Both run cpu_expert_service.probes, so a
+`make bench-kernels` records), run back to back as separate processes for --rounds rounds in one
+session (which goes first alternates); per figure (read bandwidth, each dot peak) each round's
+doctor / bench-kernels ratio, their median, and whether that is within 10%. Both run cpu_expert_service.probes, so a
 difference is the machine's run-to-run spread (other processes on shared cores), not the code.
 
 Part 2: `moesplit bench` on a tiny bf16 checkpoint (gpu_service.local.tiny.make_tiny, 2 shards,
@@ -60,18 +60,26 @@ def compare(rounds: int) -> dict:
                 bk.append(_json_of(bk_cmd))
             print(f"round {r + 1}/{rounds} {which}: read {(doc if which == 'doctor' else bk)[-1]['read_gbps']} GB/s",
                   flush=True)
+    return {"kernel_isa": sorted(isas), "figures": summarize(doc, bk)}
+
+
+def summarize(doc: list[dict], bk: list[dict]) -> dict:
+    """Per figure: each round's doctor / bench-kernels ratio (the two ran back to back, so a change
+    of the machine's load between rounds cancels) and their median, the headline; the medians of
+    each side's runs and their spread beside it."""
     out = {}
     for k in KEYS:
-        d = [c[k] for c in doc if c.get(k) is not None]
-        b = [c[k] for c in bk if c.get(k) is not None]
-        if not d or not b:
+        pairs = [(d[k], b[k]) for d, b in zip(doc, bk) if d.get(k) is not None and b.get(k) is not None]
+        if not pairs:
             continue
-        ratio = _median(d) / _median(b)
-        out[k] = {"doctor_median": round(_median(d), 2), "bench_kernels_median": round(_median(b), 2),
-                  "ratio": round(ratio, 3), "within_10pct": abs(ratio - 1) <= 0.10,
+        ratios = [d / b for d, b in pairs]
+        d, b = [p[0] for p in pairs], [p[1] for p in pairs]
+        out[k] = {"paired_ratio_median": round(_median(ratios), 3), "within_10pct": abs(_median(ratios) - 1) <= 0.10,
+                  "paired_ratios": [round(r, 3) for r in ratios],
+                  "doctor_median": round(_median(d), 2), "bench_kernels_median": round(_median(b), 2),
                   "doctor_runs": d, "bench_kernels_runs": b,
                   "spread_bench_kernels": round(max(b) / min(b), 2), "spread_doctor": round(max(d) / min(d), 2)}
-    return {"kernel_isa": sorted(isas), "figures": out}
+    return out
 
 
 def bench_tiny(max_tokens: int) -> dict:
@@ -98,8 +106,9 @@ def main() -> int:
     t0 = time.time()
     res = {"definition": __doc__, "loadavg_at_start": os.getloadavg(), "doctor_vs_bench_kernels": compare(args.rounds)}
     for k, v in res["doctor_vs_bench_kernels"]["figures"].items():
-        print(f"{k:32s} doctor {v['doctor_median']:8.2f}  bench-kernels {v['bench_kernels_median']:8.2f}  "
-              f"ratio {v['ratio']:.3f}  {'within' if v['within_10pct'] else 'OUTSIDE'} 10%  "
+        print(f"{k:28s} doctor / bench-kernels, median of rounds {v['paired_ratio_median']:.3f} "
+              f"({'within' if v['within_10pct'] else 'OUTSIDE'} 10%; rounds {v['paired_ratios']})  medians "
+              f"{v['doctor_median']:.2f} / {v['bench_kernels_median']:.2f}  "
               f"(spread across runs: bench-kernels {v['spread_bench_kernels']}x, doctor {v['spread_doctor']}x)")
     if not args.skip_bench:
         b = bench_tiny(args.max_tokens)

@@ -150,6 +150,8 @@ def test_doctor_refuses_bad_input_before_measuring():
     assert r.returncode == 2 and "--gpu SIZE" in r.stderr and r.stdout == ""
     r = _doctor("--model", "no-such-model", "--gpu", "24GiB")
     assert r.returncode == 2 and "presets:" in r.stderr
+    r = _doctor("--model", "kimi-k2-thinking", "--gpu", "24GiB", "--gpu-bandwidth", "0")
+    assert r.returncode == 2 and "--gpu-bandwidth must be > 0" in r.stderr
 
 
 def test_prediction_formula_by_hand():

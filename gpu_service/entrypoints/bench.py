@@ -12,14 +12,15 @@ import os
 import sys
 import time
 
-from gpu_service.entrypoints.doctor import _streams, add_prediction_arguments, cpu_report, make_side
+from gpu_service.entrypoints.doctor import (parse_streams, add_prediction_arguments, cpu_report, make_side,
+                                            prediction_args_error)
 from gpu_service.local.devices import gpu_facts
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory (config.json + *.safetensors + tokenizer)")
     p.add_argument("--shards", type=int, default=2, help="local expert shard processes (default %(default)s)")
-    p.add_argument("--streams", type=_streams, default=(1, 32), help="concurrent streams, e.g. 1,8,32 (default 1,32)")
+    p.add_argument("--streams", type=parse_streams, default=(1, 32), help="concurrent streams, e.g. 1,8,32 (default 1,32)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens each stream generates (default %(default)s)")
     p.add_argument("--rounds", type=int, default=1, help="runs per stream count; the median is reported")
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
@@ -32,10 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _check(args: argparse.Namespace) -> str | None:
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         return f"{args.model}: no config.json; --model must be a checkpoint directory (`moesplit make-tiny DIR` makes one)"
-    for name in ("shards", "max_tokens", "rounds", "context", "threads"):
-        if getattr(args, name) is not None and getattr(args, name) < (2 if name == "max_tokens" else 1):
+    for name in ("shards", "max_tokens", "rounds"):
+        if getattr(args, name) < (2 if name == "max_tokens" else 1):
             return f"--{name.replace('_', '-')} must be >= {2 if name == 'max_tokens' else 1}, got {getattr(args, name)}"
-    return None
+    return prediction_args_error(args)
 
 
 def predicted(args: argparse.Namespace, cpu: dict, gpus: dict) -> dict:

@@ -31,7 +31,7 @@ def _size(s: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _streams(s: str) -> tuple[int, ...]:
+def parse_streams(s: str) -> tuple[int, ...]:
     try:
         out = tuple(int(x) for x in s.split(",") if x.strip())
     except ValueError:
@@ -46,8 +46,8 @@ def add_prediction_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-bandwidth", type=float, default=None, metavar="GB/s",
                    help="GPU memory bandwidth for the prediction (default: the detected card's, else the table's "
                         "card of --gpu's size)")
-    p.add_argument("--handoff-us", type=float, default=DEFAULT_HANDOFF_US,
-                   help="fixed hand-off latency per MoE layer, GPU -> shards -> GPU (default %(default)s, assumed)")
+    p.add_argument("--handoff-us", type=float, default=None,
+                   help=f"fixed hand-off latency per MoE layer, GPU -> shards -> GPU (default {DEFAULT_HANDOFF_US:g}, assumed)")
     p.add_argument("--link-gbps", type=float, default=None,
                    help=f"host<->GPU copy bandwidth (default: measured, else {DEFAULT_LINK_GBPS} assumed)")
     p.add_argument("--context", type=int, default=None,
@@ -63,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="add a decode prediction for this model (checkpoint dir, config.json or preset)")
     p.add_argument("--gpu", action="append", type=_size, default=None, metavar="SIZE",
                    help="memory of one GPU for the plan, e.g. 24GiB; repeat per GPU (default: the GPUs found)")
-    p.add_argument("--streams", type=_streams, default=(1, 32), help="concurrent streams to predict (default 1,32)")
+    p.add_argument("--streams", type=parse_streams, default=(1, 32), help="concurrent streams to predict (default 1,32)")
     p.add_argument("--no-gpu-probe", action="store_true", help="do not look for GPUs (never imports torch)")
     add_prediction_arguments(p)
 
@@ -99,7 +99,7 @@ def make_side(cpu: dict, gpus: dict, fmt: str, args: argparse.Namespace, gpu_siz
     src = {"cpu_read_gbps": f"measured: {ceil['read_gbps_method']}",
            "cpu_dot_peak_gops": f"measured: {key}" if peak else "no probe for this ISA"}
     found = gpus.get("gpus") or []
-    if args.gpu_bandwidth:
+    if args.gpu_bandwidth is not None:
         gbw, src["gpu_gbps"] = args.gpu_bandwidth, "--gpu-bandwidth"
     elif gpu_on_cpu:
         gbw, src["gpu_gbps"] = ceil["read_gbps"], "the GPU side runs on this CPU: its measured read bandwidth"
@@ -111,7 +111,7 @@ def make_side(cpu: dict, gpus: dict, fmt: str, args: argparse.Namespace, gpu_siz
             raise ValueError("no GPU bandwidth: the GPU is neither detected nor a known card of --gpu's size; "
                              "pass --gpu-bandwidth GB/s")
         gbw, src["gpu_gbps"] = hit[0], f"assumed: table card '{hit[1]}' of --gpu's size (pass --gpu-bandwidth)"
-    if args.link_gbps:
+    if args.link_gbps is not None:
         link, src["link_gbps"] = args.link_gbps, "--link-gbps"
     elif found:
         link, src["link_gbps"] = found[0]["h2d_gbps"], "measured: pinned host->device copy"
@@ -119,8 +119,9 @@ def make_side(cpu: dict, gpus: dict, fmt: str, args: argparse.Namespace, gpu_siz
         link, src["link_gbps"] = ceil["read_gbps"], "shared memory on this CPU: its read bandwidth"
     else:
         link, src["link_gbps"] = DEFAULT_LINK_GBPS, "assumed: PCIe 4.0 x16"
-    src["handoff_us"] = "--handoff-us" if args.handoff_us != DEFAULT_HANDOFF_US else "assumed (--handoff-us)"
-    return Side(ceil["read_gbps"], peak, gbw, args.handoff_us, link, src)
+    handoff = DEFAULT_HANDOFF_US if args.handoff_us is None else args.handoff_us
+    src["handoff_us"] = "assumed (--handoff-us)" if args.handoff_us is None else "--handoff-us"
+    return Side(ceil["read_gbps"], peak, gbw, handoff, link, src)
 
 
 def model_prediction(args: argparse.Namespace, cpu: dict, gpus: dict) -> dict:
@@ -180,11 +181,23 @@ def text_lines(rep: dict) -> list[str]:
     return lines
 
 
-def _input_error(args: argparse.Namespace, gpus: dict) -> str | None:
-    """What is wrong with the arguments, found before anything is measured; None when nothing."""
+def prediction_args_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with add_prediction_arguments' values; None when nothing."""
     for name in ("threads", "context"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             return f"--{name} must be >= 1, got {getattr(args, name)}"
+    for name in ("gpu_bandwidth", "link_gbps", "handoff_us"):
+        v = getattr(args, name)
+        if v is not None and (v < 0 or (v == 0 and name != "handoff_us")):
+            return f"--{name.replace('_', '-')} must be {'>= 0' if name == 'handoff_us' else '> 0'}, got {v}"
+    return None
+
+
+def _input_error(args: argparse.Namespace, gpus: dict) -> str | None:
+    """What is wrong with the arguments, found before anything is measured; None when nothing."""
+    err = prediction_args_error(args)
+    if err:
+        return err
     if args.model:
         from checkpoint.config import ConfigError
         from gpu_service.plan.report import load_model_config
