@@ -5,7 +5,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-test protos build test soak demo bench bench-decode bench-grammar bench-kernels bench-prefix gpu-check chart-check images image-test clean
+.PHONY: setup setup-test protos build test soak demo bench bench-decode bench-doctor bench-grammar bench-kernels bench-prefix gpu-check chart-check images image-test clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,10 @@ demo: setup
 
 bench-kernels: build
 	$(PY) bench/bench_kernels.py
+
+# `moesplit doctor` vs bench-kernels' ceilings (alternating, one session), `moesplit bench` on a tiny checkpoint
+bench-doctor: build
+	$(PY) bench/bench_doctor.py
 
 bench: setup
 	$(PY) bench/bench_pipeline.py

@@ -34,16 +34,13 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import http.client
 import json
 import os
 import platform
 import pstats
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import numpy as np
@@ -184,76 +181,18 @@ def profile(runner, null, steps: int = 30, what: str = "null") -> dict:
 
 
 # ---- part 2: moesplit serve with concurrent streams ---------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stream(port: int, max_tokens: int, seed: int, rec: list) -> None:
-    body = json.dumps({"model": "tiny", "prompt": f"Hello number {seed}, the quick brown fox", "max_tokens": max_tokens,
-                       "temperature": 0, "stream": True, "ignore_eos": True})
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
-    c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-    resp = c.getresponse()
-    stamps = []
-    for line in resp:
-        if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
-            stamps.append(time.perf_counter())
-    c.close()
-    rec.append(stamps)
-
-
 def serve_streams(streams: tuple[int, ...], rounds: int, max_tokens: int) -> dict:
-    port = _free_port()
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    log = tempfile.NamedTemporaryFile(prefix="bench-serve-", suffix=".log", delete=False)
-    p = subprocess.Popen([sys.executable, "-m", "moesplit", "serve", "--model", tiny(3), "--served-model-name", "tiny",
-                          "--port", str(port), "--grpc-port", "0", "--log-level", "WARNING"],
-                         stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-                c.request("GET", "/health")
-                if c.getresponse().status == 200:
-                    break
-            except OSError:
-                pass
-            if p.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"moesplit serve did not come up; log {log.name}")
-            time.sleep(0.5)
-        _run_streams(port, 4, 8)  # warm-up
+    """Aggregate decode tokens/s of `moesplit serve` (tiny, 3 layers, defaults) per stream count:
+    gpu_service.local.loadgen, the measurement `moesplit bench` makes."""
+    from gpu_service.local.loadgen import ServeProcess, decode_tokens_per_s, run_streams
+
+    with ServeProcess(tiny(3)) as srv:
+        run_streams(srv.port, 4, 8)  # warm-up
         out = {}
         for n in streams:
-            rates = []
-            for _ in range(rounds):
-                recs = _run_streams(port, n, max_tokens)
-                first = min(r[0] for r in recs)
-                last = max(r[-1] for r in recs)
-                toks = sum(len(r) - 1 for r in recs)  # tokens after each stream's first
-                rates.append(toks / (last - first))
+            rates = [decode_tokens_per_s(run_streams(srv.port, n, max_tokens)) for _ in range(rounds)]
             out[n] = round(float(np.median(rates)), 1)
         return out
-    finally:
-        p.terminate()
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-
-
-def _run_streams(port: int, n: int, max_tokens: int) -> list:
-    rec: list = []
-    th = [threading.Thread(target=_stream, args=(port, max_tokens, i, rec)) for i in range(n)]
-    for t in th:
-        t.start()
-    for t in th:
-        t.join()
-    if len(rec) != n or any(len(r) < 2 for r in rec):
-        raise RuntimeError("a stream returned fewer than 2 chunks")
-    return rec
 
 
 def plot(res: dict, path: str) -> None:

@@ -7,7 +7,9 @@ bench/results/kernels.png. kt-kernel is looked for in a separate venv ($KT_KERNE
 /tmp/ktvenv, made with `pip install --no-deps kt-kernel`) and run in a subprocess per format, so
 its worker threads never overlap our measurements.
 
-    python bench/bench_kernels.py [--no-kt]
+    python bench/bench_kernels.py [--no-kt] [--ceilings-only]
+
+The ceilings come from cpu_expert_service.probes, the probes `moesplit doctor` runs.
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from cpu_expert_service import probes  # noqa: E402 (after the path): the ceilings' one implementation
 
 H, I, E, TOPK = 7168, 2048, 32, 8
 TOKENS = (1, 8, 64, 256)
@@ -107,21 +111,6 @@ def record(impl, fmt, T, ms, cpu, touched_bytes, extra=None):
 
 
 # ----------------------------------------------------------------------------- ceilings
-def read_bandwidth_gbps(threads: int = THREADS, passes: int = 5) -> float:
-    """Best of `passes` streaming reads of a 2 GiB buffer by the kernels' own pool (`threads`
-    pinned threads, each its contiguous share, 256-bit loads: moe_probe_read in C), so the
-    ceiling is what a weight stream of these threads can get, measured in the same run."""
-    from cpu_expert_service.kernel_backend import KernelExperts
-
-    be = KernelExperts("bf16", num_threads=threads)
-    raw = np.ones((2 << 30) + 64, dtype=np.uint8)  # 2 GiB, touched
-    off = (-raw.ctypes.data) % 64
-    buf = raw[off:off + (2 << 30)]
-    best = max(buf.nbytes / be.read_seconds(buf) / 1e9 for _ in range(passes))
-    del be, raw, buf
-    return best
-
-
 def read_bandwidth_numpy_gbps(threads: int = THREADS) -> float:
     """The old ceiling, for comparison: numpy over 2 GiB (float32 sum on one thread, uint64 max
     over `threads` parts on threads), best of 3. It understates the machine (numpy's loops are
@@ -171,101 +160,17 @@ def torch_bf16_gflops(budget_s: float = 20.0) -> tuple[float | None, int]:
     return 2.0 * m * H * 2 * I * n / (time.perf_counter() - t) / 1e9, m
 
 
-# probe kind -> (ceiling key, ops per cycle per core at 2 vector ports: the nominal rate)
-PROBES = {
-    "fma_f32": ("peak_fma_f32_gflops", 2 * 32), "dpbf16": ("peak_dpbf16_gflops", 2 * 64),
-    "vnni_int8": ("peak_vnni_int8_gops", 2 * 128),
-    "fma_f32_avx2": ("peak_fma_f32_avx2_gflops", 2 * 16), "maddubs_int8_avx2": ("peak_maddubs_int8_avx2_gops", 2 * 64),
-}
-# which ceiling a record of (ISA, format) is held to beyond 1 token: the instruction its GEMM runs on
-COMPUTE_CEILING = {("avx512", "bf16"): "peak_dpbf16_gflops", ("avx512", "int8"): "peak_vnni_int8_gops",
-                   ("avx512", "int4"): "peak_vnni_int8_gops", ("avx2", "bf16"): "peak_fma_f32_avx2_gflops",
-                   ("avx2", "int8"): "peak_maddubs_int8_avx2_gops", ("avx2", "int4"): "peak_maddubs_int8_avx2_gops"}
-
-
-def probe_gops(kind: str, threads: int = THREADS, iters: int = 5 * 10**7) -> float | None:
-    """This machine's peak of one instruction kind (a key of PROBES), on `threads` threads at
-    once, each running 12 independent vector chains (_moe.probe_peak), best of 3; None when the
-    CPU lacks the instruction."""
-    import threading
-
-    from cpu_expert_service.kernels import _moe
-
-    if not _moe.cpu_has(_moe.PROBES[kind][0]):
-        return None
-    best = 0.0
-    for _ in range(3):
-        done: list[float] = []
-        ths = [threading.Thread(target=lambda: done.append(_moe.probe_peak(kind, iters))) for _ in range(threads)]
-        t = time.perf_counter()
-        for th in ths:
-            th.start()
-        for th in ths:
-            th.join()
-        best = max(best, sum(done) / (time.perf_counter() - t) / 1e9)
-    return best
-
-
-def cpu_clock_ghz() -> tuple[float | None, str]:
-    """The core clock the nominal peaks use: cpufreq's maximum, else /proc/cpuinfo's MHz."""
-    try:
-        with open("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq") as f:
-            return int(f.read()) / 1e6, "cpufreq cpuinfo_max_freq"
-    except (OSError, ValueError):
-        pass
-    try:
-        with open("/proc/cpuinfo") as f:
-            mhz = [float(line.split(":")[1]) for line in f if line.startswith("cpu MHz")]
-        return (max(mhz) / 1e3, "/proc/cpuinfo cpu MHz") if mhz else (None, "unknown")
-    except OSError:
-        return None, "unknown"
-
-
-def _cpu_vendor_family_model() -> tuple[str, int, int]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            head = f.read(4096)
-    except OSError:
-        return "", 0, 0
-    def field(name):
-        line = next((ln for ln in head.splitlines() if ln.split(":")[0].strip() == name), ":")
-        return line.split(":", 1)[1].strip()
-    try:
-        return field("vendor_id"), int(field("cpu family") or 0), int(field("model") or 0)
-    except ValueError:
-        return field("vendor_id"), 0, 0
-
-
-def theoretical_peaks(threads: int = THREADS) -> dict:
-    """Nominal peaks from clock x cores x ops per cycle, beside the probed ones: 2 vector ports per
-    core at full width, except where AMD splits a wide op into halves (Zen 4, family 19h: 512-bit
-    ops as two 256-bit halves; Zen 1, family 17h models < 30h: 256-bit ops as two 128-bit halves)."""
-    ghz, src = cpu_clock_ghz()
-    vendor, family, model = _cpu_vendor_family_model()
-    amd = vendor == "AuthenticAMD"
-    zen1 = amd and family == 0x17 and model < 0x30
-    out = {"clock_ghz": round(ghz, 3) if ghz else None,
-           "theoretical_method": (f"clock ({src}) x {threads} cores x ops/cycle at 2 full-width vector ports per "
-                                  f"core; {vendor or 'unknown vendor'} family {family:#x} model {model:#x}"
-                                  + ("; 512-bit ops at half rate" if amd else "")
-                                  + ("; 256-bit ops at half rate (Zen 1)" if zen1 else ""))}
-    for kind, (key, per_cycle) in PROBES.items():
-        if ghz:
-            half = (amd and not kind.endswith("avx2")) or (zen1 and kind.endswith("avx2"))
-            out[key.replace("peak_", "theoretical_")] = round(ghz * threads * per_cycle / (2 if half else 1), 1)
-    return out
-
-
 def add_fractions(records: list, ceilings: dict) -> None:
     """Each of our records' fraction of its ceiling: the probed read bandwidth (what bounds the
     1-token stream) and the probed peak of the instruction its GEMM runs on (what bounds prefill)."""
+    from cpu_expert_service.kernels import _moe
+
+    form = _moe.bf16_dot_form()
     for r in records:
         if r["impl"] != "moesplit":
             continue
         r["frac_of_read_bw"] = round(r["gbps"] / ceilings["read_gbps"], 3)
-        key = COMPUTE_CEILING.get((r.get("isa"), r["format"]))
-        if key is None and r.get("isa") == "amx":
-            key = COMPUTE_CEILING.get(("avx512", r["format"]))
+        key = probes.compute_ceiling_key(r.get("isa"), r["format"], form)
         if key and ceilings.get(key):
             r["compute_ceiling"] = key
             r["frac_of_compute_peak"] = round(r["gflops"] / ceilings[key], 3)
@@ -426,9 +331,15 @@ def main() -> int:
     ap.add_argument("--kt-worker", help=argparse.SUPPRESS)
     ap.add_argument("--kt-so", help=argparse.SUPPRESS)
     ap.add_argument("--no-kt", action="store_true", help="skip kt-kernel")
+    ap.add_argument("--ceilings-only", action="store_true",
+                    help="print the probed ceilings (read bandwidth, dot peaks; what `moesplit doctor` reports) "
+                         "as JSON and stop")
     args = ap.parse_args()
     if args.kt_worker:
         kt_worker(args.kt_worker, args.kt_so)
+        return 0
+    if args.ceilings_only:
+        print(json.dumps(probes.measure(THREADS)["ceilings"]))
         return 0
 
     os.makedirs(RESULTS, exist_ok=True)
@@ -436,22 +347,11 @@ def main() -> int:
 
     print(f"bf16 form of the AVX-512 kernels here: {_moe.bf16_dot_form()}", flush=True)
     t0 = time.time()
-    ceilings = {"read_gbps": round(read_bandwidth_gbps(), 2),
-                "read_gbps_method": (f"C streaming read (moe_probe_read) of 2 GiB by the kernels' pool, {THREADS} "
-                                     "pinned threads, 256-bit loads, best of 5"),
-                "read_gbps_numpy": round(read_bandwidth_numpy_gbps(), 2)}
+    host = probes.measure(THREADS)  # the probes `moesplit doctor` runs: one implementation
+    ceilings = dict(host["ceilings"], read_gbps_numpy=round(read_bandwidth_numpy_gbps(), 2))
     tg, tm = torch_bf16_gflops()
     ceilings["torch_bf16_gflops"] = round(tg, 1) if tg else None
     ceilings["torch_bf16_gflops_method"] = f"torch bf16 [{tm},{H}]x[{H},{2 * I}] matmul, {THREADS} threads"
-    for kind, (key, _) in PROBES.items():
-        g = probe_gops(kind)
-        ceilings[key] = round(g, 1) if g else None
-    ceilings["peak_method"] = (f"{THREADS} threads x 12 independent vector chains of one instruction "
-                               "(vfmadd ps zmm / vdpbf16ps / vpdpbusd; AVX2: vfmadd ps ymm / vpmaddubsw), "
-                               "cpu_expert_service.kernels._moe.probe_peak, best of 3; 2 ops per multiply-add")
-    ceilings.update({k: v for k, v in theoretical_peaks().items()  # only for instructions this CPU has
-                     if not k.startswith("theoretical_") or k == "theoretical_method"
-                     or ceilings.get(k.replace("theoretical_", "peak_")) is not None})
     print(f"ceilings: {ceilings}", flush=True)
 
     so = None if args.no_kt else kt_extension_path()
@@ -486,6 +386,7 @@ def main() -> int:
     add_fractions(records, ceilings)
     result = {
         "shape": {"H": H, "I": I, "experts": E, "top_k": TOPK, "threads": THREADS},
+        "host": {k: v for k, v in host.items() if k != "ceilings"},
         "ceilings": ceilings,
         "records": records,
         "kt_kernel": kt_status,

@@ -19,6 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("gpu_service.entrypoints.plan_cli", "compute a memory plan before loading anything"),
     "hot-experts": ("gpu_service.plan.hot_experts", "pick --gpu-experts' hot experts from the shards' activation counts"),
     "convert": ("cpu_expert_service.convert", "pack a checkpoint's experts into per-shard kernel files"),
+    "doctor": ("gpu_service.entrypoints.doctor", "measure this box, name what costs speed, predict a model's decode"),
+    "bench": ("gpu_service.entrypoints.bench", "decode tokens/s of a checkpoint through the local stack vs doctor's prediction"),
 }
 
 

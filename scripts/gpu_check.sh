@@ -11,7 +11,8 @@
 #   4. runs every `gpu`-marked test (tests/test_gpu.py: plan vs memory_allocated after load, a long
 #      prefill's max_memory_allocated within the plan, bf16 CUDA vs fp32 CPU logits, two planned
 #      GPUs, CUDA graphs vs eager decode tokens; tests/test_pipeline.py: pinned device->host copies;
-#      tests/test_decode.py: the model's decode on CUDA) and fails if any was skipped;
+#      tests/test_decode.py: the model's decode on CUDA; tests/test_doctor.py: the doctor on the GPU found)
+#      and fails if any was skipped;
 #   5. a short benchmark (decode tokens/s per device and dtype, time per bf16/fp8/int8 linear, decode
 #      ms per step with CUDA graphs and eager at batch 1 and 8: tokens must be equal).
 # Everything lands in $OUT when set (else build/gpu-check): machine.txt, torch.txt, pytest.txt,
@@ -34,7 +35,7 @@ if [ -d "$WHEELS" ]; then
 fi
 "$PY" setup.py -q build_ext --inplace > "$OUT/build.txt" 2>&1 || { echo "gpu-check: building the kernels failed (see $OUT/build.txt)" >&2; exit 1; }
 timeout 300 "$PY" -m pytest -q -m gpu -rA -s -p no:cacheprovider --junitxml="$OUT/junit.xml" \
-  tests/test_gpu.py tests/test_pipeline.py tests/test_decode.py 2>&1 | tee "$OUT/pytest.txt"
+  tests/test_gpu.py tests/test_pipeline.py tests/test_decode.py tests/test_doctor.py 2>&1 | tee "$OUT/pytest.txt"
 rc=${PIPESTATUS[0]}
 skipped=$("$PY" - "$OUT/junit.xml" <<'PYEOF'
 import sys, xml.etree.ElementTree as ET

@@ -5,7 +5,8 @@
 - `search`: `make_plan` places the items and searches the auto options; `Plan` and its JSON;
 - `report`: the table of `moesplit plan`, presets, `load_model_config`;
 - `helm_values`: chart values that encode a plan; `cluster`: which nodes can run it;
-- `hot_experts`: which routed experts a plan puts on the GPU.
+- `hot_experts`: which routed experts a plan puts on the GPU;
+- `predict`: decode tokens/s from a plan's bytes per step and the box's ceilings (`moesplit doctor`).
 
 Imports `checkpoint` only (and the Kubernetes client lazily in `cluster`); torch-free. The names
 of bytes, search and report are re-exported here: `from gpu_service import plan as P; P.make_plan(...)`.
