@@ -320,3 +320,43 @@ def test_convert_v4_formats_and_refusals(flash, pro_fp8, tmp_path):
     _, fb, _ = load_shard(flash, None, None, backend="numpy")
     want = fb.forward(L_TEST, x, ids, w)
     np.testing.assert_allclose(qb.forward(L_TEST, x, ids, w), want, rtol=0, atol=3e-2 * np.abs(want).max())
+
+
+@KERNELS
+def test_shared_memory_loop_and_clients_apply_the_limit(flash):
+    """The co-located fast path (moe_shm.c -> moe_forward over the Engine, no Python) uses the same
+    kernel table, so the clamp: its answer equals the kernels backend's forward bit for bit, which is
+    not the unclamped one. The GPU side's ExpertsClient (V4Config) gets the same over shared memory,
+    the TCP data path and gRPC."""
+    from tests.test_shm_shard_loop import _raw, _ring
+    from wire import shm as P
+    from cpu_expert_service.server import create_server
+    from gpu_service.experts.client import ExpertsClient
+
+    srv, port = create_server(flash, backend="kernels", shm_dir="/dev/shm", data_port=0)
+    try:
+        cfg, be = srv.servicer.cfg, srv.servicer.backend
+        assert be.swiglu_limit == 10.0
+        addr = f"127.0.0.1:{port}"
+        ch, fp = _raw(addr, cfg)
+        try:
+            x, ids, w = inputs(cfg, T=5, seed=21)
+            st, msg, got = _ring(fp, 0, 1, L_TEST, x, ids, w)
+            assert st == P.OK, msg
+            want = be.forward(L_TEST, x, ids, w)
+            np.testing.assert_array_equal(got, want)
+        finally:
+            fp.close()
+            ch.close()
+        r = CheckpointReader(flash, any_architecture=True)
+        unclamped = reference_moe(r, L_TEST, x, ids, w, None)
+        assert np.abs(unclamped - got).max() > 0.2 * np.abs(got).max()
+        for transport in ("shm", "tcp", "grpc"):  # every way the GPU side reaches a shard
+            c = ExpertsClient([addr], cfg, transport=transport, wire_dtype="float32", timeout_s=10).connect()
+            try:
+                np.testing.assert_array_equal(c.forward(L_TEST, x, ids, w), want)
+                assert [p.calls for p, _ in c.fast.paths.values()] == ([] if transport == "grpc" else [1])
+            finally:
+                c.close()
+    finally:
+        srv.stop(0)
