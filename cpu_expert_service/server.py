@@ -21,6 +21,7 @@ present, inside their file, of the shape config.json implies) and every loaded w
 finite; a truncated or corrupt file stops the start-up with an error naming file and tensor.
 With --tls-cert/--tls-key/--tls-ca the port speaks mutual TLS: clients need a certificate signed
 by the CA. Message-size limits and keepalive come from wire.channel.
+DeepSeek-V4 (MXFP4 / FP8-e8m0 experts, the config's swiglu_limit): docs/v4.md "Expert shards".
 A co-located GPU service may move its layer calls to shared memory inside --shm-dir (AttachShm;
 cpu_expert_service.shm_transport): same validation, same backend, same errors.
 """
@@ -493,8 +494,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--packed", help="serve from `moesplit convert` output OUTDIR instead of the checkpoint's files")
     p.add_argument("--shard-index", type=int, help="with --packed: which packed shard (0-based) to serve")
     p.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="auto",
-                   help="how the experts are held: auto (the checkpoint's / packed files': int4 stays int4, "
-                        "bf16/fp8 run as bf16) | bf16 | int8 | int4 (kernels quantise float weights at load)")
+                   help="how the experts are held: auto (the checkpoint's / packed files': int4 stays int4, the "
+                        "rest, V4 MXFP4 too, runs as bf16) | bf16 | int8 | int4 (kernels quantise at load)")
     p.add_argument("--experts", help="routed expert ids to serve, e.g. '0-7,9' (default: all)")
     p.add_argument("--slice", dest="slice_spec", help="intermediate slice i/n to serve (0-based), e.g. 1/2")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")

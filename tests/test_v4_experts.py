@@ -360,3 +360,29 @@ def test_shared_memory_loop_and_clients_apply_the_limit(flash):
                 c.close()
     finally:
         srv.stop(0)
+
+
+def test_expert_server_processes_serve_v4(flash, tmp_path):
+    """`python -m cpu_expert_service.server --model V4DIR` (what `moesplit expert-server` runs) as
+    processes: two expert-split shards and a packed MXFP4 one, answered through ExpertsClient."""
+    from cpu_expert_service.convert import convert
+    from gpu_service.experts.client import ExpertsClient
+    from gpu_service.local.stack import start_shards
+
+    r = CheckpointReader(flash, any_architecture=True)
+    cfg = r.config
+    x, ids, w = inputs(cfg, T=4, seed=31)
+    want = reference_moe(r, L_TEST, x, ids, w, cfg.swiglu_limit)
+    convert(flash, str(tmp_path / "packed"), 1, quiet=True, workers=1)
+    for kw in (dict(n=2, split="experts"), dict(n=1, packed=str(tmp_path / "packed"))):
+        shards = start_shards(flash, backend="numpy", **kw)
+        try:
+            c = ExpertsClient(shards.addresses, cfg, transport="grpc", timeout_s=10).connect()
+            try:
+                assert {(s.info.weight_format, s.info.swiglu_limit) for s in c.shards} == {("mxfp4", 10.0)}
+                np.testing.assert_allclose(c.forward(L_TEST, x, ids, w), want, rtol=2e-5,
+                                           atol=2e-5 * np.abs(want).max())
+            finally:
+                c.close()
+        finally:
+            shards.stop()
