@@ -6,7 +6,6 @@ bf16 by the kernels is exact. Numpy only (no torch), like the rest of the shard.
 """
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
 from checkpoint.reader import CheckpointError
@@ -32,6 +31,7 @@ def bf16_exact(w: np.ndarray, path: str, name: str) -> None:
     """Refuse a weight that bf16 cannot hold exactly. MXFP4 (e2m1: 2 significant bits, x 2^k with
     k >= -127) always fits bf16's 8-bit significand and f32's exponent range; FP8-e8m0 (e4m3: 4
     bits) does unless its block scale is below 2^-124 (never in a real checkpoint)."""
-    if not np.array_equal(w.astype(ml_dtypes.bfloat16).astype(np.float32), w):
+    # bf16 is f32's top 16 bits (subnormals included): exact iff the low 16 bits are zero
+    if (np.ascontiguousarray(w, dtype=np.float32).view(np.uint32) & 0xFFFF).any():
         raise CheckpointError(f"{path}: tensor {name!r} is not exactly representable in bf16 (block scale "
                                "below 2^-124?); serve it with --backend numpy or --weight-format int8")

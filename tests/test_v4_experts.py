@@ -386,3 +386,24 @@ def test_expert_server_processes_serve_v4(flash, tmp_path):
                 c.close()
         finally:
             shards.stop()
+
+
+def test_bf16_exact_refuses_what_bf16_would_round(tmp_path):
+    """The load-time check: MXFP4 values (any e8m0 scale that decodes finite) pass; a value with
+    more than 8 significant bits, or an FP8 block scaled into bf16's subnormal gap, is refused."""
+    import ml_dtypes
+
+    from checkpoint.formats_v4 import dequant_mxfp4
+    from checkpoint.reader import CheckpointError
+    from cpu_expert_service.arch import bf16_exact
+
+    codes = np.arange(256, dtype=np.uint8).reshape(1, 256).view(np.int8)  # every nibble pair
+    for e in (0, 1, 100, 127, 200, 250):
+        scale = np.full((1, 16), e, dtype=np.uint8).view(ml_dtypes.float8_e8m0fnu)
+        bf16_exact(dequant_mxfp4(codes, scale), "f", "mxfp4")  # no raise
+    with pytest.raises(CheckpointError, match="not exactly representable in bf16"):
+        bf16_exact(np.array([[1 + 2.0 ** -9]], np.float32), "f", "w")
+    e4m3_min = float(np.array(2.0 ** -9, np.float32).astype(ml_dtypes.float8_e4m3fn).astype(np.float32))
+    bf16_exact(np.array([[e4m3_min * 2.0 ** -124]], np.float32), "f", "fp8")  # 2^-133: bf16's least subnormal
+    with pytest.raises(CheckpointError):
+        bf16_exact(np.array([[e4m3_min * 2.0 ** -125]], np.float32), "f", "fp8")
