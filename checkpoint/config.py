@@ -182,10 +182,11 @@ class ModelConfig:
         if arch == "DeepseekV4ForCausalLM" or d.get("model_type") == "deepseek_v4":
             raise ConfigError(
                 f"{source}: a DeepSeek-V4 checkpoint, which cannot be served yet: the runtime has no V4 model "
-                "(gpu_service/model: window + compressed attention, mHC, hash routing) and the expert shards "
-                "do not apply swiglu_limit nor read MXFP4 (cpu_expert_service); `moesplit plan --model` and "
-                "`moesplit make-tiny --arch deepseek_v4` take V4 today (checkpoint.config_v4.load_any_config, "
-                "CheckpointReader(dir, any_architecture=True) read it)"
+                "(gpu_service/model: window + compressed attention, mHC, hash routing); its routed experts "
+                "are served by `moesplit expert-server --model DIR` (MXFP4 / FP8-e8m0, swiglu_limit) and "
+                "packed by `moesplit convert`, and `moesplit plan --model` and `moesplit make-tiny --arch "
+                "deepseek_v4` take V4 too (checkpoint.config_v4.load_any_config, CheckpointReader(dir, "
+                "any_architecture=True) read it)"
             )
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(

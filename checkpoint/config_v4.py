@@ -220,6 +220,9 @@ class V4Config:
                               f"(0, head_dim={self.head_dim}]")
         if self.num_experts_per_tok > self.n_routed_experts:
             raise ConfigError(f"{source}: num_experts_per_tok > n_routed_experts")
+        if not 0 < self.swiglu_limit < float("inf"):
+            raise ConfigError(f"{source}: swiglu_limit={self.swiglu_limit} must be a finite number > 0 (the "
+                              "experts' gate/up clamp; the release uses 10.0)")
         if self.hc_mult < 1 or self.sliding_window < 1:
             raise ConfigError(f"{source}: hc_mult and sliding_window must be >= 1")
 

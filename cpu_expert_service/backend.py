@@ -21,7 +21,8 @@ class ExpertBackend(Protocol):
     """Routed experts of one shard, for every MoE layer it serves."""
 
     name: str  # kernel name reported by Describe, e.g. "numpy"
-    weight_format: str  # checkpoint storage format the weights came from: bf16|fp8|int4|f32|f16
+    weight_format: str  # storage format the weights came from: bf16|fp8|int4|f32|f16|fp8_e8m0|mxfp4
+    swiglu_limit: float | None  # L: gate clamped to <= L, up to [-L, L] before silu (DeepSeek-V4); None off
 
     def add_expert(self, layer: int, expert: int, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> None:
         """gate, up: [I_s, H] f32; down: [H, I_s] f32 (I_s = this shard's intermediate slice)."""
@@ -39,20 +40,42 @@ class ExpertBackend(Protocol):
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    # x * sigmoid(x), written to stay finite for large |x|
+    """x * sigmoid(x), written to stay finite for large |x|."""
     return x / (1.0 + np.exp(-np.clip(x, -80.0, 80.0)))
+
+
+def check_swiglu_limit(limit: float | None) -> float | None:
+    """None (off) or a finite L > 0; anything else is refused naming the fix."""
+    if limit is None:
+        return None
+    limit = float(limit)
+    if not 0.0 < limit < float("inf"):
+        raise ValueError(f"swiglu_limit {limit}: must be a finite number > 0 (DeepSeek-V4 uses 10.0) or None (off)")
+    return limit
+
+
+def swiglu(gate: np.ndarray, up: np.ndarray, limit: float | None = None) -> np.ndarray:
+    """silu(gate) * up; with a limit L first gate = min(gate, L), up = clamp(up, -L, L), as
+    transformers' DeepseekV4Experts._apply_gate (clamp is exact, so f32 results match bit for bit
+    up to the silu itself)."""
+    if limit is not None:
+        lim = np.float32(limit)
+        gate = np.minimum(gate, lim)
+        up = np.clip(up, -lim, lim)
+    return silu(gate) * up
 
 
 class NumpyExperts:
     """Reference backend: per expert, gather its tokens and run the SwiGLU MLP in float32.
 
-    out[t] = sum_j w[t, j] * down @ (silu(gate @ x[t]) * (up @ x[t]))  over held experts ids[t, j].
+    out[t] = sum_j w[t, j] * down @ swiglu(gate @ x[t], up @ x[t], swiglu_limit)  over held experts ids[t, j].
     """
 
     name = "numpy"
 
-    def __init__(self, weight_format: str = "f32") -> None:
+    def __init__(self, weight_format: str = "f32", swiglu_limit: float | None = None) -> None:
         self.weight_format = weight_format
+        self.swiglu_limit = check_swiglu_limit(swiglu_limit)
         # layer -> expert -> (gate [I_s,H], up [I_s,H], down [H,I_s]); gate and up are stacked into
         # one [2*I_s, H] matrix so each expert costs one matmul on the way up.
         self._layers: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
@@ -115,7 +138,7 @@ class NumpyExperts:
             xe = x[tok]  # [n, H]
             gu = xe @ gate_up.T  # [n, 2*I_s]
             i_s = down_t.shape[0]
-            act = silu(gu[:, :i_s]) * gu[:, i_s:]  # [n, I_s]
+            act = swiglu(gu[:, :i_s], gu[:, i_s:], self.swiglu_limit)  # [n, I_s]
             ye = act @ down_t  # [n, H]
             ye *= w.reshape(-1)[pos][:, None]
             np.add.at(out, tok, ye)  # handles a (malformed) repeated expert in one row
@@ -146,18 +169,19 @@ def available_backends() -> list[str]:
     return (["kernels"] if _kernels_factory() is not None else []) + ["numpy"]
 
 
-def make_backend(name: str = "auto", weight_format: str = "f32") -> ExpertBackend:
+def make_backend(name: str = "auto", weight_format: str = "f32", swiglu_limit: float | None = None) -> ExpertBackend:
     """Pick the expert backend once, at start-up.
 
     name: "numpy" (reference), "kernels" (Cython, when built) or "auto" (best available;
-    the environment variable MOESPLIT_CPU_BACKEND overrides "auto")."""
+    the environment variable MOESPLIT_CPU_BACKEND overrides "auto"). swiglu_limit: the model's
+    (DeepSeek-V4 config.json `swiglu_limit`), None for models without one."""
     if name == "auto":
         name = os.environ.get(BACKEND_ENV) or available_backends()[0]
     if name == "numpy":
-        return NumpyExperts(weight_format=weight_format)
+        return NumpyExperts(weight_format=weight_format, swiglu_limit=swiglu_limit)
     if name == "kernels":
         factory = _kernels_factory()
         if factory is None:
             raise ValueError("backend 'kernels' is not built on this machine; run `make build` or use --backend numpy")
-        return factory(weight_format=weight_format)
+        return factory(weight_format=weight_format, swiglu_limit=swiglu_limit)
     raise ValueError(f"unknown expert backend {name!r}; choose 'auto', 'numpy' or 'kernels'")

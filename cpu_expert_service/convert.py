@@ -6,7 +6,8 @@
 Writes OUTDIR/shard-{i}-of-{N}/layer-{L:03d}.safetensors for every shard and MoE layer, plus
 OUTDIR/config.json and OUTDIR/moesplit-packed.json (layout: cpu_expert_service.packed), for
 `moesplit expert-server --packed OUTDIR --shard-index i`. auto = int4 for an INT4 checkpoint
-(copied bit-exactly, never re-quantised), else bf16; an FP8 or bf16 checkpoint is dequantised
+(copied bit-exactly, never re-quantised), mxfp4 for a DeepSeek-V4 MXFP4 checkpoint (copied as
+stored, weight + e8m0 scale), else bf16; an FP8 or bf16 checkpoint is dequantised
 and quantised to the chosen format (int8: the kernels' own per-channel quantisation, int4:
 compressed-tensors group 32).
 
@@ -30,6 +31,7 @@ import numpy as np
 
 from checkpoint.names import PROJS, expert_weight
 from cpu_expert_service import packed as P
+from cpu_expert_service.arch import expert_weight_name
 
 BAR = " ▏▎▍▌▋▊▉█"
 
@@ -78,8 +80,9 @@ def convert(model_dir: str, out_dir: str, shards: int, split: str = "intermediat
     format, files, written, skipped, bytes_written, seconds, gb_per_s."""
     from checkpoint.reader import CheckpointReader
 
-    reader = CheckpointReader(model_dir)
+    reader = CheckpointReader(model_dir, any_architecture=True)
     cfg = reader.config
+    expert_weight = expert_weight_name(cfg)
     layers = list(cfg.moe_layers)
     if not layers:
         raise ValueError(f"{model_dir}: the model has no MoE layers; nothing to convert")
@@ -89,6 +92,8 @@ def convert(model_dir: str, out_dir: str, shards: int, split: str = "intermediat
     plan = P.plan_shards(cfg, shards, split)
     copy_int4 = src == "int4" and fmt == "int4"
     copy_bf16 = src == "bf16" and fmt == "bf16"  # stored bits, no float32 round trip
+    if fmt == "mxfp4":  # copied as stored (resolve_format allows mxfp4 from MXFP4 only)
+        P.check_int4_slices(plan, I, "MXFP4")
     if copy_int4:
         gs = cfg.quantization.group_size if cfg.quantization is not None else P.INT4_GROUP
         if gs != P.INT4_GROUP:
@@ -127,7 +132,7 @@ def convert(model_dir: str, out_dir: str, shards: int, split: str = "intermediat
             i0, i1 = s["intermediate"]
             meta = P.layer_metadata(fmt, s["index"], shards)
             jobs[L, s["index"]] = (os.path.join(out_dir, s["dir"], P.layer_filename(L)),
-                                   P.tensor_specs(fmt, L, s["experts"], i1 - i0, H), meta)
+                                   P.tensor_specs(fmt, L, s["experts"], i1 - i0, H, expert_weight), meta)
     prog = Progress(sum(P.file_size(sp, m) for _, sp, m in jobs.values()), len(layers), quiet)
     written = skipped = 0
     workers = max(1, workers or len(os.sched_getaffinity(0)))
@@ -148,7 +153,7 @@ def convert(model_dir: str, out_dir: str, shards: int, split: str = "intermediat
             pending: deque = deque()
             for e in experts + [None] * (2 * workers):  # keep up to 2*workers experts in flight, write in order
                 if e is not None:
-                    job = (reader, L, e, [sh for sh, _ in todo], fmt, copy_int4, copy_bf16)
+                    job = (reader, L, e, [sh for sh, _ in todo], fmt, copy_int4, copy_bf16, expert_weight)
                     pending.append(pool.submit(_prepare, *job) if pool else _Done(_prepare(*job)))
                 if not pending or (e is not None and len(pending) < 2 * workers):
                     continue
@@ -182,14 +187,15 @@ def convert(model_dir: str, out_dir: str, shards: int, split: str = "intermediat
 
 
 def _prepare(reader, L: int, e: int, shards: list[dict], fmt: str, copy_int4: bool,
-             copy_bf16: bool) -> list[list[np.ndarray]]:
+             copy_bf16: bool, expert_weight=expert_weight) -> list[list[np.ndarray]]:
     """Expert e of layer L as each shard stores it: per shard, its arrays in tensor_specs order
     ([] for a shard that does not hold e). Runs in the worker threads."""
     names = [expert_weight(L, e, p) for p in PROJS]
-    if copy_int4:
+    copy_stored = copy_int4 or fmt == "mxfp4"
+    if copy_stored:
         stored = [reader.get_stored(n).arrays for n in names]
-        for n, a in zip(names, stored):
-            _check_finite(reader, n, a["weight_scale"])
+        for n, a in zip(names, stored):  # INT4 scales / MXFP4 values (e8m0 255 is NaN) must decode finite
+            _check_finite(reader, n, reader.get(n) if fmt == "mxfp4" else a["weight_scale"])
     else:  # gate [I, H], up [I, H], down [H, I]: f32 dequantised, or the stored bf16
         ws = [reader.get_stored(n).arrays["weight"] if copy_bf16 else reader.get(n) for n in names]
         for n, w in zip(names, ws):
@@ -202,6 +208,8 @@ def _prepare(reader, L: int, e: int, shards: list[dict], fmt: str, copy_int4: bo
             for k, (proj, n) in enumerate(zip(PROJS, names)):
                 if copy_int4:
                     arrays += P.slice_int4(stored[k], proj, i0, i1)
+                elif fmt == "mxfp4":
+                    arrays += P.slice_mxfp4(stored[k], proj, i0, i1)
                 else:
                     arrays += P.encode(fmt, n, ws[k][:, i0:i1] if proj == "down" else ws[k][i0:i1])
         out.append(arrays)
@@ -234,7 +242,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", choices=P.SPLITS, default="intermediate",
                    help="intermediate: a slice of every expert per shard (default); experts: a range of experts")
     p.add_argument("--format", dest="fmt", choices=("auto",) + P.FORMATS, default="auto",
-                   help="weight format of the packed files: auto = int4 for an INT4 checkpoint, else bf16")
+                   help="weight format of the packed files: auto = int4 for an INT4 checkpoint, mxfp4 (as stored) "
+                        "for a DeepSeek-V4 MXFP4 one, else bf16")
     p.add_argument("--workers", type=int, default=0,
                    help="threads that dequantise / quantise experts (default 0: one per CPU)")
     p.add_argument("--quiet", action="store_true", help="no progress line")

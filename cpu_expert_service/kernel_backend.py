@@ -51,9 +51,14 @@ class KernelExperts:
     """Routed experts on the CPU kernels; implements cpu_expert_service.backend.ExpertBackend.
 
     weight_format: "bf16" | "int8" | "int4" (how the kernels store the weights); num_threads:
-    default one per allowed CPU; isa: override the dispatch (default select_isa())."""
+    default one per allowed CPU; isa: override the dispatch (default select_isa()); swiglu_limit:
+    None (off) or L > 0, the gate/up clamp before silu (DeepSeek-V4), applied in C (moe_core.c)."""
 
-    def __init__(self, weight_format: str = "bf16", num_threads: int | None = None, isa: str | None = None) -> None:
+    def __init__(self, weight_format: str = "bf16", num_threads: int | None = None, isa: str | None = None,
+                 swiglu_limit: float | None = None) -> None:
+        from cpu_expert_service.backend import check_swiglu_limit
+
+        self.swiglu_limit = check_swiglu_limit(swiglu_limit)
         if weight_format not in FORMATS:
             raise ValueError(f"weight_format {weight_format!r} is not supported; choose one of {', '.join(FORMATS)}")
         self.isa = select_isa(isa)
@@ -63,7 +68,7 @@ class KernelExperts:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
         self.weight_format = weight_format
         self.name = f"kernel-{self.isa}-{weight_format}"
-        self._engine = _moe.Engine(weight_format, self.isa, self.num_threads, cpus)
+        self._engine = _moe.Engine(weight_format, self.isa, self.num_threads, cpus, self.swiglu_limit or 0.0)
         self._finalized = False
 
     # -- loading ---------------------------------------------------------------------------
@@ -147,8 +152,11 @@ class KernelExperts:
         return tuple(self._engine.unpack(int(layer), int(expert), w) for w in ("gate", "up", "down"))
 
 
-def make_backend(weight_format: str = "bf16", num_threads: int | None = None) -> KernelExperts:
+def make_backend(weight_format: str = "bf16", num_threads: int | None = None,
+                 swiglu_limit: float | None = None) -> KernelExperts:
     """Backend for a checkpoint storage format: int4 and int8 keep their width, everything else
-    (bf16, fp8, f16, f32) runs as bf16."""
+    (bf16, fp8, f16, f32, and DeepSeek-V4's fp8_e8m0 and mxfp4) runs as bf16. For mxfp4 and
+    fp8_e8m0 that is exact: e2m1 (2 significant bits) or e4m3 (4) times a power of two fits bf16's
+    8-bit significand (load_shard checks every weight; see mxfp4_as_bf16)."""
     fmt = weight_format if weight_format in ("int4", "int8") else "bf16"
-    return KernelExperts(weight_format=fmt, num_threads=num_threads)
+    return KernelExperts(weight_format=fmt, num_threads=num_threads, swiglu_limit=swiglu_limit)

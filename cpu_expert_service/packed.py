@@ -13,6 +13,10 @@ tensor names, in one format:
           quant_int8_channel: the kernels' own int8 quantisation)
     int4  ...weight_packed int32 / ...weight_scale bf16 / ...weight_shape int32: compressed-tensors
           pack-quantized, symmetric, group 32 (an INT4 checkpoint's experts are copied bit-exactly)
+    mxfp4 DeepSeek-V4 only, copied as stored: layers.L.ffn.experts.e.w1|w3|w2.weight I8 [out, in/2]
+          + .scale F8_E8M0 [out, in/32] (checkpoint.formats_v4)
+
+(A DeepSeek-V4 model's files use its own names, layers.L.ffn.experts.e.w1|w3|w2, in every format.)
 
 so `CheckpointReader(shard_dir)` reads a shard directory (no index needed) and `get()` dequantises.
 Manifest: {"moesplit_packed": 1, "fingerprint": cfg.fingerprint(), "config": "config.json",
@@ -34,13 +38,16 @@ import time
 
 import numpy as np
 
-from checkpoint.config import ModelConfig, load_config
+from checkpoint.config import ModelConfig
+from checkpoint.config_v4 import load_any_config
 from checkpoint.manifest import MANIFEST, VERSION, PackedError, read_manifest  # noqa: F401 (convert uses P.MANIFEST)
 from checkpoint.formats import as_format, pack_int4, quant_int8_channel
 from checkpoint.names import PROJS, expert_weight
+from cpu_expert_service.arch import V4_EXACT_IN_BF16, bf16_exact, expert_weight_name, swiglu_limit_of
 from checkpoint.reader import DTYPES, CheckpointError, SafetensorsFile, _ST_NAME
 
-FORMATS = ("bf16", "int8", "int4")
+FORMATS = ("bf16", "int8", "int4", "mxfp4")
+SERVE_FORMATS = ("bf16", "int8", "int4")  # how a shard may hold them (mxfp4 runs as bf16, exactly)
 SPLITS = ("intermediate", "experts")
 INT4_GROUP = 32  # the kernels' (and Kimi-K2-Thinking's) group size
 PARTIAL = ".partial"  # temporary layer files: layer-003.safetensors.partial-<pid>
@@ -56,11 +63,15 @@ def layer_filename(layer: int) -> str:
 
 
 def resolve_format(fmt: str, source_format: str) -> str:
-    """auto -> int4 for an INT4 checkpoint, else bf16; explicit formats are checked."""
+    """auto -> int4 for an INT4 checkpoint, mxfp4 for an MXFP4 one, else bf16; explicit formats
+    are checked (mxfp4 is a copy of MXFP4 experts, never a quantisation)."""
     if fmt == "auto":
-        return "int4" if source_format == "int4" else "bf16"
+        return source_format if source_format in ("int4", "mxfp4") else "bf16"
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r}: choose auto, {', '.join(FORMATS)}")
+    if fmt == "mxfp4" and source_format != "mxfp4":
+        raise ValueError(f"--format mxfp4 copies MXFP4 experts as stored; these are {source_format}: choose "
+                         f"auto, {', '.join(SERVE_FORMATS)}")
     return fmt
 
 
@@ -85,27 +96,31 @@ def plan_shards(cfg: ModelConfig, count: int, split: str) -> list[dict]:
     return out
 
 
-def check_int4_slices(shards: list[dict], I: int) -> None:
-    """INT4 stored weights slice along the intermediate dim only at group boundaries (down's input
-    dim is packed in groups of 32); anything else would need re-quantising."""
+def check_int4_slices(shards: list[dict], I: int, fmt: str = "INT4") -> None:
+    """INT4 (or MXFP4) stored weights slice along the intermediate dim only at group boundaries
+    (down's input dim is packed in groups of 32); anything else would need re-quantising."""
     for s in shards:
         i0, i1 = s["intermediate"]
         if i0 % INT4_GROUP or (i1 % INT4_GROUP and i1 != I):
             raise ValueError(
                 f"shard {s['index']}: intermediate slice [{i0}:{i1}) of moe_intermediate_size={I} does not align "
-                f"to the INT4 group of {INT4_GROUP}, so the INT4 experts cannot be copied as stored; use a shard "
+                f"to the {fmt} group of {INT4_GROUP}, so the {fmt} experts cannot be copied as stored; use a shard "
                 f"count that divides {I // INT4_GROUP}, --split experts, or another --format")
 
 
-def tensor_specs(fmt: str, layer: int, experts: list[int], I_s: int, H: int) -> list[tuple[str, str, tuple]]:
-    """(name, safetensors dtype, shape) of every tensor of one layer file, in file order."""
+def tensor_specs(fmt: str, layer: int, experts: list[int], I_s: int, H: int,
+                 name_of=expert_weight) -> list[tuple[str, str, tuple]]:
+    """(name, safetensors dtype, shape) of every tensor of one layer file, in file order; name_of:
+    the model's expert naming (cpu_expert_service.arch.expert_weight_name)."""
     out = []
     for e in experts:
         for proj in PROJS:
             o, i = (H, I_s) if proj == "down" else (I_s, H)
-            name = expert_weight(layer, e, proj)  # ....weight
+            name = name_of(layer, e, proj)  # ....weight
             base = name[: -len("weight")]
-            if fmt == "bf16":
+            if fmt == "mxfp4":
+                out += [(name, "I8", (o, i // 2)), (base + "scale", "F8_E8M0", (o, math.ceil(i / INT4_GROUP)))]
+            elif fmt == "bf16":
                 out.append((name, "BF16", (o, i)))
             elif fmt == "int8":
                 out += [(name, "I8", (o, i)), (base + "weight_scale", "F32", (o,))]
@@ -156,6 +171,15 @@ def slice_int4(arrays: dict, proj: str, i0: int, i1: int) -> list[np.ndarray]:
         return [p[:, i0 // 8: math.ceil(i1 / 8)], s[:, i0 // INT4_GROUP: math.ceil(i1 / INT4_GROUP)],
                 np.array([o, i1 - i0], dtype=np.int32)]
     return [p[i0:i1], s[i0:i1], np.array([i1 - i0, i], dtype=np.int32)]
+
+
+def slice_mxfp4(arrays: dict, proj: str, i0: int, i1: int) -> list[np.ndarray]:
+    """Stored MXFP4 arrays (weight I8 [out, in/2], scale [out, in/32]) of one projection cut to the
+    intermediate slice [i0:i1) (group-aligned): gate/up rows, down packed columns. Bits unchanged."""
+    q, s = arrays["weight"], arrays["scale"]
+    if proj == "down":
+        return [q[:, i0 // 2: i1 // 2], s[:, i0 // INT4_GROUP: math.ceil(i1 / INT4_GROUP)]]
+    return [q[i0:i1], s[i0:i1]]
 
 
 # ---- writing / checking one layer file ---------------------------------------------------------
@@ -230,12 +254,12 @@ def packed_config(packed_dir: str, model_dir: str | None = None) -> tuple[ModelC
     """(config, manifest) of a packed directory; with `model_dir`, its config.json must be the
     model the files were converted from (same fingerprint)."""
     m = read_manifest(packed_dir)
-    cfg = load_config(os.path.join(packed_dir, m.get("config", "config.json")))
+    cfg = load_any_config(os.path.join(packed_dir, m.get("config", "config.json")))
     if cfg.fingerprint() != m.get("fingerprint"):
         raise PackedError(f"{packed_dir}: config.json fingerprint {cfg.fingerprint()} != the manifest's "
                           f"{m.get('fingerprint')}; the directory was modified: re-run `moesplit convert`")
     if model_dir is not None:
-        want = load_config(model_dir).fingerprint()
+        want = load_any_config(model_dir).fingerprint()
         if want != m["fingerprint"]:
             raise PackedError(
                 f"{packed_dir} was converted from another model (fingerprint {m['fingerprint']}, source "
@@ -252,7 +276,8 @@ def load_packed(packed_dir: str, shard_index: int, backend: str = "numpy", weigh
     into INT4 kernels as stored (add_expert_int4); everything else is dequantised (int8: q * scale)
     and handed to add_expert, where INT8 kernels re-quantise it to the same q and scale (the scales
     convert writes are fl(amax/127), and fl(fl(127 * s) / 127) == s for those); the numpy backend
-    with an explicit other format rounds through it (checkpoint.formats.as_format)."""
+    with an explicit other format rounds through it (checkpoint.formats.as_format). MXFP4 files
+    (DeepSeek-V4) are dequantised exactly; the kernels hold them as bf16, exactly (bf16_exact)."""
     from checkpoint.reader import CheckpointReader
     from cpu_expert_service.backend import make_backend
 
@@ -264,26 +289,29 @@ def load_packed(packed_dir: str, shard_index: int, backend: str = "numpy", weigh
     s = shards[shard_index]
     fmt = m["format"]
     serve = fmt if weight_format == "auto" else weight_format
-    if serve not in FORMATS:
-        raise ValueError(f"--weight-format {weight_format!r}: choose auto, {', '.join(FORMATS)}")
+    if weight_format != "auto" and serve not in SERVE_FORMATS:
+        raise ValueError(f"--weight-format {weight_format!r}: choose auto, {', '.join(SERVE_FORMATS)}")
+    name_of = expert_weight_name(cfg)
     sdir = os.path.join(packed_dir, s["dir"])
     H = cfg.hidden_size
     i0, i1 = s["intermediate"]
     experts, layers = [int(e) for e in s["experts"]], [int(x) for x in s["layers"]]
     bad = [layer_filename(L) for L in layers
-           if not layer_complete(os.path.join(sdir, layer_filename(L)), tensor_specs(fmt, L, experts, i1 - i0, H))]
+           if not layer_complete(os.path.join(sdir, layer_filename(L)),
+                                 tensor_specs(fmt, L, experts, i1 - i0, H, name_of))]
     if bad:
         raise PackedError(f"{sdir}: {len(bad)} layer file(s) missing or incomplete ({', '.join(bad[:4])}"
                           f"{' …' if len(bad) > 4 else ''}); the conversion did not finish: re-run "
                           f"`moesplit convert` with the same arguments (it resumes)")
-    be = make_backend(backend, weight_format=serve)
+    be = make_backend(backend, weight_format=serve, swiglu_limit=swiglu_limit_of(cfg))
     kernels = hasattr(be, "add_expert_int4")
     native_int4 = kernels and fmt == "int4" and be.weight_format == "int4"
+    check_bf16 = kernels and fmt in V4_EXACT_IN_BF16 and be.weight_format == "bf16"
     t0 = time.perf_counter()
     reader = CheckpointReader(sdir, config=cfg)
     for layer in layers:
         for e in experts:
-            names = [expert_weight(layer, e, p) for p in PROJS]
+            names = [name_of(layer, e, p) for p in PROJS]
             if native_int4:
                 st = [reader.get_stored(n).arrays for n in names]
                 _check_finite(reader, names, [a["weight_scale"] for a in st])
@@ -294,6 +322,8 @@ def load_packed(packed_dir: str, shard_index: int, backend: str = "numpy", weigh
                 continue
             ws = [reader.get(n) for n in names]  # gate [I_s, H], up [I_s, H], down [H, I_s] f32
             _check_finite(reader, names, ws)
+            for n, w in zip(names, ws if check_bf16 else ()):
+                bf16_exact(w, reader.file_of(n), n)
             if not kernels and serve != fmt:  # numpy holds what the kernels would
                 ws = [as_format(w, serve) for w in ws]
             be.add_expert(layer, e, *ws)
@@ -303,7 +333,8 @@ def load_packed(packed_dir: str, shard_index: int, backend: str = "numpy", weigh
     info = dict(experts=experts, layers=layers,
                 slice_index=shard_index if m["split"] == "intermediate" else 0,
                 slice_count=n if m["split"] == "intermediate" else 1,
-                intermediate_start=i0, intermediate_stop=i1, weight_format=fmt, serve_format=serve,
+                intermediate_start=i0, intermediate_stop=i1, weight_format=fmt,
+                serve_format=be.weight_format if weight_format == "auto" else serve,
                 packed=os.path.abspath(packed_dir), load_s=time.perf_counter() - t0)
     return cfg, be, info
 

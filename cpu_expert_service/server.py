@@ -21,6 +21,7 @@ present, inside their file, of the shape config.json implies) and every loaded w
 finite; a truncated or corrupt file stops the start-up with an error naming file and tensor.
 With --tls-cert/--tls-key/--tls-ca the port speaks mutual TLS: clients need a certificate signed
 by the CA. Message-size limits and keepalive come from wire.channel.
+DeepSeek-V4 (MXFP4 / FP8-e8m0 experts, the config's swiglu_limit): docs/v4.md "Expert shards".
 A co-located GPU service may move its layer calls to shared memory inside --shm-dir (AttachShm;
 cpu_expert_service.shm_transport): same validation, same backend, same errors.
 """
@@ -42,11 +43,13 @@ try:  # optional where only load_shard is wanted (a bare CUDA host running `make
 except ImportError:
     health = health_pb2 = health_pb2_grpc = None
 
-from checkpoint.config import ModelConfig, load_config
+from checkpoint.config import ModelConfig
+from checkpoint.config_v4 import load_any_config
 from checkpoint.names import compact_ranges
 from wire import channel as transport
 from wire.ratelog import RateLimitedLog
 from cpu_expert_service import auth
+from cpu_expert_service.arch import V4_EXACT_IN_BF16, bf16_exact, expert_weight_name, swiglu_limit_of
 from cpu_expert_service.backend import ExpertBackend, make_backend
 from cpu_expert_service.rpc_limits import add_servicer, SERVICE_NAME
 from protos.moesplit.v1 import experts_pb2, experts_pb2_grpc
@@ -169,15 +172,19 @@ def load_shard(
 
     weight_format: auto (the checkpoint's: int4 stays int4, bf16/fp8 run as bf16) | bf16 | int8 |
     int4: the kernels quantise float weights at load; the numpy backend holds the same values
-    (checkpoint.formats.as_format)."""
+    (checkpoint.formats.as_format).
+
+    DeepSeek-V4 (V4Config): experts `layers.L.ffn.experts.E.w1|w3|w2` in MXFP4 or FP8-e8m0 are
+    dequantised exactly (checkpoint.formats_v4) and, under auto, held as bf16 by the kernels, which
+    is exact (checked per weight: bf16_exact); the backend applies the config's swiglu_limit."""
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"--weight-format {weight_format!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
     from checkpoint.formats import as_format
-    from checkpoint.names import expert_weight  # numpy-only package
     from checkpoint.reader import CheckpointError, CheckpointReader
 
-    reader = CheckpointReader(model_dir)
+    reader = CheckpointReader(model_dir, any_architecture=True)
     cfg: ModelConfig = reader.config
+    expert_weight = expert_weight_name(cfg)
     E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
     experts = list(range(E)) if experts is None else sorted(set(int(e) for e in experts))
     bad = [e for e in experts if not 0 <= e < E]
@@ -193,7 +200,10 @@ def load_shard(
     # headers only: every tensor served is present, inside its file and of the right shape
     reader.verify([expert_weight(layer, e, p) for layer in layers for e in experts for p in ("gate", "up", "down")])
     fmt = _weight_format(reader, expert_weight(layers[0], experts[0], "gate"), cfg) if layers else "f32"
-    be = make_backend(backend, weight_format=fmt if weight_format == "auto" else weight_format)
+    be = make_backend(backend, weight_format=fmt if weight_format == "auto" else weight_format,
+                      swiglu_limit=swiglu_limit_of(cfg))
+    # V4 formats held as bf16 by the kernels: exact, checked per weight below
+    check_bf16 = fmt in V4_EXACT_IN_BF16 and be.name != "numpy" and be.weight_format == "bf16"
     # numpy with an explicit format holds the values the kernels would hold in it
     round_to = weight_format if weight_format not in ("auto", fmt) and not hasattr(be, "add_expert_int4") else None
     t0 = time.perf_counter()
@@ -228,6 +238,8 @@ def load_shard(
                     raise CheckpointError(
                         f"{reader.file_of(name)}: tensor {name!r} holds {int((~np.isfinite(t)).sum())} NaN/Inf "
                         "values; the file is corrupt: re-download or re-write it")
+                if check_bf16:
+                    bf16_exact(t, reader.file_of(expert_weight(layer, e, proj)), expert_weight(layer, e, proj))
             if not whole:  # copy so the full tensors are freed right away
                 gate, up, down = gate[i0:i1].copy(), up[i0:i1].copy(), down[:, i0:i1].copy()
             if round_to is not None:
@@ -236,17 +248,9 @@ def load_shard(
             del gate, up, down
         reader.close()  # unmap: file pages read so far stop counting towards this process's RSS
     be.finalize()
-    info = dict(
-        experts=experts,
-        layers=layers,
-        slice_index=s_idx,
-        slice_count=s_cnt,
-        intermediate_start=i0,
-        intermediate_stop=i1,
-        weight_format=fmt,
-        serve_format=be.weight_format if weight_format == "auto" else weight_format,
-        load_s=time.perf_counter() - t0,
-    )
+    info = dict(experts=experts, layers=layers, slice_index=s_idx, slice_count=s_cnt, intermediate_start=i0,
+                intermediate_stop=i1, weight_format=fmt, load_s=time.perf_counter() - t0,
+                serve_format=be.weight_format if weight_format == "auto" else weight_format)
     return cfg, be, info
 
 
@@ -386,6 +390,7 @@ class ExpertServicer(experts_pb2_grpc.ExpertServiceServicer):
             max_tokens=self.max_tokens,
             pid=os.getpid(),
             loaded_modules=[m for m in WATCHED_MODULES if m in sys.modules],
+            swiglu_limit=getattr(self.backend, "swiglu_limit", None) or 0.0,
         )
 
 
@@ -489,8 +494,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--packed", help="serve from `moesplit convert` output OUTDIR instead of the checkpoint's files")
     p.add_argument("--shard-index", type=int, help="with --packed: which packed shard (0-based) to serve")
     p.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="auto",
-                   help="how the experts are held: auto (the checkpoint's / packed files': int4 stays int4, "
-                        "bf16/fp8 run as bf16) | bf16 | int8 | int4 (kernels quantise float weights at load)")
+                   help="how the experts are held: auto (the checkpoint's / packed files': int4 stays int4, the "
+                        "rest, V4 MXFP4 too, runs as bf16) | bf16 | int8 | int4 (kernels quantise at load)")
     p.add_argument("--experts", help="routed expert ids to serve, e.g. '0-7,9' (default: all)")
     p.add_argument("--slice", dest="slice_spec", help="intermediate slice i/n to serve (0-based), e.g. 1/2")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -521,7 +526,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if not args.model and not args.packed:
             raise ValueError("pass --model DIR (a checkpoint) or --packed OUTDIR --shard-index I (moesplit convert)")
-        cfg = load_config(args.model or args.packed)
+        cfg = load_any_config(args.model or args.packed)
         experts = parse_experts(args.experts, cfg.n_routed_experts) if args.experts else None
         slice_spec = parse_slice(args.slice_spec) if args.slice_spec else None
         tls = transport.TLSFiles.from_args(args.tls_cert, args.tls_key, args.tls_ca, "moesplit expert-server")

@@ -15,6 +15,7 @@ cdef extern from "moe.h" nogil:
         pass
     ctypedef struct MoeKernels:
         int isa
+        float swiglu_limit
     ctypedef struct MoeMat:
         int Np, Kp
     ctypedef struct MoeExpert:
@@ -127,15 +128,17 @@ cdef class _Layer:
 
 cdef class Engine:
     """Thread pool + kernel table + packed experts. fmt: bf16|int8|int4; isa: a key of ISAS that
-    cpu_has() accepted; cpus: the CPUs to pin thread i to (cpus[i % len])."""
+    cpu_has() accepted; cpus: the CPUs to pin thread i to (cpus[i % len]); swiglu_limit: L > 0
+    clamps gate to <= L and up to [-L, L] before silu(gate) * up (DeepSeek-V4), 0 = off."""
     cdef MoePool *pool
     cdef MoeKernels kern
     cdef int fmt
     cdef dict layers
     cdef readonly int num_threads
     cdef readonly str isa, format
+    cdef readonly float swiglu_limit
 
-    def __cinit__(self, str fmt, str isa, int num_threads, cpus):
+    def __cinit__(self, str fmt, str isa, int num_threads, cpus, float swiglu_limit=0.0):
         self.pool = NULL
         if fmt not in FORMATS:
             raise ValueError(f"unknown weight format {fmt!r}; expected one of {sorted(FORMATS)}")
@@ -154,6 +157,10 @@ cdef class Engine:
             moe_kernels_avx2(&self.kern)
         else:
             moe_kernels_generic(&self.kern)
+        if not swiglu_limit >= 0.0 or swiglu_limit == float("inf"):
+            raise ValueError(f"swiglu_limit {swiglu_limit} must be finite and >= 0 (0 = off)")
+        self.kern.swiglu_limit = swiglu_limit
+        self.swiglu_limit = swiglu_limit
         cdef int[::1] cpuv = np.ascontiguousarray(np.asarray(list(cpus), dtype=np.int32))
         self.num_threads = max(1, num_threads)
         self.pool = moe_pool_create(self.num_threads, &cpuv[0] if cpuv.shape[0] else NULL, cpuv.shape[0])

@@ -77,6 +77,9 @@ typedef struct {
     int isa;
     moe_panel_fn panel[3]; /* by format */
     moe_act_fn act;
+    /* SwiGLU clamp before act (DeepSeek-V4's swiglu_limit L): gate = min(gate, L), up = min(max(up, -L), L),
+     * as transformers' DeepseekV4Experts; 0 = off (no clamp: V3). Set by the owner after the table. */
+    float swiglu_limit;
 } MoeKernels;
 
 void moe_act_generic(const float *g, const float *u, int n, float *out, uint16_t *outb);

@@ -561,6 +561,13 @@ static void quant_row(const float *x, int K, int Kp, int offset, int8_t *q, floa
 
 static inline float silu(float g) { return g / (1.f + expf(-g)); }
 
+/* SwiGLU limit on one panel's outputs c = [half gate | half up]: gate = min(gate, L), up clamped to
+ * [-L, L] (torch's clamp: a NaN stays NaN); exact, so bit-compatible with the f32 reference */
+static void swiglu_clamp(float *c, int half, float lim) {
+    for (int i = 0; i < half; i++) c[i] = c[i] > lim ? lim : c[i];
+    for (int i = half; i < 2 * half; i++) c[i] = c[i] > lim ? lim : c[i] < -lim ? -lim : c[i];
+}
+
 /* ------------------------------------------------------------------ the fused op */
 
 typedef struct {
@@ -616,7 +623,8 @@ static void fwd_job(void *arg, int tid, int nt) {
     rows.xc = (const float *const *)(ptr + 2 * f->nmax);
     rows.f = (const float *const *)(ptr + 3 * f->nmax);
 
-    /* phase 1: gate+up, silu(gate) * up */
+    /* phase 1: gate+up, [clamp,] silu(gate) * up */
+    const float lim = f->kern->swiglu_limit;
     for (int e = 0; e < f->ne; e++) {
         const MoeMat *W = &f->ex[e]->gu;
         int a0 = f->off[e], n = f->off[e + 1] - a0, half = W->NP / 2, p0, p1;
@@ -636,9 +644,10 @@ static void fwd_job(void *arg, int tid, int nt) {
         for (int p = p0; p < p1; p++) {
             f->kern->panel[fmt](W, p, &rows, C, scr);
             for (int m = 0; m < n; m++) {
-                const float *cr = C + (size_t)m * W->NP;
+                float *cr = C + (size_t)m * W->NP;
                 float *af = f->af + (size_t)(a0 + m) * Ka + p * half;
                 uint16_t *ab = isint ? NULL : f->ab + (size_t)(a0 + m) * Ka + p * half;
+                if (lim > 0.f) swiglu_clamp(cr, half, lim);
                 f->kern->act(cr, cr + half, half, af, ab);
                 if (ab) /* bf16: the f32 row holds the bf16-rounded values too */
                     for (int i = 0; i < half; i++) af[i] = moe_bf16_to_f32(ab[i]);

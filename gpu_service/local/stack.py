@@ -19,7 +19,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from checkpoint.config import load_config
+from checkpoint.config_v4 import load_any_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository (this file: gpu_service/local/)
 
@@ -150,7 +150,7 @@ def start_shards(
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     if metrics_ports is not None and len(metrics_ports) != n * replicas:
         raise ValueError(f"metrics_ports: {len(metrics_ports)} ports for {n * replicas} shard processes")
-    cfg = load_config(model_dir)
+    cfg = load_any_config(model_dir)  # shards serve DeepSeek-V4 experts too
     if packed is not None:
         from checkpoint.manifest import read_manifest
 
