@@ -223,7 +223,7 @@ class DeepseekV3(nn.Module):
         """The attention backend of `device`, chosen once (gpu_service.attention.select_backend)."""
         b = self._backends.get(device)
         if b is None:
-            b = self._backends[device] = select_backend(device, self.cfg, self.attention_backend)
+            b = self._backends[device] = select_backend(device, self.cfg, self.attention_backend, self.dtype)
         return b
 
     def row_block(self, device: torch.device) -> int:
