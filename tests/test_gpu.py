@@ -1,5 +1,9 @@
 """Checks that need an NVIDIA GPU (marked `gpu`; skipped cleanly elsewhere), run by `make gpu-check`:
-the plan against torch.cuda.memory_allocated after load, and generation on CUDA equal to CPU."""
+the plan against torch.cuda.memory_allocated after load, and generation on CUDA equal to CPU.
+Each test records its numbers (`record`) for gpu-check's JSON report before it asserts."""
+import json
+import os
+
 import pytest
 import torch
 
@@ -20,6 +24,14 @@ OVERRIDES = {"hidden_size": 1024, "intermediate_size": 2048, "vocab_size": 8192,
              "qk_nope_head_dim": 64, "v_head_dim": 64, "moe_intermediate_size": 256}
 WEIGHTS = ("embeddings", "attention", "indexer", "dense_mlp", "shared_experts", "routers", "norms", "lm_head",
            "kv_cache", "index_keys", "gpu_experts")
+
+
+def record(name: str, ok: bool, **values) -> None:
+    """One measurement for scripts/gpu_check_report.py (a line of $GPU_CHECK_RECORDS, when set)."""
+    path = os.environ.get("GPU_CHECK_RECORDS")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"name": name, "ok": bool(ok), **values}) + "\n")
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +60,8 @@ def test_plan_matches_cuda_memory_allocated(ckpt, opts):
     planned = sum(v for k, v in plan.gpus[0].items.items() if k in WEIGHTS)
     print(f"{opts}: planned {planned} B, torch.cuda.memory_allocated {got} B ({got / planned - 1:+.2%}) "
           f"+ scratch {scratch} B reserved at load")
+    ok = abs(got - planned) <= 0.05 * planned and scratch <= plan.gpus[0].items["workspace"]
+    record("plan_vs_allocated_after_load", ok, opts=opts, planned=planned, allocated=got, scratch=scratch)
     assert abs(got - planned) <= 0.05 * planned
     assert scratch <= plan.gpus[0].items["workspace"]
     del runner
@@ -61,19 +75,36 @@ def test_generation_on_cuda_equals_cpu(ckpt):
     a, b = cpu.generate(prompt, 24), gpu.generate(prompt, 24)
     diff = (a.last_logits - b.last_logits).abs().max().item()
     print(f"cpu vs cuda fp32: tokens equal={a.token_ids == b.token_ids}, last logits max|diff| {diff:.2e}")
+    record("cuda_fp32_vs_cpu", a.token_ids == b.token_ids and diff < 1e-3, tokens_equal=a.token_ids == b.token_ids,
+           max_logit_diff=diff)
     assert a.token_ids == b.token_ids and diff < 1e-3
 
 
 def test_layer_split_over_two_gpus_equals_one(ckpt):
-    """Two planned GPUs (two devices, or one device twice on a one-GPU machine: the hidden-state
-    hops and per-device caches still run) give the one-GPU tokens. Never skipped."""
+    """Two planned GPUs give the one-GPU tokens, CUDA graphs on. With two devices the layers live on
+    cuda:0 and cuda:1 (hidden-state hops, per-device graph sets and capture streams; graphs captured
+    on both); on a one-GPU machine both planned GPUs map to cuda:0 and the record says so. Never skipped."""
     _, reader, experts = ckpt
     plan = P.make_plan(reader.config, ["40GiB", "40GiB"], kv_tokens=256, min_kv_tokens=256, chunk_tokens=64,
                        max_batch=4, attention_weights="checkpoint", embeddings="gpu", gpu_experts=0, dtype="float32")
-    devices = [torch.device("cuda", i % torch.cuda.device_count()) for i in range(2)]
+    n = torch.cuda.device_count()
+    devices = [torch.device("cuda", i % n) for i in range(2)]
     two = ModelRunner(reader, experts, dtype=torch.float32, placement=Placement.from_plan(plan, devices))
     one = ModelRunner(reader, experts, device=torch.device("cuda"), dtype=torch.float32, kv_tokens=256)
-    assert two.generate([0, 1, 2, 3], 16).token_ids == one.generate([0, 1, 2, 3], 16).token_ids
+    prompts = [[0, 1, 2, 3], [5, 6, 7], [9, 8, 7, 6, 5]]  # a batch of 3: decode steps replay graphs
+    from bench.bench_gpu import decode_batch
+
+    a, _ = decode_batch(two, prompts, 12)
+    b, _ = decode_batch(one, prompts, 12)
+    layer_devs = sorted({str(d) for d in two.model.layer_devices})
+    graph_devs = sorted(str(d) for d in two.graphs.devices()) if two.graphs is not None else []
+    both = n < 2 or graph_devs == ["cuda:0", "cuda:1"]
+    print(f"two planned GPUs on {n} device(s): layers on {layer_devs}, graphs on {graph_devs}, tokens equal {a == b}")
+    record("two_gpu_split", a == b and both, device_count=n, one_device_only=n < 2, layer_devices=layer_devs,
+           graph_devices=graph_devs, tokens_equal=a == b)
+    assert a == b
+    assert len(layer_devs) == min(n, 2)
+    assert both, f"graphs captured on {graph_devs}, want both devices"
 
 
 @pytest.mark.parametrize("opts", [dict(), dict(attention_weights="int8"), dict(gpu_experts=2)],
@@ -105,6 +136,8 @@ def test_long_prefill_peak_within_plan(ckpt, opts):
     weights = sum(v for k, v in items.items() if k in WEIGHTS)
     print(f"{opts}: peak {peak} B, plan weights+KV {weights} B + workspace {items['workspace']} B "
           f"(transient {(peak - weights) / items['workspace']:.0%} of the workspace)")
+    record("long_prefill_peak_vs_plan", peak <= bound, opts=opts, max_memory_allocated=peak, plan_bound=bound,
+           weights=weights, workspace=items["workspace"])
     assert peak <= bound
     del runner
 
@@ -130,6 +163,7 @@ def test_bf16_cuda_close_to_fp32_cpu(ckpt):
     rel = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
     agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
     print(f"bf16 CUDA vs fp32 CPU: max relative logits error {rel:.3e}, argmax agreement {agree:.1%}")
+    record("cuda_bf16_vs_cpu_fp32", rel < 0.05 and agree >= 0.9, max_rel_error=rel, argmax_agreement=agree)
     assert rel < 0.05 and agree >= 0.9
 
 
@@ -144,11 +178,12 @@ def ckpt_v32(tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch", ["v3", "v32"])
-@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("batch", [1, 3, 5, 6, 8])
 def test_cuda_graphs_equal_eager(request, arch, batch):
     """Decode segments replayed as CUDA graphs (the default) give the eager tokens, bf16, V3 and
     V3.2 (its indexer's query, weights and keys in the graphed segment); prints the median time
-    per decode step of both (the graphs' first step at a bucket captures)."""
+    per decode step of both (the graphs' first step at a bucket captures). Batches 5 and 6 split
+    by ping-pong into micro-batches of 3 + 2 and 3 + 3 rows: 3 rows replay the 4-row bucket padded."""
     from bench.bench_gpu import decode_batch  # the loop make gpu-check's benchmark times
 
     _, reader, experts = request.getfixturevalue("ckpt" if arch == "v3" else "ckpt_v32")
@@ -164,6 +199,8 @@ def test_cuda_graphs_equal_eager(request, arch, batch):
             assert r.graphs.captured() > 0
         del r
     print(f"{arch} batch {batch}: decode step eager {out[False][1] * 1e3:.2f} ms, CUDA graphs {out[True][1] * 1e3:.2f} ms")
+    record("cuda_graphs_equal_eager", out[True][0] == out[False][0], arch=arch, batch=batch,
+           ms_eager=round(out[False][1] * 1e3, 3), ms_graphs=round(out[True][1] * 1e3, 3))
     assert out[True][0] == out[False][0]
 
 
@@ -203,6 +240,8 @@ def test_cuda_decode_over_shm_graphs_equal_eager(tmp_path_factory):
         a, ta = decode(True)
         b, tb = decode(False)
         print(f"over shm: ms per step, CUDA graphs {ta * 1e3:.2f}, eager {tb * 1e3:.2f}")
+        record("shm_handoff_graphs_equal_eager", torch.equal(a, b), ms_graphs=round(ta * 1e3, 3),
+               ms_eager=round(tb * 1e3, 3))
         assert torch.equal(a, b)
     finally:
         c.close()
