@@ -246,3 +246,49 @@ def test_cuda_decode_over_shm_graphs_equal_eager(tmp_path_factory):
     finally:
         c.close()
         srv.stop(0)
+
+
+def test_flashinfer_decode_equals_torch_or_names_why_not(tmp_path_factory):
+    """FlashInfer's MLA decode at the dims its kernels take (kv_lora_rank 512, rope 64), bf16, three
+    sequences teacher-forced: the logits of the torch backend's decode to bf16 precision. Where
+    flashinfer does not import (or refuses these dims / dtype) the torch backend is what the
+    model chose, and the record names the reason instead."""
+    from gpu_service.attention import flashinfer_mla
+    from gpu_service.attention.torch_paged import TorchBackend
+    from gpu_service.model.kv import Chunk
+
+    over = {**OVERRIDES, "num_attention_heads": 16, "num_key_value_heads": 16, "kv_lora_rank": 512,
+            "qk_rope_head_dim": 64}
+    d = make_tiny(str(tmp_path_factory.mktemp("gpu") / "fi"), fmt="bf16", seed=6, overrides=over)
+    reader = CheckpointReader(d)
+    _, backend, _ = load_shard(d, None, None, "numpy")
+    experts = LocalExperts(backend)
+    why = flashinfer_mla.unavailable(reader.config, torch.bfloat16)
+    V = reader.config.vocab_size
+    prompts = [[(7 * i + 3 * j + 1) % V for j in range(9 + 5 * i)] for i in range(3)]
+    forced = [[(13 * s + i) % V for i in range(3)] for s in range(12)]
+    logits, chosen = {}, {}
+    for name in ("torch", "auto"):
+        r = ModelRunner(reader, experts, device=torch.device("cuda"), dtype=torch.bfloat16, kv_tokens=1024,
+                        cuda_graphs=False)
+        r.model.attention_backend = name
+        seqs = [r.new_seq() for _ in prompts]
+        r.step(sum(prompts, []), [Chunk(s, 0, len(p)) for s, p in zip(seqs, prompts)])
+        out = [r.step(toks, [Chunk(s, s.length, 1) for s in seqs]).float().cpu() for toks in forced]
+        chosen[name] = type(r.model.backend(r.pool.kv[0].device)).__name__
+        logits[name] = torch.stack(out)
+        for s in seqs:
+            s.free()
+        del r
+    if why is not None:
+        record("flashinfer_decode", chosen["auto"] == TorchBackend.__name__, ran=False, reason=why)
+        assert chosen["auto"] == TorchBackend.__name__
+        return
+    ref, got = logits["torch"], logits["auto"]
+    rel = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
+    agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    print(f"FlashInfer vs torch decode: max relative logits error {rel:.3e}, argmax agreement {agree:.1%}")
+    record("flashinfer_decode", chosen["auto"] == "FlashInferBackend" and rel < 0.03 and agree >= 0.9, ran=True,
+           max_rel_error=rel, argmax_agreement=agree)
+    assert chosen["auto"] == "FlashInferBackend"
+    assert rel < 0.03 and agree >= 0.9
