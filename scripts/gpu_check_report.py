@@ -31,7 +31,8 @@ ABSENT = ("fastapi", "uvicorn", "pydantic", "openai", "starlette", "grpc_health"
 # what the gpu checks import: the gpu-marked test files and the benchmark
 CHECK_MODULES = ("test_gpu", "test_pipeline", "test_decode", "bench.bench_gpu")
 # the report's keys (the dry run checks them; docs/gpu-first-run.md describes each)
-KEYS = ("ok", "problems", "machine", "torch", "tests", "records", "graphs_vs_eager", "linears", "dry_run")
+KEYS = ("ok", "problems", "machine", "torch", "tests", "records", "graphs_vs_eager", "real_shapes_layer", "linears",
+        "dry_run")
 
 
 class _Refuse(importlib.abc.MetaPathFinder):
@@ -136,6 +137,7 @@ def report(out_dir: str, dry_run: bool) -> tuple[dict, list[str]]:
            "tests": junit(os.path.join(out_dir, "junit.xml")),
            "records": records(os.path.join(out_dir, "records.jsonl")),
            "graphs_vs_eager": bench.get("cuda_graphs_vs_eager", []),
+           "real_shapes_layer": bench.get("real_shapes_layer", []),
            "linears": bench.get("linears", []),
            "dry_run": dry_run}
     problems = []
@@ -148,6 +150,10 @@ def report(out_dir: str, dry_run: bool) -> tuple[dict, list[str]]:
             problems.append("no CUDA-graphs-vs-eager benchmark rows")
         problems += [f"CUDA graphs changed the tokens at batch {r['batch']}" for r in rep["graphs_vs_eager"]
                      if not r.get("tokens_equal")]
+        if not rep["real_shapes_layer"]:
+            problems.append("no real-shapes layer benchmark rows")
+        problems += [f"CUDA graphs changed the tokens of the {r['preset']} layer at batch {r['batch']}"
+                     for r in rep["real_shapes_layer"] if not r.get("tokens_equal")]
         problems += [f"{name}: {r}" for name, rs in rep["records"].items() for r in rs if r.get("ok") is False]
     rep["ok"], rep["problems"] = not problems, problems
     return {k: rep[k] for k in KEYS}, problems

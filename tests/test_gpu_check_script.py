@@ -84,7 +84,8 @@ def test_report_verdicts(tmp_path):
     (out / "torch.txt").write_text("torch 2.11.0 cuda 13.0 available True devices 1\n")
     _junit(out / "junit.xml", [("test_a", ""), ("test_b", "")])
     (out / "records.jsonl").write_text(json.dumps({"name": "two_gpu_split", "ok": True, "device_count": 1}) + "\n")
-    bench = {"cuda_graphs_vs_eager": [{"batch": b, "tokens_equal": True} for b in (1, 8, 32)], "linears": []}
+    bench = {"cuda_graphs_vs_eager": [{"batch": b, "tokens_equal": True} for b in (1, 8, 32)], "linears": [],
+             "real_shapes_layer": [{"preset": "deepseek-v3", "batch": b, "tokens_equal": True} for b in (1, 8)]}
     (out / "bench_gpu.json").write_text(json.dumps(bench))
     rep, problems = R.report(str(out), dry_run=False)
     assert problems == [] and rep["ok"]
@@ -95,14 +96,30 @@ def test_report_verdicts(tmp_path):
     _junit(out / "junit.xml", [("test_a", "<skipped/>"), ("test_b", "<failure/>")])
     (out / "records.jsonl").write_text(json.dumps({"name": "long_prefill_peak_vs_plan", "ok": False}) + "\n")
     bench["cuda_graphs_vs_eager"][1]["tokens_equal"] = False
+    bench["real_shapes_layer"][0]["tokens_equal"] = False
     (out / "bench_gpu.json").write_text(json.dumps(bench))
     rep, problems = R.report(str(out), dry_run=False)
     assert not rep["ok"] and rep["problems"] == problems
     text = "\n".join(problems)
-    for want in ("skipped: tests.test_gpu::test_a", "failed: tests.test_gpu::test_b", "batch 8", "long_prefill_peak_vs_plan"):
+    for want in ("skipped: tests.test_gpu::test_a", "failed: tests.test_gpu::test_b", "batch 8", "long_prefill_peak_vs_plan",
+                 "deepseek-v3 layer at batch 1"):
         assert want in text
 
     (out / "junit.xml").unlink()
     (out / "bench_gpu.json").unlink()
     _, problems = R.report(str(out), dry_run=False)
     assert "no junit report: pytest did not run" in problems and "no CUDA-graphs-vs-eager benchmark rows" in problems
+    assert "no real-shapes layer benchmark rows" in problems
+
+
+def test_real_shapes_layer_plumbing_on_cpu():
+    """bench_gpu's one-layer-at-real-shapes timing, shrunk and on the CPU (eager only): the rows the
+    GPU run reports, from an in-memory model answered by zero experts."""
+    from bench.bench_gpu import real_shapes_layer
+
+    small = {"hidden_size": 256, "num_attention_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 64,
+             "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16, "moe_intermediate_size": 64,
+             "n_routed_experts": 16, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 4}
+    rows = real_shapes_layer("deepseek-v3", batches=(1, 3), steps=3, device="cpu", overrides=small)
+    assert [r["batch"] for r in rows] == [1, 3]
+    assert all(r["hidden"] == 256 and r["ms_per_step_eager"] > 0 and "tokens_equal" not in r for r in rows)
