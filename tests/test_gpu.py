@@ -292,3 +292,38 @@ def test_flashinfer_decode_equals_torch_or_names_why_not(tmp_path_factory):
            max_rel_error=rel, argmax_agreement=agree)
     assert chosen["auto"] == "FlashInferBackend"
     assert rel < 0.03 and agree >= 0.9
+
+
+def test_c_handoff_from_cuda_equals_forward_async(tmp_path_factory):
+    """CUDA hidden states through RemoteExperts over shared memory (pinned device->host copies, then
+    the C send from the pinned buffers and the C receive into the output: DirectHandle) give the
+    bits of the same calls through the Python client's forward_async, at 1, 3 and 8 rows."""
+    from cpu_expert_service.server import create_server
+    from gpu_service.experts.client import ExpertsClient
+    from gpu_service.experts.handoff import RemoteExperts, RemoteHandle, _numpy
+
+    d = make_tiny(str(tmp_path_factory.mktemp("gpu") / "direct"), fmt="bf16", seed=7)
+    cfg = CheckpointReader(d).config
+    srv, port = create_server(d, port=0, backend="auto", shm_dir="/dev/shm")
+    c = ExpertsClient([f"127.0.0.1:{port}"], cfg, transport="shm", wire_dtype="bfloat16").connect()
+    try:
+        ex, layer, kinds, equal = RemoteExperts(c), cfg.moe_layers[0], [], []
+        for T in (1, 3, 8):
+            g = torch.Generator().manual_seed(T)
+            h = torch.randn(T, cfg.hidden_size, generator=g).to(torch.bfloat16)
+            ids = torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:cfg.num_experts_per_tok]
+                               for _ in range(T)])
+            w = torch.rand(T, cfg.num_experts_per_tok, generator=g)
+            handle = ex(layer, h.cuda(), ids.cuda(), w.cuda())
+            kinds.append(type(handle).__name__)
+            got = handle.wait()
+            ref = RemoteHandle(c, c.forward_async(layer, _numpy(h), ids.numpy(), w.numpy()), layer,
+                               torch.device("cpu"), torch.bfloat16).wait()
+            equal.append(got.device.type == "cuda" and torch.equal(got.cpu(), ref))
+        print(f"C hand-off from CUDA: handles {kinds}, equal to forward_async {equal}")
+        record("c_handoff_equals_python", all(equal) and "DirectHandle" in kinds, handles=kinds, equal=equal)
+        assert "DirectHandle" in kinds, f"no call took the C path: {kinds}"
+        assert all(equal)
+    finally:
+        c.close()
+        srv.stop(0)
