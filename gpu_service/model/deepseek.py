@@ -37,6 +37,7 @@ from gpu_service.model.experts_api import ExpertsFn
 from gpu_service.model.kv import Chunk, KVPool
 from gpu_service.model.layers import MLP, RMSNorm, Rope, Router
 from gpu_service.model.mla import MLA
+from gpu_service.model import fp8_gemm
 from gpu_service.model.qlinear import make_quantized, reserve_scratch, weight_of
 from gpu_service.model.rows import pad_rows, padded, row_block
 from gpu_service.model.step import make_step, Step
@@ -206,11 +207,12 @@ class DeepseekV3(nn.Module):
 
     def prepare(self, dtype: torch.dtype) -> None:
         """At load: each layer's pieces, the final norm, the attention backend, the CPU row block
-        of each device (measured on the model's own linear shapes) and the quantised linears'
-        dequantisation scratch (sized now: CUDA graphs bake its address in)."""
+        of each device (measured on the model's own linear shapes), the quantised linears'
+        dequantisation scratch (sized now: CUDA graphs bake its address in) and the FP8 GEMMs."""
         for blk in self.model.layers:
             blk.prepare(dtype)
         reserve_scratch(self, dtype)
+        fp8_gemm.enable(self, dtype)  # opt-in (MOESPLIT_FP8_GEMM=scaled_mm); checked per linear
         self.model.norm.prepare()
         self.dtype = dtype
         self._backends: dict = {}
