@@ -10,8 +10,9 @@
 #   2. installs, from $GPU_CHECK_WHEELS (default shared/wheels) when that folder exists, only the
 #      wheels whose distribution is not installed, into build/gpu-check-site (on PYTHONPATH);
 #   3. preflight: imports every module the checks load with fastapi/uvicorn/pydantic/openai/
-#      grpc_health refused (absent there), naming what fails before any time is spent;
-#   4. builds the kernels extension in place;
+#      grpc_health refused (absent there), naming what fails before any time is spent (then runs
+#      what can run: the failures are problems in the report);
+#   4. builds the C extensions in place (a failure is a problem in the report, not a stop);
 #   5. runs every `gpu`-marked test (tests/test_gpu.py, test_pipeline.py, test_decode.py); the tests
 #      record their numbers in records.jsonl; a skipped gpu test is a failure;
 #   6. bench/bench_gpu.py: decode with CUDA graphs vs eager at batch 1/8/32 (equal tokens, ms per
@@ -51,14 +52,20 @@ if [ -d "$WHEELS" ]; then
   fi
   export PYTHONPATH="$PWD/build/gpu-check-site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-$REPORT preflight || { echo "gpu-check: the checks cannot import (above): nothing run" >&2; exit 1; }
+rm -f "$OUT/preflight.txt"
+if ! $REPORT preflight "$OUT"; then
+  [ "$DRY" -eq 1 ] && { echo "gpu-check --dry-run: the checks cannot import (above)" >&2; exit 1; }
+  echo "gpu-check: some checks cannot import (above; a problem in the report): running the rest" >&2
+fi
 if [ "$DRY" -eq 1 ]; then
   "$PY" bench/bench_gpu.py --help > /dev/null || { echo "gpu-check --dry-run: bench_gpu.py --help failed" >&2; exit 1; }
-  rm -f "$OUT/junit.xml" "$OUT/records.jsonl" "$OUT/bench_gpu.json"
+  rm -f "$OUT/junit.xml" "$OUT/records.jsonl" "$OUT/bench_gpu.json" "$OUT/build_status"
   $REPORT report "$OUT" --dry-run
   exit $?
 fi
-"$PY" setup.py -q build_ext --inplace > "$OUT/build.txt" 2>&1 || { echo "gpu-check: building the kernels failed (see $OUT/build.txt)" >&2; exit 1; }
+# a failed build is reported, not fatal: the tests that do not need the C extensions still run
+"$PY" setup.py -q build_ext --inplace > "$OUT/build.txt" 2>&1 && echo ok > "$OUT/build_status" \
+  || { echo "failed" > "$OUT/build_status"; echo "gpu-check: building the C extensions failed (see $OUT/build.txt); running the tests anyway" >&2; }
 rm -f "$OUT/records.jsonl"
 GPU_CHECK_RECORDS="$OUT/records.jsonl" timeout 300 "$PY" -m pytest -q -m gpu -rA -s -p no:cacheprovider \
   --junitxml="$OUT/junit.xml" tests/test_gpu.py tests/test_pipeline.py tests/test_decode.py 2>&1 | tee "$OUT/pytest.txt"

@@ -1,8 +1,9 @@
 """`make gpu-check`'s Python side: the import preflight, the wheels to install, and the one JSON report.
 
-    gpu_check_report.py preflight          import every module the gpu checks load, with the packages
+    gpu_check_report.py preflight [OUT]    import every module the gpu checks load, with the packages
                                            a lent GPU machine lacks (fastapi, uvicorn, pydantic,
                                            openai, grpc_health) refused; exit 1 naming what failed
+                                           (also written to OUT/preflight.txt for the report)
     gpu_check_report.py wheels DIR         the wheels in DIR whose distribution is not installed or
                                            older (one path a line: what `pip install --target` adds)
     gpu_check_report.py report OUT [--dry-run]
@@ -31,8 +32,8 @@ ABSENT = ("fastapi", "uvicorn", "pydantic", "openai", "starlette", "grpc_health"
 # what the gpu checks import: the gpu-marked test files and the benchmark
 CHECK_MODULES = ("test_gpu", "test_pipeline", "test_decode", "bench.bench_gpu")
 # the report's keys (the dry run checks them; docs/gpu-first-run.md describes each)
-KEYS = ("ok", "problems", "machine", "torch", "tests", "records", "graphs_vs_eager", "real_shapes_layer", "linears",
-        "dry_run")
+KEYS = ("ok", "problems", "machine", "torch", "build", "tests", "records", "graphs_vs_eager", "real_shapes_layer",
+        "linears", "dry_run")
 
 
 class _Refuse(importlib.abc.MetaPathFinder):
@@ -44,8 +45,9 @@ class _Refuse(importlib.abc.MetaPathFinder):
         return None
 
 
-def preflight() -> int:
-    """Import each check module with ABSENT refused; print what failed and why."""
+def preflight(out_dir: str | None = None) -> int:
+    """Import each check module with ABSENT refused; print what failed and why (and write it to
+    out_dir/preflight.txt, one line each)."""
     sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
     sys.meta_path.insert(0, _Refuse())
     bad = []
@@ -58,6 +60,9 @@ def preflight() -> int:
         print(f"gpu-check preflight: cannot import {b}; carry a wheel of the missing package in "
               "$GPU_CHECK_WHEELS (pip download --python-version 3.12 --only-binary=:all:)", file=sys.stderr)
     print(f"gpu-check preflight: {len(CHECK_MODULES) - len(bad)}/{len(CHECK_MODULES)} modules import")
+    if out_dir is not None:
+        with open(os.path.join(out_dir, "preflight.txt"), "w") as f:
+            f.write("".join(b + "\n" for b in bad))
     return 1 if bad else 0
 
 
@@ -134,15 +139,20 @@ def report(out_dir: str, dry_run: bool) -> tuple[dict, list[str]]:
     bench = json.loads(_read(os.path.join(out_dir, "bench_gpu.json")) or "{}")
     rep = {"machine": machine(_read(os.path.join(out_dir, "machine.txt"))),
            "torch": torch_line[-1] if torch_line else None,
+           "build": _read(os.path.join(out_dir, "build_status")).strip() or None,
            "tests": junit(os.path.join(out_dir, "junit.xml")),
            "records": records(os.path.join(out_dir, "records.jsonl")),
            "graphs_vs_eager": bench.get("cuda_graphs_vs_eager", []),
            "real_shapes_layer": bench.get("real_shapes_layer", []),
            "linears": bench.get("linears", []),
            "dry_run": dry_run}
-    problems = []
+    problems = [f"cannot import {line}" for line in _read(os.path.join(out_dir, "preflight.txt")).splitlines()
+                if line.strip()]
     if not dry_run:
         t = rep["tests"]
+        if rep["build"] != "ok":
+            tail = " | ".join(_read(os.path.join(out_dir, "build.txt")).strip().splitlines()[-3:])
+            problems.append(f"building the C extensions: {rep['build'] or 'not run'} ({tail})")
         if not t["ran"]:
             problems.append("no junit report: pytest did not run")
         problems += [f"failed: {x}" for x in t["failed"]] + [f"skipped: {x}" for x in t["skipped"]]
@@ -162,7 +172,8 @@ def report(out_dir: str, dry_run: bool) -> tuple[dict, list[str]]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("preflight")
+    pf = sub.add_parser("preflight")
+    pf.add_argument("out", nargs="?")
     w = sub.add_parser("wheels")
     w.add_argument("folder")
     r = sub.add_parser("report")
@@ -170,7 +181,7 @@ def main(argv=None) -> int:
     r.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
     if args.cmd == "preflight":
-        return preflight()
+        return preflight(args.out)
     if args.cmd == "wheels":
         print("\n".join(missing_wheels(args.folder)))
         return 0

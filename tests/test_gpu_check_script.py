@@ -82,6 +82,7 @@ def test_report_verdicts(tmp_path):
     (out / "machine.txt").write_text("GPU: NVIDIA H200, 580.65.06, 143771 MiB\nModel name:   Intel(R) Xeon(R) Platinum 8480+\n"
                                      "flags: avx512f amx_bf16 amx_tile amx_int8\n")
     (out / "torch.txt").write_text("torch 2.11.0 cuda 13.0 available True devices 1\n")
+    (out / "build_status").write_text("ok\n")
     _junit(out / "junit.xml", [("test_a", ""), ("test_b", "")])
     (out / "records.jsonl").write_text(json.dumps({"name": "two_gpu_split", "ok": True, "device_count": 1}) + "\n")
     bench = {"cuda_graphs_vs_eager": [{"batch": b, "tokens_equal": True} for b in (1, 8, 32)], "linears": [],
@@ -107,7 +108,12 @@ def test_report_verdicts(tmp_path):
 
     (out / "junit.xml").unlink()
     (out / "bench_gpu.json").unlink()
+    (out / "build_status").write_text("failed\n")
+    (out / "preflight.txt").write_text("test_gpu: ModuleNotFoundError: No module named 'grpc'\n")
+    (out / "build.txt").write_text("running build_ext\nerror: command 'gcc' failed: No such file or directory\n")
     _, problems = R.report(str(out), dry_run=False)
+    assert any(p.startswith("building the C extensions: failed") and "'gcc' failed" in p for p in problems)
+    assert "cannot import test_gpu: ModuleNotFoundError: No module named 'grpc'" in problems
     assert "no junit report: pytest did not run" in problems and "no CUDA-graphs-vs-eager benchmark rows" in problems
     assert "no real-shapes layer benchmark rows" in problems
 
