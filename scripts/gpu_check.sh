@@ -47,8 +47,11 @@ WHEELS=${GPU_CHECK_WHEELS:-shared/wheels}
 if [ -d "$WHEELS" ]; then
   mapfile -t need < <($REPORT wheels "$WHEELS")
   if [ "${#need[@]}" -gt 0 ] && [ -n "${need[0]}" ]; then
-    "$PY" -m pip install -q --no-index --no-deps --find-links "$WHEELS" --target build/gpu-check-site "${need[@]}" \
-      || { echo "gpu-check: installing ${need[*]} from $WHEELS failed" >&2; exit 1; }
+    if "$PY" -m pip --version > /dev/null 2>&1; then
+      "$PY" -m pip install -q --no-index --no-deps --find-links "$WHEELS" --target build/gpu-check-site "${need[@]}"
+    else  # no pip there: a wheel is a zip of what goes into site-packages
+      $REPORT unpack build/gpu-check-site "${need[@]}"
+    fi || { echo "gpu-check: installing ${need[*]} from $WHEELS failed" >&2; exit 1; }
   fi
   export PYTHONPATH="$PWD/build/gpu-check-site${PYTHONPATH:+:$PYTHONPATH}"
 fi
@@ -66,7 +69,7 @@ fi
 # a failed build is reported, not fatal: the tests that do not need the C extensions still run
 "$PY" setup.py -q build_ext --inplace > "$OUT/build.txt" 2>&1 && echo ok > "$OUT/build_status" \
   || { echo "failed" > "$OUT/build_status"; echo "gpu-check: building the C extensions failed (see $OUT/build.txt); running the tests anyway" >&2; }
-rm -f "$OUT/records.jsonl"
+rm -f "$OUT/records.jsonl" "$OUT/junit.xml" "$OUT/bench_gpu.json"
 GPU_CHECK_RECORDS="$OUT/records.jsonl" timeout 300 "$PY" -m pytest -q -m gpu -rA -s -p no:cacheprovider \
   --junitxml="$OUT/junit.xml" tests/test_gpu.py tests/test_pipeline.py tests/test_decode.py 2>&1 | tee "$OUT/pytest.txt"
 timeout 150 "$PY" bench/bench_gpu.py --out "$OUT/bench_gpu.json" > "$OUT/bench.txt" 2>&1

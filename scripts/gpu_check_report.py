@@ -6,6 +6,8 @@
                                            (also written to OUT/preflight.txt for the report)
     gpu_check_report.py wheels DIR         the wheels in DIR whose distribution is not installed or
                                            older (one path a line: what `pip install --target` adds)
+    gpu_check_report.py unpack TARGET WHEEL...
+                                           unzip wheels into TARGET (where pip is missing)
     gpu_check_report.py report OUT [--dry-run]
                                            read OUT's machine.txt, torch.txt, junit.xml, records.jsonl
                                            and bench_gpu.json; print one JSON (and write OUT/report.json);
@@ -86,6 +88,18 @@ def missing_wheels(folder: str) -> list[str]:
         if have is None or _numbers(have) < _numbers(version):
             out.append(os.path.join(folder, f))
     return out
+
+
+def unpack(target: str, wheels: list[str]) -> int:
+    """Unzip each wheel into `target` (a wheel holds its site-packages tree as it is installed)."""
+    import zipfile
+
+    os.makedirs(target, exist_ok=True)
+    for w in wheels:
+        with zipfile.ZipFile(w) as z:
+            z.extractall(target)
+        print(f"gpu-check: unpacked {os.path.basename(w)} into {target}")
+    return 0
 
 
 def _read(path: str) -> str:
@@ -176,12 +190,17 @@ def main(argv=None) -> int:
     pf.add_argument("out", nargs="?")
     w = sub.add_parser("wheels")
     w.add_argument("folder")
+    u = sub.add_parser("unpack")
+    u.add_argument("target")
+    u.add_argument("wheels", nargs="+")
     r = sub.add_parser("report")
     r.add_argument("out")
     r.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
     if args.cmd == "preflight":
         return preflight(args.out)
+    if args.cmd == "unpack":
+        return unpack(args.target, args.wheels)
     if args.cmd == "wheels":
         print("\n".join(missing_wheels(args.folder)))
         return 0

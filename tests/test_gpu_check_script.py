@@ -129,3 +129,18 @@ def test_real_shapes_layer_plumbing_on_cpu():
     rows = real_shapes_layer("deepseek-v3", batches=(1, 3), steps=3, device="cpu", overrides=small)
     assert [r["batch"] for r in rows] == [1, 3]
     assert all(r["hidden"] == 256 and r["ms_per_step_eager"] > 0 and "tokens_equal" not in r for r in rows)
+
+
+def test_unpack_puts_a_wheel_where_it_imports(tmp_path):
+    """Without pip on the lent machine, a carried wheel is unzipped onto PYTHONPATH."""
+    import zipfile
+
+    whl = tmp_path / "moesplit_probe_pkg-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w") as z:
+        z.writestr("moesplit_probe_pkg/__init__.py", "VALUE = 42\n")
+        z.writestr("moesplit_probe_pkg-1.0.dist-info/METADATA", "Name: moesplit-probe-pkg\nVersion: 1.0\n")
+    site = tmp_path / "site"
+    assert R.main(["unpack", str(site), str(whl)]) == 0
+    p = subprocess.run([sys.executable, "-c", "import moesplit_probe_pkg as m; print(m.VALUE)"], capture_output=True,
+                       text=True, env={**os.environ, "PYTHONPATH": str(site)})
+    assert p.stdout.strip() == "42"
