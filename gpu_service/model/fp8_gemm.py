@@ -102,7 +102,8 @@ def enable(model: torch.nn.Module, dtype: torch.dtype, mode: str | None = None) 
         else:
             why.setdefault(reason, []).append(name)
     for reason, names in why.items():
-        log.warning("FP8 GEMM off for %d linear(s) (%s, ...): %s; they dequantise per call", len(names), names[0], reason)
+        log.warning("FP8 GEMM off for %d linear(s) (%s, ...): %s; they dequantise per call",
+                    len(names), names[0], reason)
     if mode != "dequant":
         log.info("FP8 GEMM on for %d linear(s)", n)
     return n
