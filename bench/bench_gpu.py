@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from checkpoint.reader import CheckpointReader  # noqa: E402
-from cpu_expert_service.server import load_shard  # noqa: E402
+from cpu_expert_service.shard_load import load_shard  # noqa: E402
 from gpu_service.experts.handoff import LocalExperts  # noqa: E402
 from gpu_service.runtime.runner import ModelRunner  # noqa: E402
 from gpu_service.local.tiny import make_tiny  # noqa: E402

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from checkpoint.reader import CheckpointReader
-from cpu_expert_service.server import load_shard
+from cpu_expert_service.shard_load import load_shard
 from gpu_service import plan as P
 from gpu_service.model.placement import Placement
 from gpu_service.model.qlinear import SCRATCH
@@ -365,3 +365,31 @@ def test_fp8_gemm_against_dequant():
     record("fp8_gemm", True, rows=rows)
     checked = [r for r in rows if r["unfit"] is None]
     assert all(r["check"] is None or "relative error" not in r["check"] for r in checked), rows
+
+
+def test_remote_experts_cuda_pinned_copies_match_cpu():
+    """RemoteExperts on CUDA: device->host through pinned buffers (non_blocking) gives what the CPU path gives."""
+    from concurrent.futures import Future
+
+    from gpu_service.experts.handoff import RemoteExperts
+
+    class Echo:  # a client whose "shards" compute a simple function of the inputs
+        def forward_async(self, layer, h, ids, w):
+            f = Future()
+            f.set_result(h * w.sum(1, keepdims=True) + ids.sum(1, keepdims=True) + layer)
+            return f
+
+        def result(self, f, layer=None):
+            return f.result()
+
+    cpu, gpu = RemoteExperts(Echo()), RemoteExperts(Echo())
+    g = torch.Generator().manual_seed(0)
+    for T in (1, 7, 3, 40, 1):  # buffers grow and are reused in turn
+        h = torch.randn(T, 64, generator=g).to(torch.bfloat16)
+        ids = torch.randint(0, 16, (T, 4), generator=g)
+        w = torch.rand(T, 4, generator=g)
+        want = cpu(2, h, ids, w).wait()
+        got = gpu(2, h.cuda(), ids.cuda(), w.cuda()).wait()
+        assert got.device.type == "cuda" and got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.cpu(), want, atol=0, rtol=0)
+    assert all(b is None or b[0].is_pinned() for b in gpu._pinned)

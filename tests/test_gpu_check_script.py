@@ -144,3 +144,15 @@ def test_unpack_puts_a_wheel_where_it_imports(tmp_path):
     p = subprocess.run([sys.executable, "-c", "import moesplit_probe_pkg as m; print(m.VALUE)"], capture_output=True,
                        text=True, env={**os.environ, "PYTHONPATH": str(site)})
     assert p.stdout.strip() == "42"
+
+
+def test_every_gpu_marked_test_file_is_in_the_script():
+    """A gpu test in a file the script does not run would never run anywhere."""
+    import re
+
+    tests = os.path.join(ROOT, "tests")
+    marked = {f for f in os.listdir(tests) if f.endswith(".py") and f != "conftest.py"
+              and re.search(r"pytest\.mark\.gpu\b", open(os.path.join(tests, f)).read())}
+    script = open(SCRIPT).read()
+    assert marked and all(f"tests/{f}" in script for f in marked), (marked, "not all in scripts/gpu_check.sh")
+    assert {m for m in R.CHECK_MODULES if m.startswith("test_")} == {f[:-3] for f in marked}
