@@ -5,7 +5,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-test protos build test soak demo bench bench-decode bench-doctor bench-grammar bench-kernels bench-prefix gpu-check chart-check images image-test clean
+.PHONY: setup setup-test protos build test soak demo bench bench-decode bench-doctor bench-grammar bench-kernels bench-prefix gpu-check gpu-check-dry-run chart-check images image-test clean
 
 setup: $(STAMP)
 
@@ -56,8 +56,12 @@ bench-grammar: setup
 bench-decode: setup
 	$(PY) bench/bench_decode.py
 
-gpu-check:  # offline, the interpreter's own CUDA torch (PYTHON=...); no venv, no download
+gpu-check:  # offline, the interpreter's own CUDA torch (PYTHON=...); no venv, no download (docs/gpu-first-run.md)
 	scripts/gpu_check.sh
+
+# the same script on a CPU, everything but CUDA (tests/test_gpu_check_script.py runs it in `make test`)
+gpu-check-dry-run: setup
+	PYTHON=$(PY) scripts/gpu_check.sh --dry-run
 
 chart-check: setup
 	scripts/chart_check.sh

@@ -1,5 +1,5 @@
 """Short decode/prefill benchmark of the GPU service on CUDA vs CPU (in-process experts), for
-`make gpu-check`, and decode with CUDA graphs vs eager (equal tokens, ms per step). Prints JSON
+`make gpu-check`, and decode with CUDA graphs vs eager at batch 1/8/32 (equal tokens, ms per step). Prints JSON
 and writes it to --out; exits 1 if the graphs changed the tokens."""
 import argparse
 import json
@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from checkpoint.reader import CheckpointReader  # noqa: E402
-from cpu_expert_service.server import load_shard  # noqa: E402
+from cpu_expert_service.shard_load import load_shard  # noqa: E402
 from gpu_service.experts.handoff import LocalExperts  # noqa: E402
 from gpu_service.runtime.runner import ModelRunner  # noqa: E402
 from gpu_service.local.tiny import make_tiny  # noqa: E402
@@ -50,9 +50,65 @@ def linear_times(devices, shapes=((7168, 2048), (4096, 7168)), tokens=(1, 512)):
     return rows
 
 
+def real_shapes_layer(preset="deepseek-v3", batches=(1, 8, 32), steps=8, device="cuda", overrides=None):
+    """One MoE layer at a preset's real dimensions (MLA, router, shared expert; the vocabulary cut to
+    8192, routed experts answered with zeros and not timed), random bf16 weights built in memory (no
+    checkpoint on disk): decode ms per step eager and with CUDA graphs (CUDA), equal greedy tokens."""
+    import numpy as np
+
+    from checkpoint.config import ModelConfig
+    from checkpoint.names import expected_shapes
+    from gpu_service.model.experts_api import Ready
+    from gpu_service.plan.bytes import PRESETS_DIR
+
+    with open(os.path.join(PRESETS_DIR, f"{preset}.json")) as f:
+        d = json.load(f)
+    d.pop("quantization_config", None)  # bf16 attention: the fp8/int8 linears are timed in linear_times
+    d.update(num_hidden_layers=1, first_k_dense_replace=0, vocab_size=8192, **(overrides or {}))
+    cfg = ModelConfig.from_dict(d, source=f"preset {preset}")
+    g = torch.Generator().manual_seed(0)
+    shapes, drawn = expected_shapes(cfg, routed=False), {}
+
+    def get(name):  # drawn once, shared by every runner below
+        if name not in drawn:
+            shape = shapes[name]
+            if name.endswith(("norm.weight", "layernorm.weight")):
+                drawn[name] = np.ones(shape, np.float32)
+            elif name.endswith("e_score_correction_bias"):
+                drawn[name] = np.zeros(shape, np.float32)
+            else:
+                drawn[name] = (torch.randn(shape, generator=g) * 0.02).numpy()
+        return drawn[name]
+
+    reader = type("Reader", (), {"config": cfg, "get": staticmethod(get), "get_stored": staticmethod(lambda n: None)})
+    zeros = lambda layer, h, ids, w: Ready(torch.zeros_like(h))  # noqa: E731 - routed experts not timed
+    dev = torch.device(device)
+    rows = []
+    for B in batches:
+        prompts = [[(31 * i + 7 * j + 1) % cfg.vocab_size for j in range(16)] for i in range(B)]
+        got = {}
+        for graphs in ((False, True) if dev.type == "cuda" else (False,)):
+            r = ModelRunner(reader, zeros, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
+                            kv_tokens=64 * max(B, 4) * 2, cuda_graphs=graphs)
+            toks, times = decode_batch(r, prompts, steps)
+            got[graphs] = (toks, sorted(times[1:])[len(times[1:]) // 2] * 1e3)
+            del r
+        row = {"preset": preset, "batch": B, "hidden": cfg.hidden_size, "heads": cfg.num_attention_heads,
+               "kv_lora_rank": cfg.kv_lora_rank, "ms_per_step_eager": round(got[False][1], 3)}
+        if True in got:
+            row.update(ms_per_step_graphs=round(got[True][1], 3), tokens_equal=got[True][0] == got[False][0])
+        rows.append(row)
+    return rows
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
 def decode_batch(runner, prompts, steps):
-    """Greedy decode of several sequences through ModelRunner.step on CUDA: (tokens per step,
-    seconds per step, synchronised). Also used by tests/test_gpu.py."""
+    """Greedy decode of several sequences through ModelRunner.step: (tokens per step, seconds per
+    step, synchronised on CUDA). Also used by tests/test_gpu.py."""
     from gpu_service.model.kv import Chunk
 
     seqs = [runner.new_seq() for _ in prompts]
@@ -62,10 +118,10 @@ def decode_batch(runner, prompts, steps):
         for _ in range(steps):
             nxt = logits.argmax(-1).tolist()
             toks.append(nxt)
-            torch.cuda.synchronize()
+            _sync(runner.device)
             t0 = time.perf_counter()
             logits = runner.step(nxt, [Chunk(s, s.length, 1) for s in seqs])
-            torch.cuda.synchronize()
+            _sync(runner.device)
             times.append(time.perf_counter() - t0)
         return toks, times
     finally:
@@ -73,7 +129,7 @@ def decode_batch(runner, prompts, steps):
             s.free()
 
 
-def graphs_vs_eager(reader, experts, batches=(1, 8), steps=32):
+def graphs_vs_eager(reader, experts, batches=(1, 8, 32), steps=32):
     """Decode steps on CUDA (bf16) with the decode segments as CUDA graphs (default) and eager
     (--no-cuda-graphs): equal greedy tokens, median ms per step of each."""
     rows = []
@@ -82,8 +138,8 @@ def graphs_vs_eager(reader, experts, batches=(1, 8), steps=32):
         prompts = [[(13 * i + 5 * j + 1) % V for j in range(8 + i)] for i in range(B)]
         got = {}
         for graphs in (False, True):
-            r = ModelRunner(reader, experts, device=torch.device("cuda"), dtype=torch.bfloat16, kv_tokens=2048,
-                            cuda_graphs=graphs)
+            r = ModelRunner(reader, experts, device=torch.device("cuda"), dtype=torch.bfloat16, kv_tokens=8192,
+                            cuda_graphs=graphs)  # 32 sequences of <= 72 tokens: 2 pages of 64 each
             toks, times = decode_batch(r, prompts, steps)
             got[graphs] = (toks, sorted(times[2:])[len(times[2:]) // 2] * 1e3)
             del r
@@ -93,9 +149,9 @@ def graphs_vs_eager(reader, experts, batches=(1, 8), steps=32):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--tokens", type=int, default=32)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="also write the JSON here")
+    ap.add_argument("--tokens", type=int, default=32, help="tokens generated per timed run")
     args = ap.parse_args()
     d = make_tiny(tempfile.mkdtemp(prefix="bench-gpu-"), fmt="bf16", seed=0,
                   overrides={"hidden_size": 1024, "num_attention_heads": 8, "vocab_size": 8192})
@@ -116,11 +172,12 @@ def main() -> int:
            "linears": linear_times(devices)}
     if torch.cuda.is_available():
         out["cuda_graphs_vs_eager"] = graphs_vs_eager(reader, experts)
+        out["real_shapes_layer"] = real_shapes_layer("deepseek-v3")
     print(json.dumps(out, indent=1))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
-    if not all(r["tokens_equal"] for r in out.get("cuda_graphs_vs_eager", [])):
+    if not all(r["tokens_equal"] for r in out.get("cuda_graphs_vs_eager", []) + out.get("real_shapes_layer", [])):
         print("bench_gpu: CUDA graphs changed the greedy tokens", file=sys.stderr)
         return 1
     return 0

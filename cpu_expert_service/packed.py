@@ -77,7 +77,7 @@ def resolve_format(fmt: str, source_format: str) -> str:
 
 def plan_shards(cfg: ModelConfig, count: int, split: str) -> list[dict]:
     """The shards of a conversion: contiguous even expert ranges (as gpu_service.local.stack.
-    expert_ranges) or even intermediate slices (as cpu_expert_service.server.slice_range)."""
+    expert_ranges) or even intermediate slices (as cpu_expert_service.shard_load.slice_range)."""
     E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
     if split not in SPLITS:
         raise ValueError(f"--split {split!r}: choose {' or '.join(SPLITS)}")
@@ -272,7 +272,7 @@ def packed_config(packed_dir: str, model_dir: str | None = None) -> tuple[ModelC
 def load_packed(packed_dir: str, shard_index: int, backend: str = "numpy", weight_format: str = "auto",
                 model_dir: str | None = None):
     """Load shard `shard_index` of a packed directory into a backend: (cfg, backend, info), as
-    cpu_expert_service.server.load_shard. weight_format auto = the packed format. INT4 files go
+    cpu_expert_service.shard_load.load_shard. weight_format auto = the packed format. INT4 files go
     into INT4 kernels as stored (add_expert_int4); everything else is dequantised (int8: q * scale)
     and handed to add_expert, where INT8 kernels re-quantise it to the same q and scale (the scales
     convert writes are fl(amax/127), and fl(fl(127 * s) / 127) == s for those); the numpy backend

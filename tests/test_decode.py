@@ -54,6 +54,30 @@ def _setup(arch: str):
     return cfg, model, experts, hf
 
 
+@functools.lru_cache(maxsize=None)
+def _setup_torch(arch: str):
+    """As _setup, without transformers (a bare CUDA host): make-tiny's torch-drawn weights
+    (gpu_service.local.tiny.random_tensors) and the per-expert checkpoint tensors as the experts."""
+    from checkpoint.names import expert_weight
+    from gpu_service.local.tiny import random_tensors
+
+    cfg = ModelConfig.from_dict(tiny_config(arch, "bf16", {}))
+    sd = random_tensors(cfg, seed=0)
+    model, _ = build_model(cfg, lambda n: sd[n].numpy(), torch.float32, lambda n: torch.device("cpu"))
+    E = cfg.n_routed_experts
+    gu = {i: torch.stack([torch.cat([sd[expert_weight(i, e, p)] for p in ("gate", "up")]) for e in range(E)])
+          for i in cfg.moe_layers}  # [E, 2I, H]
+    dn = {i: torch.stack([sd[expert_weight(i, e, "down")] for e in range(E)]) for i in cfg.moe_layers}  # [E, H, I]
+    I = cfg.moe_intermediate_size
+
+    def experts(layer, h, ids, w):
+        g = torch.einsum("eih,th->tei", gu[layer], h)  # every expert, then pick: [T, E, 2I]
+        y = torch.einsum("ehi,tei->teh", dn[layer], torch.nn.functional.silu(g[..., :I]) * g[..., I:])  # [T, E, H]
+        return Ready((y.gather(1, ids[..., None].expand(-1, -1, h.shape[1])) * w[..., None]).sum(1))
+
+    return cfg, model, experts
+
+
 def _row_independent_experts(layer, h, ids, w):
     return Ready(h * 0.5 + w[:, :1] * 0.25)  # elementwise: each row from its own inputs only
 
@@ -356,10 +380,11 @@ def test_variants_decode_as_they_prefill(over, fmt):
 @pytest.mark.gpu
 def test_decode_on_cuda_equals_cpu():
     """On CUDA (FlashInfer where importable and the dims are DeepSeek's, else the torch backend):
-    32 greedy steps of 3 sequences give the CPU's tokens."""
+    32 greedy steps of 3 sequences give the CPU's tokens (weights drawn without transformers,
+    which the lent GPU machine may not have)."""
     import copy
 
-    cfg, model_cpu, experts, _ = _setup("deepseek_v3")
+    cfg, model_cpu, experts = _setup_torch("deepseek_v3")
     model = copy.deepcopy(model_cpu).cuda()
     model.prepare(torch.float32)
 

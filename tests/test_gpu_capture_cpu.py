@@ -127,3 +127,73 @@ def test_disable_synchronises_every_device_used(fake):
     g.disable("test")
     assert sorted(fake.synced) == [0, 1]
     assert g.get(torch.device("cuda", 0), 0, 2) is None
+
+
+def _item(x, w):
+    return x * x.sum().item(), w
+
+
+def _mask(x, w):
+    return x[x > 0].sum() + w.sum(), w
+
+
+def _nonzero(x, w):
+    return torch.nonzero(x).float().sum() + x, w
+
+
+def _host(x, w):
+    return x + torch.tensor([1.0]), w
+
+
+def _tolist(x, w):
+    return x + len([v for v in x.sum(1).tolist() if v > 0]), w
+
+
+@pytest.mark.parametrize("seg,what", [(_item, "item"), (_mask, "__getitem__"), (_nonzero, "nonzero"),
+                                      (_host, "tensor"), (_tolist, "tolist")])
+def test_static_capture_refuses_what_a_graph_cannot_replay(seg, what):
+    """mode "static" (CPU tests) captures under the same check as CUDA: a host sync, a value-shaped
+    output or host data inside a segment fails the capture, naming the call."""
+    g = cuda_graphs.Graphs(buckets=(4,), mode="static")
+    s = g.get(torch.device("cpu"), 0, 4)
+    with pytest.raises(cuda_graphs.CaptureUnsafe, match=rf"'seg' at 4 rows: {what}\(\)"):
+        s.run(0, "seg", seg, torch.randn(4, 8), torch.randn(8, 8))
+    ok = g.get(torch.device("cpu"), 0, 4)
+    out = ok.run(0, "fine", _segment, torch.ones(4, 8), torch.eye(8))  # matmul, add: capturable
+    assert torch.equal(out[0], torch.ones(4, 8)) and torch.equal(out[1], torch.full((4, 8), 2.0))
+
+
+def test_cuda_capture_of_a_syncing_segment_turns_graphs_off_naming_it(fake, caplog):
+    """On CUDA the check runs inside torch.cuda.graph: the capture fails before CUDA's own (opaque)
+    capture error, graphs go off with a warning naming .item(), the request gets eager results."""
+    g = cuda_graphs.Graphs(buckets=(4,), mode="cuda")
+    s = g.get(torch.device("cuda", 0), 0, 4)
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    with caplog.at_level("WARNING", logger="moesplit.cuda_graphs"):
+        out = s.run(0, "seg", _item, x, w)
+    assert torch.equal(out[0], _item(x, w)[0])
+    assert g.disabled and "item()" in g.disabled and "host sync" in g.disabled
+    assert fake.replays == []
+
+
+def test_model_decode_segments_run_under_the_capture_check(monkeypatch):
+    """Every decode segment the model captures is checked: V3 and V3.2 (indexer) tiny models decode
+    with static graphs, and the check saw each captured segment's torch calls."""
+    from tests.test_decode import _setup, ARCHS, greedy_decode, PROMPTS
+
+    seen: list[str] = []
+    orig = cuda_graphs.CaptureCheck.__torch_function__
+
+    def spy(self, func, types, args=(), kwargs=None):
+        seen.append(self.what)
+        return orig(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(cuda_graphs.CaptureCheck, "__torch_function__", spy)
+    for arch in ARCHS:
+        cfg, model, experts, _ = _setup(arch)
+        graphs = cuda_graphs.Graphs(mode="static", min_rows=model.row_block(torch.device("cpu")))
+        greedy_decode(model, cfg, experts, PROMPTS[:3], 3, graphs=graphs)
+        names = {n for s in graphs.sets.values() for _, n in s.entries}
+        assert {"pre", "mid"} <= names, names
+        for n in names:
+            assert any(f"'{n}'" in w for w in seen), f"segment {n} captured without the check"

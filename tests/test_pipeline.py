@@ -177,33 +177,6 @@ def test_refusal_on_a_stream_fails_only_its_own_request(shards, cfg):
         s.close()
 
 
-@pytest.mark.gpu
-def test_remote_experts_cuda_pinned_copies_match_cpu():
-    """RemoteExperts on CUDA: device->host through pinned buffers (non_blocking) gives what the CPU path gives."""
-    from concurrent.futures import Future
-
-    class Echo:  # a client whose "shards" compute a simple function of the inputs
-        def forward_async(self, layer, h, ids, w):
-            f = Future()
-            f.set_result(h * w.sum(1, keepdims=True) + ids.sum(1, keepdims=True) + layer)
-            return f
-
-        def result(self, f, layer=None):
-            return f.result()
-
-    cpu, gpu = RemoteExperts(Echo()), RemoteExperts(Echo())
-    g = torch.Generator().manual_seed(0)
-    for T in (1, 7, 3, 40, 1):  # buffers grow and are reused in turn
-        h = torch.randn(T, 64, generator=g).to(torch.bfloat16)
-        ids = torch.randint(0, 16, (T, 4), generator=g)
-        w = torch.rand(T, 4, generator=g)
-        want = cpu(2, h, ids, w).wait()
-        got = gpu(2, h.cuda(), ids.cuda(), w.cuda()).wait()
-        assert got.device.type == "cuda" and got.dtype == torch.bfloat16
-        torch.testing.assert_close(got.cpu(), want, atol=0, rtol=0)
-    assert all(b is None or b[0].is_pinned() for b in gpu._pinned)
-
-
 def test_doorbell_spin_polls_then_gives_up(monkeypatch):
     """recv_spin: a waiting message at once, None once the window passes, b"" at EOF; the window
     comes from MOESPLIT_SHM_SPIN_US and a bad value names the variable."""

@@ -120,3 +120,48 @@ def test_model_logits_equal_the_full_rebuild(tmp_path, monkeypatch, fmt):
         monkeypatch.setattr(cls, "dequant_weight", lambda self, dtype, old=old: old(self, dtype))
     ref = runner.generate(prompt, 6).last_logits
     assert torch.allclose(new, ref, atol=1e-5, rtol=0), (new - ref).abs().max()
+
+
+def test_scratch_sized_at_load_never_moves(tmp_path):
+    """The model reserves each device's dequantisation scratch at load, as large as its widest
+    quantised linear (the plan's qlinear_scratch_bytes): a chunked prefill and decode steps through
+    static CUDA-graph pieces neither grow nor move it (a graph captured on CUDA bakes its address)."""
+    from checkpoint.reader import CheckpointReader
+    from cpu_expert_service.server import load_shard
+    from gpu_service.local.tiny import make_tiny
+    from gpu_service.model.placement import Placement
+    from gpu_service.experts.handoff import LocalExperts
+    from gpu_service.runtime.runner import ModelRunner
+
+    Q.SCRATCH.clear()
+    d = make_tiny(str(tmp_path / "m"), fmt="bf16", seed=5, overrides={"intermediate_size": 300})
+    reader = CheckpointReader(d)
+    _, backend, _ = load_shard(d, None, None, "numpy")
+    plan = P.make_plan(reader.config, ["1GiB"], kv_tokens=256, min_kv_tokens=256, chunk_tokens=32, max_batch=4,
+                       attention_weights="int8", embeddings="gpu", gpu_experts=2, dtype="float32")
+    runner = ModelRunner(reader, LocalExperts(backend), dtype=torch.float32,
+                         placement=Placement.from_plan(plan, [torch.device("cpu")]), page_size=64)
+    runner.set_cuda_graphs(True, mode="static")
+    lins = [m for m in runner.model.modules() if isinstance(m, Q._Blockwise)]
+    assert lins, "the plan holds quantised linears"
+    at_load = {k: (b.data_ptr(), b.numel()) for k, b in Q.SCRATCH._bufs.items()}
+    assert at_load, "no scratch reserved at load"
+    widest = max(P.qlinear_scratch_bytes(m.out_features, m.in_features, "int8", 4) for m in lins)
+    assert Q.SCRATCH.nbytes(torch.device("cpu")) == widest
+    prompt = [(5 * i + 1) % reader.config.vocab_size for i in range(70)]
+    runner.generate(prompt, 6, chunk_tokens=32)
+    assert runner.graphs.captured() > 0
+    assert {k: (b.data_ptr(), b.numel()) for k, b in Q.SCRATCH._bufs.items()} == at_load
+    assert Q.SCRATCH.grown == 0
+
+
+def test_replaced_scratch_is_kept_for_captured_graphs():
+    """A buffer outgrown later (a wider linear built after a model's graphs were captured) stays
+    allocated: the graphs' baked address never lands in memory handed to another tensor."""
+    s = Q._Scratch()
+    a = s.reserve(torch.device("cpu"), torch.float32, 100)
+    b = s.reserve(torch.device("cpu"), torch.float32, 50)
+    assert b is a
+    c = s.reserve(torch.device("cpu"), torch.float32, 200)
+    assert c.numel() == 200 and s.grown == 1 and any(r is a for r in s._retired)
+    assert s.nbytes(torch.device("cpu")) == 800

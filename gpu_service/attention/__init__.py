@@ -11,18 +11,22 @@ per step; `decode(mla, q, kv, meta, keep, out=None)` the absorbed decode queries
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
 from gpu_service.attention.torch_paged import TorchBackend
 
+log = logging.getLogger("moesplit.attention")
+
 BACKENDS = ("auto", "torch", "flashinfer")
 
 
-def select_backend(device: torch.device, cfg, name: str | None = None):
-    """The backend for `device`: "auto" (default; MOESPLIT_ATTENTION) takes FlashInfer on CUDA where
-    it is installed and fits the model's dims, else torch; "torch" forces the torch backend."""
+def select_backend(device: torch.device, cfg, name: str | None = None, dtype: torch.dtype = torch.bfloat16):
+    """The backend for `device` and a KV cache of `dtype`: "auto" (default; MOESPLIT_ATTENTION) takes
+    FlashInfer on CUDA where it imports and fits the model's dims and dtype (else torch, logging
+    why); "torch" forces the torch backend."""
     name = name or os.environ.get("MOESPLIT_ATTENTION", "auto")
     if name not in BACKENDS:
         raise ValueError(f"attention backend {name!r}: expected one of {BACKENDS}")
@@ -32,10 +36,12 @@ def select_backend(device: torch.device, cfg, name: str | None = None):
         return TorchBackend()
     from gpu_service.attention import flashinfer_mla
 
-    if flashinfer_mla.available(cfg):
+    why = flashinfer_mla.unavailable(cfg, dtype)
+    if why is None:
+        log.info("attention on %s: FlashInfer MLA decode", device)
         return flashinfer_mla.FlashInferBackend()
     if name == "flashinfer":
-        raise ValueError("attention backend 'flashinfer': the flashinfer package does not import here or its MLA "
-                         f"kernels do not take kv_lora_rank {cfg.kv_lora_rank} / rope {cfg.qk_rope_head_dim}; "
-                         "install the 'flashinfer' extra or use 'auto'")
+        raise ValueError(f"attention backend 'flashinfer' cannot run here: {why}; install the 'flashinfer' extra "
+                         "(pip install 'moesplit[flashinfer]'), or use 'auto' or 'torch'")
+    log.warning("attention on %s: the torch backend, not FlashInfer: %s", device, why)
     return TorchBackend()

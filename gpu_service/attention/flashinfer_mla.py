@@ -12,16 +12,28 @@ from gpu_service.attention.torch_paged import TorchBackend
 
 try:  # optional: installed only where CUDA is
     import flashinfer as _flashinfer  # type: ignore
-except Exception:  # noqa: BLE001 - absent or broken: the torch backend
+    IMPORT_ERROR = None
+except Exception as e:  # noqa: BLE001 - absent or broken: the torch backend, the reason kept for the log
     _flashinfer = None
+    IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
 MLA_DIMS = {(512, 64)}  # (kv_lora_rank, rope) FlashInfer's MLA kernels are built for (DeepSeek's)
+KV_DTYPES = (torch.bfloat16, torch.float16)  # its MLA kernels' KV / query dtypes (no fp32 kernel)
 SLOTS = 2  # micro-batches alive in one step (ping-pong): each plans its own wrapper
 
 
-def available(cfg) -> bool:
-    """FlashInfer imports and its MLA kernels take this model's dims."""
-    return _flashinfer is not None and (cfg.kv_lora_rank, cfg.qk_rope_head_dim) in MLA_DIMS
+def unavailable(cfg, dtype: torch.dtype) -> str | None:
+    """Why FlashInfer cannot take this model's decode (None: it can): the import failed, the MLA
+    dims are not the ones its kernels are built for, or the KV cache dtype has no kernel."""
+    if _flashinfer is None:
+        return f"the flashinfer package does not import ({IMPORT_ERROR})"
+    dims = (cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+    if dims not in MLA_DIMS:
+        return (f"its MLA kernels take (kv_lora_rank, qk_rope_head_dim) in {sorted(MLA_DIMS)}, "
+                f"this model has {dims}")
+    if dtype not in KV_DTYPES:
+        return f"its MLA kernels take a bfloat16 / float16 KV cache, this one is {str(dtype).replace('torch.', '')}"
+    return None
 
 
 class FlashInferBackend(TorchBackend):

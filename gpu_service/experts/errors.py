@@ -1,7 +1,13 @@
 """The experts client's errors: a shard's failure (with its gRPC status), a wrong model, a coverage gap."""
 from __future__ import annotations
 
-import grpc
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the status codes are grpc's; this module needs no grpc at run time (GPU-only hosts)
+    import grpc
+
+# grpc.StatusCode names of a shard that is down or silent (not a request at fault)
+UNAVAILABLE_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
 
 
 class ExpertsClientError(RuntimeError):
@@ -21,7 +27,7 @@ class ShardError(ExpertsClientError):
     @property
     def unavailable(self) -> bool:
         """The shard (every replica of it) is down or silent, not the request at fault: HTTP 503."""
-        return self.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        return getattr(self.code, "name", None) in UNAVAILABLE_CODES
 
 
 class FingerprintError(ExpertsClientError):

@@ -18,14 +18,21 @@ Formats:
 DeepSeek-V4 (`--arch deepseek_v4`, `--v4-schedule flash|pro`, `--format mxfp4|fp8|bf16`) is
 written by gpu_service.local.tiny_v4 (numpy only, real V4 layout); make_tiny dispatches to it.
 
-This module imports torch and transformers; the runtime never does.
+This module imports torch and transformers; the runtime never does. Where transformers does not
+import (a bare CUDA host running `make gpu-check`), `init="auto"` draws the same kinds of weights
+with torch alone (`random_tensors`: other numbers, same names, shapes and scales), safetensors
+files are written by `_write_safetensors` when the safetensors package is absent, and the
+tokenizer is left out (with a warning) without the tokenizers package.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import json
+import logging
 import os
+import struct
 
 import numpy as np
 
@@ -33,6 +40,8 @@ from checkpoint import names as N
 from checkpoint.config import load_config
 from checkpoint.formats import pack_int4, quant_fp8_block
 from gpu_service.local import tiny_v4
+
+log = logging.getLogger("moesplit.make_tiny")
 
 FORMATS = ("bf16", "fp8", "int4")
 ARCHS = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
@@ -161,6 +170,27 @@ def build_hf_model(cfg: dict, seed: int = 0):
     return model
 
 
+def random_tensors(mc, seed: int = 0, std: float = 0.1) -> dict:
+    """{checkpoint name: float32 tensor} for every tensor of `mc` (a ModelConfig) by
+    build_hf_model's rules (norm weights 1 + 0.1 n, norm biases 0.05 n, e_score_correction_bias
+    0.1 n, every other weight std n), drawn with torch alone: no transformers needed."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in N.expected_shapes(mc).items():
+        n = torch.randn(shape, generator=g)
+        if name.endswith("e_score_correction_bias"):
+            out[name] = 0.1 * n
+        elif name.endswith(("norm.weight", "layernorm.weight")):
+            out[name] = 1.0 + 0.1 * n
+        elif name.endswith("norm.bias"):
+            out[name] = 0.05 * n
+        else:
+            out[name] = std * n
+    return out
+
+
 def _to_checkpoint_tensors(model, cfg: dict) -> dict:
     """transformers state dict -> {real on-disk name: float32 torch tensor} (experts split)."""
     sd = model.state_dict()
@@ -230,12 +260,41 @@ def _umask() -> int:
     return mask
 
 
-def _save_file(tensors: dict, path: str) -> None:
-    """safetensors' save_file, then the mode a plain open() would give (0666 & ~umask): safetensors
-    writes 0600, which a container running as another uid cannot read."""
-    from safetensors.torch import save_file
+_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float8_e4m3fn": "F8_E4M3",
+              "int32": "I32", "int64": "I64", "int16": "I16", "int8": "I8", "uint8": "U8"}
 
-    save_file(tensors, path, metadata={"format": "pt"})
+
+def _write_safetensors(tensors: dict, path: str, metadata: dict) -> None:
+    """The safetensors format written by hand (8-byte little-endian header length, the JSON header
+    padded with spaces to 8 bytes, then each tensor's bytes in header order), for hosts without
+    the safetensors package."""
+    import torch
+
+    header, blobs, off = {"__metadata__": metadata}, [], 0
+    for name, t in tensors.items():
+        b = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        header[name] = {"dtype": _ST_DTYPES[str(t.dtype).replace("torch.", "")], "shape": list(t.shape),
+                        "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h)
+        for b in blobs:
+            f.write(b)
+
+
+def _save_file(tensors: dict, path: str) -> None:
+    """safetensors' save_file (or `_write_safetensors` without the package), then the mode a plain
+    open() would give (0666 & ~umask): safetensors writes 0600, which a container running as
+    another uid cannot read."""
+    if importlib.util.find_spec("safetensors") is not None:
+        from safetensors.torch import save_file
+
+        save_file(tensors, path, metadata={"format": "pt"})
+    else:
+        _write_safetensors(tensors, path, {"format": "pt"})
     os.chmod(path, 0o666 & ~_umask())
 
 
@@ -291,11 +350,14 @@ def write_tokenizer(out_dir: str, vocab_size: int) -> None:
 
 
 def make_tiny(out_dir: str, fmt: str | None = None, seed: int = 0, overrides: dict | None = None,
-              arch: str = "deepseek_v3", tokenizer: str | None = None, v4_schedule: str = "flash") -> str:
+              arch: str = "deepseek_v3", tokenizer: str | None = None, v4_schedule: str = "flash",
+              init: str = "auto") -> str:
     """Write a tiny random checkpoint to out_dir (created if needed); returns out_dir. `tokenizer`:
     None for the simple built-in one, else one of gpu_service.local.tiny_tokenizers.KINDS. fmt
     None: bf16 (V3 / V3.2). arch "deepseek_v4": gpu_service.local.tiny_v4.make_tiny_v4 (fmt
-    mxfp4 (None) | fp8 | bf16, v4_schedule flash|pro) with the simple tokenizer."""
+    mxfp4 (None) | fp8 | bf16, v4_schedule flash|pro) with the simple tokenizer. `init` (V3 / V3.2):
+    "transformers" (the oracle's weights), "torch" (`random_tensors`), "auto" (transformers where
+    it imports)."""
     from gpu_service.local import tiny_tokenizers
 
     if arch == "deepseek_v4":
@@ -313,12 +375,20 @@ def make_tiny(out_dir: str, fmt: str | None = None, seed: int = 0, overrides: di
     fmt = fmt or "bf16"
     cfg = tiny_config(arch, fmt, overrides)
     os.makedirs(out_dir, exist_ok=True)
-    model = build_hf_model(cfg, seed)
-    tensors = _to_checkpoint_tensors(model, cfg)
-    stored = _encode(tensors, fmt, cfg)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     mc = load_config(out_dir)  # the file we wrote must load
+    if init == "auto":
+        init = "transformers" if importlib.util.find_spec("transformers") is not None else "torch"
+        if init == "torch":
+            log.warning("make-tiny: transformers does not import here: weights drawn with torch (random_tensors)")
+    if init not in ("transformers", "torch"):
+        raise ValueError(f"make-tiny init {init!r}: expected 'auto', 'transformers' or 'torch'")
+    if init == "transformers":
+        tensors = _to_checkpoint_tensors(build_hf_model(cfg, seed), cfg)
+    else:
+        tensors = random_tensors(mc, seed, float(cfg.get("initializer_range", 0.1)))
+    stored = _encode(tensors, fmt, cfg)
     want = N.expected_shapes(mc)
     got = set(tensors)
     if got != set(want):
@@ -333,7 +403,10 @@ def make_tiny(out_dir: str, fmt: str | None = None, seed: int = 0, overrides: di
     if tokenizer is not None:
         tiny_tokenizers.write(tokenizer, out_dir, TOKENIZER_TEXT, SPECIAL_TOKENS)
         return out_dir
-    write_tokenizer(out_dir, mc.vocab_size)
+    if importlib.util.find_spec("tokenizers") is not None:
+        write_tokenizer(out_dir, mc.vocab_size)
+    else:
+        log.warning("make-tiny: the tokenizers package does not import here: %s has no tokenizer", out_dir)
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({"_from_model_config": True, "bos_token_id": cfg.get("bos_token_id", 0),
                    "eos_token_id": cfg.get("eos_token_id", 1)}, f, indent=2)

@@ -37,7 +37,8 @@ from gpu_service.model.experts_api import ExpertsFn
 from gpu_service.model.kv import Chunk, KVPool
 from gpu_service.model.layers import MLP, RMSNorm, Rope, Router
 from gpu_service.model.mla import MLA
-from gpu_service.model.qlinear import make_quantized, weight_of
+from gpu_service.model import fp8_gemm
+from gpu_service.model.qlinear import make_quantized, reserve_scratch, weight_of
 from gpu_service.model.rows import pad_rows, padded, row_block
 from gpu_service.model.step import make_step, Step
 
@@ -205,10 +206,13 @@ class DeepseekV3(nn.Module):
         return [blk.input_layernorm.weight.device for blk in self.model.layers]
 
     def prepare(self, dtype: torch.dtype) -> None:
-        """At load: each layer's pieces, the final norm, the attention backend and the CPU row block
-        of each device (measured on the model's own linear shapes)."""
+        """At load: each layer's pieces, the final norm, the attention backend, the CPU row block
+        of each device (measured on the model's own linear shapes), the quantised linears'
+        dequantisation scratch (sized now: CUDA graphs bake its address in) and the FP8 GEMMs."""
         for blk in self.model.layers:
             blk.prepare(dtype)
+        reserve_scratch(self, dtype)
+        fp8_gemm.enable(self, dtype)  # opt-in (MOESPLIT_FP8_GEMM=scaled_mm); checked per linear
         self.model.norm.prepare()
         self.dtype = dtype
         self._backends: dict = {}
@@ -221,7 +225,7 @@ class DeepseekV3(nn.Module):
         """The attention backend of `device`, chosen once (gpu_service.attention.select_backend)."""
         b = self._backends.get(device)
         if b is None:
-            b = self._backends[device] = select_backend(device, self.cfg, self.attention_backend)
+            b = self._backends[device] = select_backend(device, self.cfg, self.attention_backend, self.dtype)
         return b
 
     def row_block(self, device: torch.device) -> int:

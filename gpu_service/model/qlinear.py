@@ -1,10 +1,11 @@
 """Weight-only quantised linears: FP8 (e4m3, 128x128 block scales, as in DeepSeek's checkpoints),
 INT8 (per-output-channel scales) and INT4 (compressed-tensors groups).
 
-Weights stay quantised in memory. `forward` dequantises QLINEAR_ROWS weight rows at a time into one
-reused scratch buffer per device and dtype and multiplies it into its slice of the output, never a
-full-size weight (the plan counts the buffer: `gpu_service.plan.bytes.qlinear_scratch_bytes`). No
-fused weight-only GEMM: torchao / Marlin-class kernels are not installable where this runs.
+Weights stay quantised in memory. `forward` dequantises QLINEAR_ROWS weight rows at a time into
+one reused scratch buffer per device and dtype (sized at load: `reserve_scratch`) and multiplies it
+into its slice of the output, never a full-size weight (the plan counts the buffer:
+`gpu_service.plan.bytes.qlinear_scratch_bytes`). No fused weight-only GEMM: torchao / Marlin-class
+kernels are not installable where this runs.
 """
 from __future__ import annotations
 
@@ -17,24 +18,41 @@ from gpu_service.plan.bytes import QLINEAR_ROWS  # weight rows dequantised at on
 
 
 class _Scratch:
-    """One reused buffer per (device, compute dtype) that quantised linears dequantise into; it grows
-    to the largest block asked for and is never freed."""
+    """One reused buffer per (device, compute dtype) that quantised linears dequantise into.
+
+    The model sizes it at load (`reserve_scratch`: the widest quantised linear it holds), so no call
+    grows it afterwards: CUDA graphs captured later bake its address into their kernels. A buffer
+    replaced by a larger one is kept, never freed, because a graph captured before may still write
+    into it (a freed block handed to another tensor would be overwritten by every replay)."""
 
     def __init__(self):
         self._bufs: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self._retired: list[torch.Tensor] = []
+        self.grown = 0  # buffers replaced after the first: 0 in a model sized at load
 
-    def get(self, device: torch.device, dtype: torch.dtype, rows: int, cols: int) -> torch.Tensor:
+    def reserve(self, device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """The buffer of (device, dtype), at least `numel` elements."""
         key = (torch.device(device), dtype)
         buf = self._bufs.get(key)
-        if buf is None or buf.numel() < rows * cols:
-            self._bufs.pop(key, None)
-            del buf
-            buf = torch.empty(rows * cols, dtype=dtype, device=device)
-            self._bufs[key] = buf
-        return buf[: rows * cols].view(rows, cols)
+        if buf is None or buf.numel() < numel:
+            if buf is not None:
+                self._retired.append(buf)
+                self.grown += 1
+            buf = self._bufs[key] = torch.empty(numel, dtype=dtype, device=device)
+        return buf
+
+    def get(self, device: torch.device, dtype: torch.dtype, rows: int, cols: int) -> torch.Tensor:
+        return self.reserve(device, dtype, rows * cols)[: rows * cols].view(rows, cols)
+
+    def nbytes(self, device: torch.device) -> int:
+        """Bytes of the live buffers on `device` (the retired ones not counted)."""
+        dev = torch.device(device)
+        return sum(b.numel() * b.element_size() for (d, _), b in self._bufs.items() if d == dev)
 
     def clear(self) -> None:
         self._bufs.clear()
+        self._retired.clear()
+        self.grown = 0
 
 
 SCRATCH = _Scratch()
@@ -69,6 +87,10 @@ class _Blockwise(nn.Module):
 
     def _scratch_cols(self) -> int:
         return self.in_features
+
+    def scratch_elems(self) -> int:
+        """Elements of the scratch one forward call uses (its widest row block)."""
+        return min(QLINEAR_ROWS, self.out_features) * self._scratch_cols()
 
     def dequant_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole weight [out, in] in `dtype` (one tensor of that size, nothing else kept):
@@ -110,6 +132,10 @@ class Fp8Linear(_Blockwise):
         self.block = tuple(block)
         self.bias = bias
         self.out_features, self.in_features = weight.shape
+        self.gemm = None  # an FP8 GEMM taking the place of the dequantisation (gpu_service.model.fp8_gemm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) if self.gemm is None else self.gemm(self, x)
 
     @staticmethod
     def quantize(w: torch.Tensor, block=(128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,6 +208,18 @@ class Int4Linear(_Blockwise):
             w[:, : gf * g].view(rows, gf, g).mul_(self.weight_scale[r0:r1, :gf, None])
         if gf * g < inn:
             w[:, gf * g: inn].mul_(self.weight_scale[r0:r1, gf:gf + 1])
+
+
+def reserve_scratch(model: nn.Module, dtype: torch.dtype) -> None:
+    """At load: the dequantisation scratch of every device sized for the model's widest quantised
+    linear there (the plan's qlinear_scratch_bytes), before any step runs or any graph is captured."""
+    widest: dict[torch.device, int] = {}
+    for m in model.modules():
+        if isinstance(m, _Blockwise):
+            dev = m._device()
+            widest[dev] = max(widest.get(dev, 0), m.scratch_elems())
+    for dev, n in widest.items():  # one allocation per device (none outgrown and kept)
+        SCRATCH.reserve(dev, dtype, n)
 
 
 def weight_of(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:

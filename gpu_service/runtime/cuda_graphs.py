@@ -16,6 +16,12 @@ On CPU (tests) `mode="static"` runs the same plumbing with each piece called eag
 buffers: what the graphs would compute, bit for bit. A capture that fails never fails the request:
 with `on_error="eager"` (mode "cuda"'s default) graphs are turned off for the process with a
 warning naming the error (`Graphs.disabled`); mode "static" raises (tests must see bugs).
+
+Capture safety: every capture (both modes) runs the segment under `CaptureCheck`, which refuses what
+a CUDA graph cannot hold: a host sync (.item(), .tolist(), bool(), .cpu(), .numpy()), an output
+shape that depends on values (nonzero, masked_select, unique, boolean-mask indexing, ...) and host
+data turned into a tensor (torch.tensor: baked into the graph as it was at capture). On CPU the
+static mode runs the same check, so a decode segment that would break capture fails a CPU test.
 """
 from __future__ import annotations
 
@@ -23,11 +29,62 @@ import logging
 
 import torch
 
+from torch.overrides import TorchFunctionMode
+
 from gpu_service.plan.bytes import GRAPH_BUCKETS
 
 log = logging.getLogger("moesplit.cuda_graphs")
 
 MODES = ("cuda", "static")
+
+
+# what a captured segment must not call: host syncs, value-dependent output shapes, host data
+_SYNCS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu"}
+_DATA_SHAPED = {"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "bincount", "nonzero_static"}
+_HOST_DATA = {"tensor", "as_tensor", "from_numpy"}
+
+
+class CaptureUnsafe(RuntimeError):
+    """A captured segment called something a CUDA graph cannot replay."""
+
+
+def _is_mask(i) -> bool:
+    if isinstance(i, torch.Tensor):
+        return i.dtype == torch.bool
+    return isinstance(i, (tuple, list)) and any(_is_mask(j) for j in i)
+
+
+def _to_host(args, kwargs) -> bool:
+    ds = [*args[1:], kwargs.get("device")]
+    return any((isinstance(d, str) and d.startswith("cpu")) or (isinstance(d, torch.device) and d.type == "cpu")
+               for d in ds) and args[0].device.type != "cpu"
+
+
+class CaptureCheck(TorchFunctionMode):
+    """Raises CaptureUnsafe at the first call in its scope that a CUDA graph cannot replay."""
+
+    def __init__(self, what: str):
+        super().__init__()
+        self.what = what
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        why = None
+        if name in _SYNCS:
+            why = "a host sync"
+        elif name in _DATA_SHAPED or (name == "where" and len(args) + len(kwargs) == 1):
+            why = "an output shape that depends on values"
+        elif name in _HOST_DATA:
+            why = "host data copied in (the graph keeps the value seen at capture)"
+        elif name in ("__getitem__", "__setitem__") and len(args) > 1 and _is_mask(args[1]):
+            why = "boolean-mask indexing (an output shape that depends on values)"
+        elif name == "to" and args and isinstance(args[0], torch.Tensor) and _to_host(args, kwargs):
+            why = "a copy to the host (a host sync)"
+        if why is not None:
+            raise CaptureUnsafe(f"{self.what}: {name}() is {why}, which a CUDA graph cannot replay; "
+                                "compute it outside the captured segment (before the step or in its eager parts)")
+        return func(*args, **kwargs)
 
 
 def _tuple(out) -> tuple:
@@ -141,10 +198,12 @@ class GraphSet:
                 b = self._shared((name, "in", j), a)
                 b.copy_(a)
                 inputs.append(b)
+        check = f"layer segment {name!r} at {self.rows} rows"
         if self.mode != "cuda":
-            outs = tuple(self._shared((name, "out", j), o) for j, o in enumerate(_tuple(fn(*inputs))))
-            body = _body(fn, outs)
-            body(*inputs)
+            with CaptureCheck(check):
+                outs = tuple(self._shared((name, "out", j), o) for j, o in enumerate(_tuple(fn(*inputs))))
+                body = _body(fn, outs)
+                body(*inputs)
             return _Entry(inputs, outs, None, body)
         if self.owner is not None:
             capture, side = self.owner.streams(self.device)
@@ -161,7 +220,8 @@ class GraphSet:
             body = _body(fn, outs)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=capture, capture_error_mode="thread_local"):
-                body(*inputs)
+                with CaptureCheck(check):
+                    body(*inputs)
             graph.replay()
         return _Entry(inputs, outs, graph, body)
 
