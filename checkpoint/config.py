@@ -181,11 +181,14 @@ class ModelConfig:
         arch = archs[0] if archs else None
         if arch == "DeepseekV4ForCausalLM" or d.get("model_type") == "deepseek_v4":
             raise ConfigError(
-                f"{source}: a DeepSeek-V4 checkpoint, which cannot be served yet: the runtime has no V4 model "
-                "(gpu_service/model: window + compressed attention, mHC, hash routing) and the expert shards "
-                "do not apply swiglu_limit nor read MXFP4 (cpu_expert_service); `moesplit plan --model` and "
-                "`moesplit make-tiny --arch deepseek_v4` take V4 today (checkpoint.config_v4.load_any_config, "
-                "CheckpointReader(dir, any_architecture=True) read it)"
+                f"{source}: a DeepSeek-V4 checkpoint, which cannot be served yet: the V4 model "
+                "(gpu_service.model.v4, load_v4) keeps each sequence's cache in its own SeqCache, and the engine "
+                "(gpu_service.runtime ModelRunner / engine) has no V4 layer step nor a paged-pool layout for its "
+                "window keys, compressed entries and compressor states (docs/v4-cache.md), so no batching, "
+                "prefix cache or scheduled chunked prefill; the expert shards do not apply swiglu_limit nor "
+                "read MXFP4 (cpu_expert_service). What runs V4 today: `moesplit generate --in-process` "
+                "(greedy, experts in process), `moesplit plan --model`, `moesplit make-tiny --arch deepseek_v4` "
+                "(checkpoint.config_v4.load_any_config, CheckpointReader(dir, any_architecture=True) read it)"
             )
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(

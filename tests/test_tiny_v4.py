@@ -164,7 +164,8 @@ def test_cli_v4_and_errors(tmp_path, capsys):
 
 
 def test_runtime_paths_refuse_v4_naming_what_is_missing(flash_mxfp4, tmp_path, capsys):
-    """Until the V4 model and expert math exist, serving paths stop at config.json with the reason."""
+    """Until the engine runs V4 (paged pool, V4 step) and the shards its experts, serving paths stop
+    at config.json with the reason."""
     from checkpoint.config import ConfigError
     from cpu_expert_service.convert import convert
     from cpu_expert_service.server import load_shard
@@ -172,7 +173,7 @@ def test_runtime_paths_refuse_v4_naming_what_is_missing(flash_mxfp4, tmp_path, c
 
     for call in (lambda: CheckpointReader(flash_mxfp4), lambda: load_shard(flash_mxfp4, None, None),
                  lambda: convert(flash_mxfp4, str(tmp_path / "packed"), 1, quiet=True)):
-        with pytest.raises(ConfigError, match="cannot be served yet: the runtime has no V4 model"):
+        with pytest.raises(ConfigError, match="cannot be served yet: .*no V4 layer step nor a paged-pool layout"):
             call()
     assert cli_main(["expert-server", "--model", flash_mxfp4]) == 2
     assert "swiglu_limit" in capsys.readouterr().err
