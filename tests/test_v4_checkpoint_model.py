@@ -8,7 +8,8 @@ transformers' DeepseekV4ForCausalLM loaded from the same directory (tests/v4_ref
 load_reference_v4): every prompt position's logits within 2e-5, 64 greedy tokens equal to its
 generate (EOS not stopping) after a prompt longer than the window and than several CSA and HCA
 blocks, the same 64 after a prefill in chunks smaller than a compression block, and through
-`moesplit generate --in-process`. Also: every non-expert tensor is loaded, an unknown tensor and a
+`moesplit generate --in-process`; no indexer score ties at the top-k boundary on those runs (the
+tokens do not rest on topk's tie order). Also: every non-expert tensor is loaded, an unknown tensor and a
 non-V4 directory are refused by name, bf16 loads keep the float32 set, and the serving paths still
 refuse V4 naming what the engine lacks.
 """
@@ -127,6 +128,31 @@ def test_chunked_prefill_equals_one_shot(name):
     assert greedy(loaded.model, _prompt(), STEPS, loaded.experts, chunk=chunk) == list(_hf_tokens(name))
 
 
+@pytest.mark.parametrize("name", CASES)
+def test_indexer_picks_have_no_tie_at_the_top_k_boundary(name, monkeypatch):
+    """Over the prompt and the 64 tokens, no query's k-th and (k+1)-th best entry score are equal:
+    the picks (and so the tokens) do not rest on topk's tie order (make-tiny's 16 indexer heads)."""
+    from gpu_service.model.v4.compressor import Indexer
+
+    _, loaded, _ = _case(name)
+    seen = []
+    score = Indexer.score
+
+    def watch(self, *a):
+        """Indexer.score, its rows recorded."""
+        scores, ready = score(self, *a)
+        seen.extend((row[:r].sort(descending=True).values, self.topk) for row, r in zip(scores, ready.tolist()))
+        return scores, ready
+
+    monkeypatch.setattr(Indexer, "score", watch)
+    seq = torch.tensor(_prompt() + list(_hf_tokens(name)))
+    loaded.model(seq, loaded.model.new_cache(), loaded.experts)
+    rows = [(v, k) for v, k in seen if v.numel() > k]
+    assert len(rows) > 200
+    ties = sum(int(v[k - 1] == v[k]) for v, k in rows)
+    assert ties == 0, f"{ties} of {len(rows)} queries tie at the top-k boundary"
+
+
 def test_generate_in_process_equals_transformers(capsys):
     from moesplit.cli import main as cli_main
 
@@ -201,6 +227,7 @@ def test_unknown_tensor_and_non_v4_dir_are_refused(tmp_path):
         load_v4(str(bad))
     v3 = tmp_path / "v3"
     v3.mkdir()
-    (v3 / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}))
+    v3_config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
+    (v3 / "config.json").write_text(json.dumps(v3_config))
     with pytest.raises(ConfigError, match="not a DeepSeek-V4 config"):
         load_v4(str(v3))
