@@ -45,8 +45,8 @@ def run_in_process(args: argparse.Namespace, parser: argparse.ArgumentParser, id
         print(f"moesplit generate --in-process: {', '.join(bad)} not supported here (greedy only, experts in "
               "this process, no shards, no KV pool, no plan); drop them", file=sys.stderr)
         return 2
-    device = torch.device(args.device or "cpu")
-    dtype = getattr(torch, args.dtype) if args.dtype else torch.float32
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     t0 = time.perf_counter()
     loaded = load_v4(args.model, dtype=dtype, device=device)
     t1 = time.perf_counter()
