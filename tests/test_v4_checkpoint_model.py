@@ -231,3 +231,20 @@ def test_unknown_tensor_and_non_v4_dir_are_refused(tmp_path):
     (v3 / "config.json").write_text(json.dumps(v3_config))
     with pytest.raises(ConfigError, match="not a DeepSeek-V4 config"):
         load_v4(str(v3))
+
+
+def test_config_the_model_does_not_implement_is_refused():
+    """One config type (V4Config); values the model would not honour are named."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from gpu_service.model.v4.model import DeepseekV4
+
+    cfg = _case("pro-fp8")[1].config
+    with pytest.raises(TypeError, match="V4Config"):
+        DeepseekV4(SimpleNamespace(**dataclasses.asdict(cfg)))
+    changes = [({"norm_topk_prob": False}, "norm_topk_prob"),
+               ({"compress_ratios": (16, 2, 4, 16, 4, 16)}, "compress_ratios")]
+    for change, word in changes:
+        with torch.device("meta"), pytest.raises(ValueError, match=word):
+            DeepseekV4(dataclasses.replace(cfg, **change))

@@ -38,6 +38,9 @@ def check_config(cfg: V4Config) -> None:
     bad = sorted({r for r in cfg.compress_ratios[:cfg.num_hidden_layers] if r not in (0, 4) and r < 8})
     if bad:
         raise ValueError(f"compress_ratios {bad}: expected 0 (window), 4 (CSA) or an HCA ratio >= 8")
+    if not cfg.norm_topk_prob:
+        raise ValueError("norm_topk_prob false: DeepSeek-V4 always normalises the chosen experts' scores "
+                         "(as the reference and transformers do); set it true or drop it")
     if cfg.sliding_window < 1:
         raise ValueError(f"sliding_window {cfg.sliding_window}: must be >= 1")
 
