@@ -164,9 +164,10 @@ def test_cli_v4_and_errors(tmp_path, capsys):
 
 
 def test_runtime_paths_refuse_v4_naming_what_is_missing(flash_mxfp4):
-    """Until the V4 model exists, the GPU-side paths (CheckpointReader's default, load_config) stop at
-    config.json with the reason; the expert shard and convert take V4 (tests/test_v4_experts.py)."""
+    """Until the engine runs V4 (paged pool, V4 step), the GPU-side paths (CheckpointReader's default,
+    load_config) stop at config.json with the reason; the expert shard and convert take V4
+    (tests/test_v4_experts.py)."""
     from checkpoint.config import ConfigError
 
-    with pytest.raises(ConfigError, match="cannot be served yet: the runtime has no V4 model"):
+    with pytest.raises(ConfigError, match="cannot serve yet: .*no V4 layer step nor a paged-pool layout"):
         CheckpointReader(flash_mxfp4)

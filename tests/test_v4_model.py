@@ -14,13 +14,12 @@ DeepseekV4ForCausalLM on tiny seeded Flash-like and Pro-like layer schedules (te
   configs build the checkpoint's shapes.
 """
 import functools
-import json
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from checkpoint.config_v4 import load_v4_config
 from gpu_service.attention.sink_torch import complete_entries
 from gpu_service.model.v4.attention import AttnState
 from gpu_service.model.v4.compressor import CompressorState
@@ -277,8 +276,7 @@ def test_real_configs_build_the_checkpoint_shapes(name, shapes):
     path = os.path.join(CONFIGS, name + ".json")
     if not os.path.exists(path):
         pytest.skip(f"{path} is not in this checkout")
-    with open(path) as f:
-        cfg = SimpleNamespace(**json.load(f))
+    cfg = load_v4_config(path)
     with torch.device("meta"):
         model = DeepseekV4(cfg)
     have = {n: tuple(t.shape) for n, t in list(model.named_parameters()) + list(model.named_buffers())}

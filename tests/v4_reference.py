@@ -22,8 +22,6 @@ from __future__ import annotations
 import os
 import re
 import tempfile
-from types import SimpleNamespace
-
 import numpy as np
 import torch
 
@@ -142,9 +140,11 @@ def raw_config(schedule: str) -> dict:
     )
 
 
-def runtime_config(schedule: str) -> SimpleNamespace:
-    """The raw config as an attribute object (what the runtime's V4 model reads)."""
-    return SimpleNamespace(**raw_config(schedule))
+def runtime_config(schedule: str) -> V4Config:
+    """The raw config as the typed V4Config (what the runtime's V4 model reads; the MTP entry of
+    compress_ratios dropped, as this config has no MTP layer)."""
+    raw = raw_config(schedule)
+    return V4Config.from_dict({**raw, "compress_ratios": raw["compress_ratios"][:-1]}, source=f"tiny {schedule}")
 
 
 def _hf_config(schedule: str):

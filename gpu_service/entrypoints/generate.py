@@ -36,9 +36,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_expert_client_arguments(p)
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("--in-process", action="store_true",
+                   help="DeepSeek-V4 only, not the serving engine: the model alone in this process with its "
+                        "experts computed in process from the dequantised weights, greedy, no shards / KV pool "
+                        "(gpu_service.entrypoints.generate_v4)")
+
+
+def load_config_error(model_dir: str) -> str:
+    """Why checkpoint.config.load_config refuses `model_dir` (the serving paths' reason), '' if it does not."""
+    from checkpoint.config import ConfigError, load_config
+
+    try:
+        load_config(model_dir)
+    except ConfigError as e:
+        return str(e)
+    return ""
 
 
 def run(args: argparse.Namespace) -> int:
+    from checkpoint.config_v4 import load_any_config
     from checkpoint.reader import CheckpointReader
     from gpu_service.experts.client import ExpertsClient
     from gpu_service.local.stack import start_shards
@@ -49,8 +65,15 @@ def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         print("moesplit generate: --max-new-tokens must be >= 1", file=sys.stderr)
         return 2
-    reader = CheckpointReader(args.model)
-    cfg = reader.config
+    v4 = load_any_config(args.model).is_v4
+    if v4 != args.in_process:
+        print(f"moesplit generate: {load_config_error(args.model)}" if v4 else
+              "moesplit generate: --in-process runs DeepSeek-V4 checkpoints only; drop it", file=sys.stderr)
+        return 2
+    if v4 and args.chat:
+        print("moesplit generate: --chat needs the DeepSeek-V4 chat encoder, which moesplit does not have yet; "
+              "pass the prompt without --chat", file=sys.stderr)
+        return 2
     tok = None
     if args.prompt is not None:
         from gpu_service.api.tokenizer import Tokenizer
@@ -64,6 +87,14 @@ def run(args: argparse.Namespace) -> int:
             print(f"moesplit generate: --prompt-ids must be comma-separated integers, got {args.prompt_ids!r}",
                   file=sys.stderr)
             return 2
+    if v4:
+        from gpu_service.entrypoints.generate_v4 import run_in_process
+
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        return run_in_process(args, parser, ids, tok)
+    reader = CheckpointReader(args.model)
+    cfg = reader.config
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     device = torch.device(args.device) if args.device else None
     dtype = getattr(torch, args.dtype) if args.dtype else None

@@ -48,7 +48,11 @@ TINY_V4: dict = {  # original DeepSeek-V4 field names; sizes tiny, semantics rea
     "n_routed_experts": 16, "num_experts_per_tok": 4, "n_shared_experts": 1, "num_hash_layers": 2,
     "routed_scaling_factor": 1.5, "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc", "norm_topk_prob": True,
     "swiglu_limit": 10.0, "hidden_act": "silu",
-    "index_n_heads": 4, "index_head_dim": 32, "index_topk": 4, "sliding_window": 8,
+    # 16 indexer heads: an entry scores sum_h w_h relu(q_h . k), exactly 0 when every head's relu is 0;
+    # with 4 heads that is 1 entry in 16, and equal scores at the top-k boundary (5 of 288 queries on
+    # a 100 + 64 token run) make the pick depend on topk's tie order (transformers' cached and
+    # uncached runs may differ). With 16 heads no tie was seen.
+    "index_n_heads": 16, "index_head_dim": 32, "index_topk": 4, "sliding_window": 8,
     "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rms_norm_eps": 1e-6,
     "rope_theta": 10000, "compress_rope_theta": 160000,
     "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 64, "beta_fast": 32,

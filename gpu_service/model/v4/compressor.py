@@ -100,9 +100,11 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(cfg.hidden_size, self.heads, bias=False)
         self.compressor = Compressor(cfg.hidden_size, self.d, ratio, True, cfg.rms_norm_eps, rope)
 
-    def pick(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, st: CompressorState) -> torch.Tensor:
-        """x [n, hidden], qr [n, q_lora] (the query's normed low-rank), pos [n] -> picks [n, k]:
-        each query's top entries among the complete ones, -1 where fewer are complete."""
+    def score(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, st: CompressorState) \
+            -> tuple[torch.Tensor, torch.Tensor]:
+        """x [n, hidden], qr [n, q_lora] (the query's normed low-rank), pos [n] -> (scores [n, W]
+        float32 of every entry so far, -inf for those not complete at the query; complete entries
+        per query [n]). The indexer's keys now hold the chunk's complete windows too."""
         keys = self.compressor.extend(x, st)  # [W, d]
         W = keys.shape[0]
         cos, sin = self.rope.cos_sin(pos, torch.float32)
@@ -110,10 +112,15 @@ class Indexer(nn.Module):
         scores = torch.relu(torch.matmul(q.float(), keys.t().float())) * self.d ** -0.5  # [n, h, W]
         w = self.weights_proj(x).float() * self.heads ** -0.5  # [n, h]
         scores = (scores * w.unsqueeze(-1)).sum(dim=1)  # [n, W]
-        k = min(self.topk, W)
+        ready = complete_entries(pos, self.ratio)  # [n]
+        return scores.masked_fill(torch.arange(W, device=x.device)[None, :] >= ready[:, None], float("-inf")), ready
+
+    def pick(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, st: CompressorState) -> torch.Tensor:
+        """x [n, hidden], qr [n, q_lora], pos [n] -> picks [n, k]: each query's top entries by
+        `score` among the complete ones, -1 where fewer are complete."""
+        scores, ready = self.score(x, qr, pos, st)
+        W = scores.shape[1]
         if W == 0:
             return torch.empty((x.shape[0], 0), dtype=torch.long, device=x.device)
-        ready = complete_entries(pos, self.ratio)  # [n]
-        scores = scores.masked_fill(torch.arange(W, device=x.device)[None, :] >= ready[:, None], float("-inf"))
-        picks = scores.topk(k, dim=-1).indices
+        picks = scores.topk(min(self.topk, W), dim=-1).indices
         return torch.where(picks >= ready[:, None], torch.full_like(picks, -1), picks)

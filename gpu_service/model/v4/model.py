@@ -7,16 +7,18 @@ sequences in one step (attention per sequence, the rest over all rows); `greedy`
 by recomputing the whole sequence each step (`recompute`), or after a chunked prefill (`chunk`).
 Parameters and buffers are named as the original checkpoint (`embed`, `layers.N.attn.wq_a`,
 `layers.N.hc_attn_fn`, `layers.N.ffn.gate.tid2eid`, `hc_head_fn`, `head`, ...); `build_v4` fills
-them from `get(name)` and returns the names it loaded.
+them from `get(name)` and returns the names it loaded. The config is checkpoint.config_v4.V4Config;
+`gpu_service.model.v4.load.load_v4` builds all of it from a checkpoint directory.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Collection
 
 import numpy as np
 import torch
 from torch import nn
 
+from checkpoint.config_v4 import V4Config
 from gpu_service.model.experts_api import ExpertsFn
 from gpu_service.model.layers import RMSNorm
 from gpu_service.model.v4.attention import Attention, AttnState
@@ -26,13 +28,19 @@ from gpu_service.model.v4.pieces import hc_head, hc_post, hc_pre, v4_ropes
 FLOAT32 = ("hc_", "attn_sink", ".ape", ".ffn.gate.bias", ".ffn.gate.weight")  # kept in float32 as in the reference
 
 
-def check_config(cfg) -> None:
+def check_config(cfg: V4Config) -> None:
     """Refuse what this model does not implement, naming the key."""
-    if getattr(cfg, "num_key_value_heads", 1) != 1:
+    if not isinstance(cfg, V4Config):
+        raise TypeError(f"the V4 model takes checkpoint.config_v4.V4Config (load_v4_config / V4Config.from_dict), "
+                        f"got {type(cfg).__name__}")
+    if cfg.num_key_value_heads != 1:
         raise ValueError(f"num_key_value_heads {cfg.num_key_value_heads}: DeepSeek-V4 shares one KV head")
     bad = sorted({r for r in cfg.compress_ratios[:cfg.num_hidden_layers] if r not in (0, 4) and r < 8})
     if bad:
         raise ValueError(f"compress_ratios {bad}: expected 0 (window), 4 (CSA) or an HCA ratio >= 8")
+    if not cfg.norm_topk_prob:
+        raise ValueError("norm_topk_prob false: DeepSeek-V4 always normalises the chosen experts' scores "
+                         "(as the reference and transformers do); set it true or drop it")
     if cfg.sliding_window < 1:
         raise ValueError(f"sliding_window {cfg.sliding_window}: must be >= 1")
 
@@ -77,7 +85,7 @@ class Block(nn.Module):
 class DeepseekV4(nn.Module):
     """Everything but the routed experts (module docstring)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: V4Config):
         super().__init__()
         check_config(cfg)
         n, D = cfg.hc_mult, cfg.hidden_size
@@ -137,28 +145,32 @@ class DeepseekV4(nn.Module):
 
 
 def greedy(model: DeepseekV4, prompt: list[int], steps: int, experts: ExpertsFn, chunk: int | None = None,
-           recompute: bool = False) -> list[int]:
+           recompute: bool = False, stop_ids: Collection[int] = ()) -> list[int]:
     """`steps` greedy tokens after `prompt`: decode with the cache (the prompt prefilled in chunks of
-    `chunk` tokens, else at once), or with `recompute` the whole sequence from a fresh cache each step."""
+    `chunk` tokens, else at once), or with `recompute` the whole sequence from a fresh cache each step.
+    A token in `stop_ids` ends it early (that token included)."""
+    if not prompt:
+        raise ValueError("greedy needs a prompt of at least one token")
     seq = list(prompt)
     out: list[int] = []
     cache = model.new_cache()
     size = chunk or len(prompt)
+    device = model.embed.weight.device
     for a in range(0, len(prompt), size):
-        logits = model(torch.tensor(prompt[a:a + size]), cache, experts)
+        logits = model(torch.tensor(prompt[a:a + size], device=device), cache, experts)
     for i in range(steps):
         out.append(int(logits.argmax()))
         seq.append(out[-1])
-        if i + 1 == steps:
+        if i + 1 == steps or out[-1] in stop_ids:
             break
         if recompute:
-            logits = model(torch.tensor(seq), model.new_cache(), experts)
+            logits = model(torch.tensor(seq, device=device), model.new_cache(), experts)
         else:
-            logits = model(torch.tensor(seq[-1:]), cache, experts)
+            logits = model(torch.tensor(seq[-1:], device=device), cache, experts)
     return out
 
 
-def build_v4(cfg, get: Callable[[str], "np.ndarray | torch.Tensor"], dtype: torch.dtype = torch.float32,
+def build_v4(cfg: V4Config, get: Callable[[str], "np.ndarray | torch.Tensor"], dtype: torch.dtype = torch.float32,
              device: torch.device | str = "cpu") -> tuple[DeepseekV4, set[str]]:
     """The model on `device` with every parameter and buffer filled from `get(name)` (original
     checkpoint names; float weights dequantised; routed experts are not asked for). Mixing and

@@ -84,13 +84,13 @@ class ReferenceExperts:
         self.get, self.E, self.limit = get, n_experts, limit
         self._w: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _weights(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w1 ++ w3 [2I, hidden], w2 [hidden, I]) of one expert, read once."""
+    def _weights(self, layer: int, e: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w1 ++ w3 [2I, hidden], w2 [hidden, I]) of one expert in float32 on `device`, read once."""
         key = (layer, e)
         if key not in self._w:
             p = f"layers.{layer}.ffn.experts.{e}."
             w1, w3, w2 = (torch.as_tensor(self.get(p + f"{n}.weight")).float() for n in ("w1", "w3", "w2"))
-            self._w[key] = (torch.cat([w1, w3]), w2)
+            self._w[key] = (torch.cat([w1, w3]).to(device), w2.to(device))
         return self._w[key]
 
     def __call__(self, layer: int, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> Ready:
@@ -98,7 +98,7 @@ class ReferenceExperts:
         out = torch.zeros_like(h)
         for e in ids.unique().tolist():
             rows, cols = torch.where(ids == e)
-            gate_up, down = self._weights(layer, e)
+            gate_up, down = self._weights(layer, e, h.device)
             g, u = F.linear(h[rows], gate_up.to(h.dtype)).chunk(2, dim=-1)
             y = F.linear(swiglu_limited(g, u, self.limit), down.to(h.dtype)) * w[rows, cols, None].to(h.dtype)
             out.index_add_(0, rows, y)

@@ -3,8 +3,10 @@ window-only layers, YaRN on another base for compressed layers; built by layers.
 RoPE on a vector's trailing dims, the weightless RMS norm, the mHC hyper-connection weights and
 their use, the grouped low-rank output projection and the clamped SwiGLU.
 
-The config read here is the checkpoint's config.json as an attribute object (original key names:
-`qk_rope_head_dim`, `compress_ratios`, `compress_rope_theta`, `rope_scaling`, `hc_mult`, ...).
+The config read here (and everywhere in the V4 model) is checkpoint.config_v4.V4Config, whose
+fields carry the original key names (`qk_rope_head_dim`, `compress_ratios` per decoder layer,
+`compress_rope_theta`, `rope_scaling` {"type": "yarn", ...}, `hc_mult`, ...) whichever spelling
+config.json used.
 """
 from __future__ import annotations
 

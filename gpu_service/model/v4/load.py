@@ -1,0 +1,62 @@
+"""A DeepSeek-V4 checkpoint directory -> the runtime V4 model, in process.
+
+`load_v4(model_dir, dtype, device)` reads config.json as `checkpoint.config_v4.V4Config` (the one
+config type the V4 model reads), builds `DeepseekV4` with `build_v4` from `CheckpointReader` (block
+FP8 attention / shared-expert / indexer projections dequantised exactly to float32, then cast to
+`dtype`; bf16 and float32 tensors as stored; `tid2eid` as int64), and wraps the routed experts
+(MXFP4 or FP8, dequantised on first use per expert) in the in-process `ReferenceExperts`. The MTP
+block is not loaded (the model does not use it). A non-expert, non-MTP tensor of the checkpoint the
+model did not ask for is an error: a weight is never silently dropped.
+
+This is the whole model on one device without the serving engine: no paged KV pool, no expert
+shards (what is missing for those is written in docs/v4.md).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from checkpoint import names_v4 as N4
+from checkpoint.config_v4 import V4Config, load_v4_config
+from checkpoint.reader import CheckpointReader
+from gpu_service.model.v4.model import DeepseekV4, build_v4
+from gpu_service.model.v4.moe import ReferenceExperts
+
+
+@dataclass
+class LoadedV4:
+    """What `load_v4` returns: the model, its in-process experts, the typed config and the reader
+    (kept open: the experts read their weights from it on first use)."""
+
+    model: DeepseekV4
+    experts: ReferenceExperts
+    config: V4Config
+    reader: CheckpointReader
+
+
+def _getter(reader: CheckpointReader):
+    """get(name) -> float32 array (dequantised), int64 kept for the hash routing tables."""
+    def get(name: str) -> np.ndarray:
+        """One logical tensor of the checkpoint."""
+        if reader.format_of(name) == "i64":
+            return np.array(reader.get_stored(name).data, dtype=np.int64)
+        return reader.get(name)
+    return get
+
+
+def load_v4(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
+            device: torch.device | str = "cpu") -> LoadedV4:
+    """The runtime DeepSeek-V4 model of a checkpoint directory (module docstring)."""
+    cfg = load_v4_config(model_dir)  # a ConfigError naming the fix for anything not V4
+    reader = CheckpointReader(model_dir, cfg)
+    get = _getter(reader)
+    model, loaded = build_v4(cfg, get, dtype=dtype, device=device)
+    unused = sorted(n for n in reader.names() if n not in loaded and N4.parse_expert(n) is None)
+    if unused:
+        raise ValueError(f"{reader.model_dir}: tensor(s) the V4 model does not use: {', '.join(unused[:5])}"
+                         f"{' ...' if len(unused) > 5 else ''}; config.json does not describe these weights")
+    experts = ReferenceExperts(reader.get, cfg.n_routed_experts, cfg.swiglu_limit)
+    return LoadedV4(model, experts, cfg, reader)
