@@ -303,8 +303,12 @@ class CheckpointReader:
 
     def _missing(self, name: str) -> MissingTensorError:
         where = ", ".join(self.files[:4]) + (" …" if len(self.files) > 4 else "")
+        prefix = getattr(self.config, "weight_prefix", "")
+        label = repr(name)
+        if prefix and not name.startswith(prefix):
+            label += f" (stored as {prefix + name!r})"
         return MissingTensorError(
-            f"tensor {name!r} is not in the checkpoint {self.model_dir} (searched {where}); the checkpoint "
+            f"tensor {label} is not in the checkpoint {self.model_dir} (searched {where}); the checkpoint "
             "is incomplete or of another model: check config.json matches the weights",
             name,
         )

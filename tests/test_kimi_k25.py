@@ -96,6 +96,10 @@ def test_tiny_layout_and_reader_prefix_mapping(tiny):
     want = unpack_int4(r.get_raw(base + "weight_packed"), r.get_raw(base + "weight_scale"),
                        tuple(int(x) for x in r.get_raw(base + "weight_shape")), 32)
     np.testing.assert_array_equal(r.get(name), want)
+    from checkpoint.reader import MissingTensorError
+
+    with pytest.raises(MissingTensorError, match="stored as 'language_model.model.layers.99"):
+        r.get("model.layers.99.mlp.gate.weight")
 
 
 def test_expert_shards_load_the_nested_checkpoint(tiny):
@@ -115,6 +119,27 @@ def test_expert_shards_load_the_nested_checkpoint(tiny):
             h = (g @ x[t]) / (1 + np.exp(-(g @ x[t]))) * (u @ x[t])
             want[t] += wt * (dn @ h)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_convert_packs_the_nested_checkpoint(tiny, tmp_path):
+    """`moesplit convert` reads the experts through the same reader; the packed shards hold the
+    same experts as load_shard's (expert range split: INT4 copied as stored)."""
+    from cpu_expert_service.packed import load_packed
+    from cpu_expert_service.shard_load import load_shard
+
+    out = str(tmp_path / "packed")
+    r = subprocess.run([sys.executable, "-m", "moesplit", "convert", "--model", tiny, "--out", out, "--shards", "2",
+                        "--split", "experts", "--quiet"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr
+    cfg, packed, _ = load_packed(out, 1, "numpy", "auto", model_dir=tiny)
+    _, direct, _ = load_shard(tiny, None, None, "numpy")
+    layer = cfg.moe_layers[-1]
+    x = np.random.default_rng(1).standard_normal((1, cfg.hidden_size)).astype(np.float32)
+    e = cfg.n_routed_experts - 1  # held by shard 1 of 2
+    ids, w = np.array([[e]], dtype=np.int64), np.array([[1.0]], dtype=np.float32)
+    want = direct.forward(layer, x, ids, w)
+    assert np.abs(want).max() > 0
+    np.testing.assert_allclose(packed.forward(layer, x, ids, w), want, rtol=1e-5, atol=1e-6)
 
 
 def test_plan_presets_list_the_vision_tower_as_not_planned():
