@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from checkpoint import kimi_k25
+
 SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2", "deepseek_v32")
 
@@ -132,6 +134,10 @@ class ModelConfig:
     index_head_dim: int = 0
     index_topk: int = 0
     quantization: QuantConfig | None = None
+    # Kimi-K2.5 / K2.6 (checkpoint.kimi_k25): the stored names' prefix of the language model
+    # ("language_model."), and the wrapper's vision side kept as data (not served yet)
+    weight_prefix: str = ""
+    multimodal: dict | None = field(default=None, compare=False, hash=False)
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -171,12 +177,22 @@ class ModelConfig:
         d.pop("quantization", None)
         d.pop("eos_token_ids", None)
         d.pop("bos_token_id", None)
+        d.pop("multimodal", None)
+        d.pop("weight_prefix", None)
         blob = json.dumps(d, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
     # ---- construction -------------------------------------------------------------------
     @staticmethod
     def from_dict(d: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        if kimi_k25.is_kimi_k25(d):  # the language model of a KimiK25ForConditionalGeneration
+            try:
+                text, mm = kimi_k25.unwrap(d, source)
+            except ValueError as e:
+                raise ConfigError(str(e)) from e
+            cfg = ModelConfig.from_dict(text, source=f"{source} text_config")
+            return dataclasses.replace(cfg, weight_prefix=kimi_k25.LANGUAGE_PREFIX,
+                                       multimodal={"wrapper": kimi_k25.ARCHITECTURE, **mm})
         archs = d.get("architectures") or []
         arch = archs[0] if archs else None
         if arch == "DeepseekV4ForCausalLM" or d.get("model_type") == "deepseek_v4":

@@ -16,6 +16,12 @@ DeepSeek-V4 checkpoints (config `DeepseekV4ForCausalLM`): `X.weight` + `X.scale`
 logical `X.weight`, format "fp8_e8m0" when the weight is F8_E4M3 (128x128 blocks) or "mxfp4" when
 it is I8 (packed e2m1, see checkpoint.formats_v4); a leading `model.` (transformers' save_pretrained
 spelling) is dropped from logical names, so both spellings read the same.
+
+Kimi-K2.5 / K2.6 checkpoints (config `KimiK25ForConditionalGeneration`, `cfg.weight_prefix`
+"language_model."): `language_model.model.X` reads as logical `model.X` and
+`language_model.lm_head.weight` as `lm_head.weight`, so every caller (GPU model, expert shards,
+converters) uses the plain DeepSeek-V3 names; the `vision_tower.*` / `mm_projector.*` tensors are
+left out of the logical names and listed in `.not_served` (stored name -> reason).
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ from dataclasses import dataclass, field
 import ml_dtypes
 import numpy as np
 
-from checkpoint import names_v4
+from checkpoint import kimi_k25, names_v4
 from checkpoint.config import ModelConfig, load_config
 from checkpoint.config_v4 import V4Config, load_any_config
 from checkpoint.formats import dequant_fp8_block, dequant_int8_channel, fp8_scale_shape, int4_shapes, unpack_int4
@@ -230,8 +236,14 @@ class CheckpointReader:
         self._files: dict[str, SafetensorsFile] = {}
         self._weight_map: dict[str, str] = self._load_weight_map()  # stored name -> file name
         self._groups: dict[str, dict[str, str]] = {}  # logical -> {suffix: stored name}
+        self.not_served: dict[str, str] = {}  # stored name -> why the text model does not read it
+        prefixed = bool(getattr(self.config, "weight_prefix", ""))
         for stored in self._weight_map:
-            self._groups.setdefault(_logical(stored, self.v4), {})[_split(stored)[1]] = stored
+            name = kimi_k25.logical_name(stored) if prefixed else stored
+            if name is None:
+                self.not_served[stored] = kimi_k25.NOT_SERVED
+                continue
+            self._groups.setdefault(_logical(name, self.v4), {})[_split(stored)[1]] = stored
 
     # ---- files ------------------------------------------------------------------------------
     def _load_weight_map(self) -> dict[str, str]:
@@ -291,8 +303,12 @@ class CheckpointReader:
 
     def _missing(self, name: str) -> MissingTensorError:
         where = ", ".join(self.files[:4]) + (" …" if len(self.files) > 4 else "")
+        prefix = getattr(self.config, "weight_prefix", "")
+        label = repr(name)
+        if prefix and not name.startswith(prefix):
+            label += f" (stored as {prefix + name!r})"
         return MissingTensorError(
-            f"tensor {name!r} is not in the checkpoint {self.model_dir} (searched {where}); the checkpoint "
+            f"tensor {label} is not in the checkpoint {self.model_dir} (searched {where}); the checkpoint "
             "is incomplete or of another model: check config.json matches the weights",
             name,
         )

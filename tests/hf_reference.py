@@ -77,3 +77,34 @@ def load_reference_pretrained(model_dir: str):
     if bad:
         raise AssertionError(f"from_pretrained({model_dir}) did not cover the model: {bad}")
     return model.eval()
+
+
+def load_reference_kimi_k25(model_dir: str):
+    """fp32 eval-mode transformers `Kimi_K25ForConditionalGeneration` of a Kimi-K2.5-layout
+    checkpoint: its language model and lm_head hold the checkpoint's dequantised weights (read
+    through the reader's `language_model.` mapping; full coverage asserted); the vision tower and
+    projector keep transformers' initialisation (text-only inputs never run them)."""
+    import transformers
+
+    from gpu_service.local.tiny import _hf_config as to_hf
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        d = json.load(f)
+    v = d["vision_config"]  # the real `vt_*` keys -> transformers' names
+    vision = transformers.Kimi_K25VisionConfig(
+        patch_size=v["patch_size"], pos_emb_height=v["init_pos_emb_height"], pos_emb_width=v["init_pos_emb_width"],
+        pos_emb_time=v["init_pos_emb_time"], hidden_size=v["vt_hidden_size"],
+        intermediate_size=v["vt_intermediate_size"], num_attention_heads=v["vt_num_attention_heads"],
+        num_hidden_layers=v["vt_num_hidden_layers"], merge_kernel_size=list(v["merge_kernel_size"]))
+    cfg = transformers.Kimi_K25Config(text_config=to_hf(d["text_config"]), vision_config=vision,
+                                      projection_hidden_size=v["mm_hidden_size"], tie_word_embeddings=False,
+                                      image_token_id=d["media_placeholder_token_id"])
+    model = transformers.Kimi_K25ForConditionalGeneration(cfg).float()
+    sd = reference_state_dict(CheckpointReader(model_dir))
+    lm = {k[len("model."):]: v for k, v in sd.items() if k.startswith("model.")}
+    extra = sorted(k for k in sd if not k.startswith("model.") and k != "lm_head.weight")
+    if extra:
+        raise AssertionError(f"reference: checkpoint tensors outside the language model: {extra[:8]}")
+    model.model.language_model.load_state_dict(lm, strict=True)
+    model.lm_head.load_state_dict({"weight": sd["lm_head.weight"]}, strict=True)
+    return model.eval()

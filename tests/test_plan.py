@@ -53,7 +53,7 @@ def test_kimi_and_v32_param_counts():
     routed = 60 * 384 * 3 * H * Im
     total = (2 * V * H + H + L * (attention + 2 * H) + 3 * H * 18432
              + 60 * (3 * H * Im + 384 * H + 384) + routed)
-    for name in ("kimi-k2-instruct", "kimi-k2-thinking"):
+    for name in ("kimi-k2-instruct", "kimi-k2-thinking", "kimi-k2.5", "kimi-k2.6"):  # K2.5/6: the language model
         c = P.param_counts(preset(name))
         assert (c["routed"], c["total"]) == (routed, total)
     # V3.2 = V3 + the lightning indexer: wq_b [64*128, 1536], wk [128, H], k_norm (w+b), weights_proj [64, H]
@@ -63,7 +63,7 @@ def test_kimi_and_v32_param_counts():
 
 def test_presets_are_the_shared_configs():
     assert P.presets() == ["deepseek-v3", "deepseek-v3.2", "deepseek-v4-flash", "deepseek-v4-pro", "kimi-k2-instruct",
-                         "kimi-k2-thinking"]
+                         "kimi-k2-thinking", "kimi-k2.5", "kimi-k2.6"]
     shared = "/work/shared/model-configs"
     for name in P.presets():
         src = os.path.join(shared, name + ".json")

@@ -69,7 +69,24 @@ class ChatPlan:
         return ChatStream(self.parser)
 
 
-def _text(content, where: str, allow_none: bool = False) -> str:
+MEDIA_PARTS = ("image_url", "image", "input_image", "video_url", "video", "input_audio")
+
+
+def _media_part_error(p: dict, where: str, vision: str | None) -> APIError:
+    """The 400 for an image / video / audio content part, which moesplit does not serve yet."""
+    kind = p.get("type")
+    if vision:
+        why = (f"this model ({vision}) has a vision tower, but moesplit does not serve it yet (its language "
+               "model serves text-only requests)")
+    else:
+        why = "this model takes text only"
+    return APIError(400, f"{where}: {kind!r} content parts are not served: {why}; send only "
+                         f"{{\"type\": \"text\"}} parts", param=where)
+
+
+def _text(content, where: str, allow_none: bool = False, vision: str | None = None) -> str:
+    """A message's content as text: a string, or an array of text parts (media parts are a 400
+    naming the part; `vision`: the model's multimodal architecture, when it has one)."""
     if content is None:
         if allow_none:
             return ""
@@ -78,7 +95,9 @@ def _text(content, where: str, allow_none: bool = False) -> str:
         return content
     if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
         parts = []
-        for p in content:
+        for j, p in enumerate(content):
+            if isinstance(p, dict) and p.get("type") in MEDIA_PARTS:
+                raise _media_part_error(p, f"{where}[{j}]", vision)
             if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
                 raise APIError(400, f"{where}: only text parts are supported", param=where)
             parts.append(p["text"])
@@ -106,8 +125,9 @@ def _tool_calls(calls, i: int) -> list[dict]:
     return out
 
 
-def normalize_messages(messages, keep_developer: bool = False) -> list[dict]:
-    """OpenAI messages -> the plain dicts templates read (content as text, tool fields kept)."""
+def normalize_messages(messages, keep_developer: bool = False, vision: str | None = None) -> list[dict]:
+    """OpenAI messages -> the plain dicts templates read (content as text, tool fields kept).
+    `vision`: the model's multimodal architecture (its image parts are refused naming it)."""
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' must be a non-empty array of {role, content} objects", param="messages")
     out = []
@@ -119,7 +139,7 @@ def normalize_messages(messages, keep_developer: bool = False) -> list[dict]:
             raise APIError(400, f"messages[{i}].role {role!r} is not one of {', '.join(ROLES)}", param="messages")
         msg: dict = {"role": "system" if role == "developer" and not keep_developer else role}
         msg["content"] = _text(m.get("content"), f"messages[{i}].content",
-                               allow_none=role == "assistant" or role == "system")
+                               allow_none=role == "assistant" or role == "system", vision=vision)
         if isinstance(m.get("name"), str) and m["name"]:
             msg["name"] = m["name"]
         if role == "assistant":
@@ -271,7 +291,8 @@ def chat_plan(body: dict, tokenizer, settings: ChatSettings, max_chars: int | No
         log.info("chat request metadata %s", json.dumps(metadata, ensure_ascii=False))
     fmt = tokenizer.chat_format
     family = getattr(fmt, "family", None)
-    messages = normalize_messages(body.get("messages"), keep_developer=family == "deepseek_v32")
+    messages = normalize_messages(body.get("messages"), keep_developer=family == "deepseek_v32",
+                                  vision=getattr(tokenizer, "vision_wrapper", None))
     check_prompt_chars(sum(len(m.get("content") or "") for m in messages), max_chars, "messages")
     tools = validate_tools(body["tools"]) if body.get("tools") is not None else []
     choice = validate_tool_choice(body.get("tool_choice"), tools)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+from checkpoint import kimi_k25
 from gpu_service.api import chat_formats
 from gpu_service.api.tiktoken_tokenizer import TiktokenTokenizer
 from gpu_service.api.tokenizer_base import BaseTokenizer, TokenizerError, _read_json
@@ -59,6 +60,8 @@ def load_tokenizer(model_dir: str, chat_template: str | None = None) -> BaseToke
             f"{model_dir}: no tokenizer: looked for {' and '.join(TOKENIZER_FILES)} (with tokenizer_config.json); "
             "copy the checkpoint's tokenizer files there, or pass token ids (--prompt-ids / prompt arrays)")
     model_config = _read_json(os.path.join(model_dir, "config.json"))
+    if kimi_k25.is_kimi_k25(model_config):  # image parts are refused naming the unserved vision tower
+        tok.vision_wrapper = (model_config.get("architectures") or [kimi_k25.ARCHITECTURE])[0]
     try:
         tok.chat_format = chat_formats.load_chat_format(model_dir, config, model_config, tok.special_tokens_map(),
                                                         override=chat_template)

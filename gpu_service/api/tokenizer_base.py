@@ -41,6 +41,7 @@ class BaseTokenizer:
         self.special_ids: set[int] = set()  # dropped by decode(skip_special_tokens=True)...
         self.kept_ids: set[int] = set()  # ...except these (parsers' markers)
         self.chat_format = None
+        self.vision_wrapper: str | None = None  # a multimodal checkpoint's architecture (api.tokenizer)
         gen = _read_json(os.path.join(model_dir, "generation_config.json"))
         eos = gen.get("eos_token_id")
         self.generation_config = gen

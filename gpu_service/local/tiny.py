@@ -17,6 +17,9 @@ Formats:
 
 DeepSeek-V4 (`--arch deepseek_v4`, `--v4-schedule flash|pro`, `--format mxfp4|fp8|bf16`) is
 written by gpu_service.local.tiny_v4 (numpy only, real V4 layout); make_tiny dispatches to it.
+Kimi-K2.5 (`--arch kimi_k25`, INT4 experts by default): this V3 language model stored under
+`language_model.` in a `KimiK25ForConditionalGeneration` wrapper with tiny vision tensors
+(gpu_service.local.tiny_kimi_k25) and the kimi-k2.5 tokenizer.
 
 This module imports torch and transformers; the runtime never does. Where transformers does not
 import (a bare CUDA host running `make gpu-check`), `init="auto"` draws the same kinds of weights
@@ -36,7 +39,7 @@ import struct
 
 import numpy as np
 
-from checkpoint import names as N
+from checkpoint import kimi_k25, names as N
 from checkpoint.config import load_config
 from checkpoint.formats import pack_int4, quant_fp8_block
 from gpu_service.local import tiny_v4
@@ -349,35 +352,10 @@ def write_tokenizer(out_dir: str, vocab_size: int) -> None:
         json.dump({"bos_token": BOS, "eos_token": EOS, "pad_token": EOS}, f, indent=2, ensure_ascii=False)
 
 
-def make_tiny(out_dir: str, fmt: str | None = None, seed: int = 0, overrides: dict | None = None,
-              arch: str = "deepseek_v3", tokenizer: str | None = None, v4_schedule: str = "flash",
-              init: str = "auto") -> str:
-    """Write a tiny random checkpoint to out_dir (created if needed); returns out_dir. `tokenizer`:
-    None for the simple built-in one, else one of gpu_service.local.tiny_tokenizers.KINDS. fmt
-    None: bf16 (V3 / V3.2). arch "deepseek_v4": gpu_service.local.tiny_v4.make_tiny_v4 (fmt
-    mxfp4 (None) | fp8 | bf16, v4_schedule flash|pro) with the simple tokenizer. `init` (V3 / V3.2):
-    "transformers" (the oracle's weights), "torch" (`random_tensors`), "auto" (transformers where
-    it imports)."""
-    from gpu_service.local import tiny_tokenizers
-
-    if arch == "deepseek_v4":
-        if tokenizer is not None:
-            raise ValueError("tokenizer kinds are not available for deepseek_v4 yet (its encoder is its own "
-                             "piece of work); pass tokenizer=None for the simple built-in tokenizer")
-        return tiny_v4.make_tiny_v4(out_dir, fmt=fmt or "mxfp4", seed=seed, overrides=overrides, v4_schedule=v4_schedule,
-                                    write_tokenizer=write_tokenizer)
-
-    if tokenizer is not None:
-        overrides = {"vocab_size": tiny_tokenizers.vocab_size(tokenizer), **(overrides or {})}
-        if tokenizer.startswith("kimi"):
-            n = overrides["vocab_size"] - 256
-            overrides = {"bos_token_id": n, "eos_token_id": n + 1, **overrides}
-    fmt = fmt or "bf16"
-    cfg = tiny_config(arch, fmt, overrides)
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
-    mc = load_config(out_dir)  # the file we wrote must load
+def language_model_tensors(cfg: dict, mc, fmt: str, seed: int, init: str = "auto") -> dict:
+    """{stored name: torch tensor in the stored dtype} of a V3 / V3.2 language model with config
+    dict `cfg` (loaded as `mc`), drawn by transformers' oracle or by `random_tensors` (`init`),
+    checked against checkpoint.names.expected_shapes."""
     if init == "auto":
         init = "transformers" if importlib.util.find_spec("transformers") is not None else "torch"
         if init == "torch":
@@ -399,6 +377,41 @@ def make_tiny(out_dir: str, fmt: str | None = None, seed: int = 0, overrides: di
     for n, shape in want.items():
         if tuple(tensors[n].shape) != shape:
             raise RuntimeError(f"make-tiny: {n} has shape {tuple(tensors[n].shape)}, names.py expects {shape}")
+    return stored
+
+
+def make_tiny(out_dir: str, fmt: str | None = None, seed: int = 0, overrides: dict | None = None,
+              arch: str = "deepseek_v3", tokenizer: str | None = None, v4_schedule: str = "flash",
+              init: str = "auto") -> str:
+    """Write a tiny random checkpoint to out_dir (created if needed); returns out_dir. `tokenizer`:
+    None for the simple built-in one, else one of gpu_service.local.tiny_tokenizers.KINDS. fmt
+    None: bf16 (V3 / V3.2), int4 (kimi_k25: gpu_service.local.tiny_kimi_k25). arch "deepseek_v4": gpu_service.local.tiny_v4.make_tiny_v4 (fmt
+    mxfp4 (None) | fp8 | bf16, v4_schedule flash|pro) with the simple tokenizer. `init` (V3 / V3.2):
+    "transformers" (the oracle's weights), "torch" (`random_tensors`), "auto" (transformers where
+    it imports)."""
+    from gpu_service.local import tiny_tokenizers
+
+    if arch == "deepseek_v4":
+        if tokenizer is not None:
+            raise ValueError("tokenizer kinds are not available for deepseek_v4 yet (its encoder is its own "
+                             "piece of work); pass tokenizer=None for the simple built-in tokenizer")
+        return tiny_v4.make_tiny_v4(out_dir, fmt=fmt or "mxfp4", seed=seed, overrides=overrides, v4_schedule=v4_schedule,
+                                    write_tokenizer=write_tokenizer)
+
+    if arch == "kimi_k25":
+        return _make_tiny_kimi_k25(out_dir, fmt or "int4", seed, overrides, tokenizer or "kimi-k2.5", init)
+    if tokenizer is not None:
+        overrides = {"vocab_size": tiny_tokenizers.vocab_size(tokenizer), **(overrides or {})}
+        if tokenizer.startswith("kimi"):
+            n = overrides["vocab_size"] - 256
+            overrides = {"bos_token_id": n, "eos_token_id": n + 1, **overrides}
+    fmt = fmt or "bf16"
+    cfg = tiny_config(arch, fmt, overrides)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    mc = load_config(out_dir)  # the file we wrote must load
+    stored = language_model_tensors(cfg, mc, fmt, seed, init)
     _write_shards(out_dir, stored, mc.num_hidden_layers)
     if tokenizer is not None:
         tiny_tokenizers.write(tokenizer, out_dir, TOKENIZER_TEXT, SPECIAL_TOKENS)
@@ -413,6 +426,32 @@ def make_tiny(out_dir: str, fmt: str | None = None, seed: int = 0, overrides: di
     return out_dir
 
 
+def _make_tiny_kimi_k25(out_dir: str, fmt: str, seed: int, overrides: dict | None, tokenizer: str,
+                        init: str) -> str:
+    """make-tiny --arch kimi_k25 (gpu_service.local.tiny_kimi_k25): the V3 language model of
+    `language_model_tensors` under `language_model.`, the vision tensors, the wrapper config.json,
+    Kimi's tiktoken tokenizer; `overrides` apply to the text config."""
+    from gpu_service.local import tiny_kimi_k25, tiny_tokenizers
+
+    if not tokenizer.startswith("kimi"):
+        raise ValueError(f"--arch kimi_k25 takes a Kimi tokenizer (kimi-k2.5), not {tokenizer!r}")
+    n = tiny_tokenizers.vocab_size(tokenizer) - 256
+    overrides = {"vocab_size": n + 256, "bos_token_id": n, "eos_token_id": n + 1, **(overrides or {})}
+    text = tiny_config("deepseek_v3", fmt, overrides)
+    cfg = tiny_kimi_k25.wrapper_config(text)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    mc = load_config(out_dir)  # the file we wrote must load, as the prefixed language model
+    if mc.weight_prefix != kimi_k25.LANGUAGE_PREFIX:
+        raise RuntimeError("make-tiny: the written Kimi-K2.5 config did not load as a prefixed language model")
+    stored = {kimi_k25.stored_name(k): v for k, v in language_model_tensors(text, mc, fmt, seed, init).items()}
+    stored.update(tiny_kimi_k25.vision_tensors(cfg["vision_config"], mc.hidden_size, seed))
+    _write_shards(out_dir, stored, mc.num_hidden_layers)
+    tiny_tokenizers.write(tokenizer, out_dir, TOKENIZER_TEXT, SPECIAL_TOKENS)
+    return out_dir
+
+
 # ---- CLI ---------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """make-tiny's options (V3 / V3.2 and, with --arch deepseek_v4, gpu_service.local.tiny_v4)."""
@@ -424,8 +463,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--config", dest="config", default=None,
                    help="JSON file of config.json overrides, e.g. {\"num_hidden_layers\": 4}")
-    p.add_argument("--arch", choices=tuple(ARCHS) + ("deepseek_v4",), default="deepseek_v3",
-                   help="model architecture")
+    p.add_argument("--arch", choices=tuple(ARCHS) + ("deepseek_v4", "kimi_k25"), default="deepseek_v3",
+                   help="model architecture (kimi_k25: Kimi-K2.5's nested layout, INT4 experts by default, the "
+                        "kimi-k2.5 tokenizer)")
     p.add_argument("--v4-schedule", choices=SCHEDULES, default=None,
                    help="deepseek_v4 only: Flash-like (window, window, CSA/HCA...) or Pro-like (HCA, HCA, "
                         "CSA/HCA...) layer schedule (default flash)")
@@ -447,7 +487,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_v4(args, overrides)
     if args.v4_schedule is not None:
         raise SystemExit("--v4-schedule applies to --arch deepseek_v4 only")
-    args.fmt = args.fmt or "bf16"
+    args.fmt = args.fmt or ("int4" if args.arch == "kimi_k25" else "bf16")
     if args.fmt not in FORMATS:
         raise SystemExit(f"--format {args.fmt} is for --arch deepseek_v4; {args.arch} takes {', '.join(FORMATS)}")
     out = make_tiny(args.out_dir, fmt=args.fmt, seed=args.seed, overrides=overrides, arch=args.arch,

@@ -4,6 +4,9 @@
                                 Kimi's pre-tokenization pattern) + tokenizer_config.json whose
                                 added_tokens_decoder names the 256 slots after the ranks at Kimi's
                                 offsets ([BOS] +0, [EOS] +1, <|im_end|> +2, ...) + chat_template.jinja
+    kimi-k2.5                   the same files with K2-Thinking's <think> slots and K2.5's media
+                                tokens (<|media_begin|> +18 ... <|media_pad|> +21); the chat template is
+                                K2-Thinking's (K2.5's own template is not written yet)
     deepseek-v3, deepseek-r1    tokenizer.json (byte-level BPE) with DeepSeek's special-token strings,
                                 tokenizer_config.json with a Jinja chat_template
     deepseek-v32                the same tokenizer.json and no template (the built-in format serves it)
@@ -20,7 +23,7 @@ import os
 
 from gpu_service.local import tiny_templates as T
 
-KINDS = ("kimi-k2", "kimi-k2-thinking", "deepseek-v3", "deepseek-r1", "deepseek-v32")
+KINDS = ("kimi-k2", "kimi-k2-thinking", "kimi-k2.5", "deepseek-v3", "deepseek-r1", "deepseek-v32")
 KIMI_RANKS = 512  # 256 bytes + 256 merges
 KIMI_SPECIAL = {  # offset after the ranks -> (name, special)
     0: ("[BOS]", True), 1: ("[EOS]", True), 2: ("<|im_end|>", True), 3: ("<|im_user|>", True),
@@ -30,6 +33,8 @@ KIMI_SPECIAL = {  # offset after the ranks -> (name, special)
     14: ("<|tool_call_argument_begin|>", False), 15: ("<|tool_call_end|>", False), 17: ("<|im_middle|>", True),
     254: ("[UNK]", True), 255: ("[PAD]", True)}
 KIMI_THINK = {22: ("<think>", False), 23: ("</think>", False)}  # offsets unconfirmed (formats.md)
+KIMI_MEDIA = {18: ("<|media_begin|>", True), 19: ("<|media_content|>", True), 20: ("<|media_end|>", True),
+              21: ("<|media_pad|>", True)}  # K2.5: ids 163602..163605 = [BOS] 163584 + 18..21
 DEEPSEEK_ADDED = ["<think>", "</think>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
                   "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>",
                   "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"]
@@ -79,7 +84,9 @@ def _write_json(path: str, obj: dict) -> None:
         json.dump(obj, f, indent=2, ensure_ascii=False)
 
 
-def write_kimi(out_dir: str, thinking: bool, text: str) -> dict:
+def write_kimi(out_dir: str, thinking: bool, text: str, media: bool = False) -> dict:
+    """tiktoken.model + tokenizer_config.json + chat_template.jinja + generation_config.json of a
+    tiny Kimi tokenizer; `media` adds K2.5's image placeholder tokens."""
     from gpu_service.api.tiktoken_tokenizer import KIMI_PATTERN
 
     ranks = train_ranks(text * 4, KIMI_RANKS, KIMI_PATTERN)
@@ -87,7 +94,7 @@ def write_kimi(out_dir: str, thinking: bool, text: str) -> dict:
         for tok, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
             f.write(f"{base64.b64encode(tok).decode()} {rank}\n")
     n = len(ranks)
-    special = {**KIMI_SPECIAL, **(KIMI_THINK if thinking else {})}
+    special = {**KIMI_SPECIAL, **(KIMI_THINK if thinking else {}), **(KIMI_MEDIA if media else {})}
     _write_json(os.path.join(out_dir, "tokenizer_config.json"), {
         "added_tokens_decoder": {str(n + k): {"content": name, "lstrip": False, "normalized": False,
                                               "rstrip": False, "single_word": False, "special": sp}
@@ -144,5 +151,5 @@ def write(kind: str, out_dir: str, text: str, special_tokens: list[str]) -> dict
     vocab_size(kind)  # validates the name
     text = text + "你好，世界！我们今天学习。Don't stop; it's 2024. 😀 {\"city\": \"Paris\", \"days\": 3}\n"
     if kind.startswith("kimi"):
-        return write_kimi(out_dir, kind == "kimi-k2-thinking", text)
+        return write_kimi(out_dir, kind != "kimi-k2", text, media=kind == "kimi-k2.5")
     return write_deepseek(out_dir, kind, text, special_tokens)

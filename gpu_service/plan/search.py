@@ -36,7 +36,7 @@ from gpu_service.plan.bytes import (
     checkpoint_format, qlinear_scratch_bytes,
 )
 from gpu_service.plan.host_tier import host_kv_fields
-from gpu_service.plan.report import render_table
+from gpu_service.plan.report import not_planned, render_table
 
 
 @dataclass
@@ -124,6 +124,9 @@ class Plan:
             "kv_bytes_per_token": kv_bytes_per_token(self.cfg, self.options.eb),
             "fingerprint": self.cfg.fingerprint(),
         }
+        vt = not_planned(self.cfg)
+        if vt:
+            d["not_planned"] = [vt]
         if not self.fits:
             d["missing_bytes"] = self.missing_bytes
             d["suggestions"] = list(self.suggestions)

@@ -24,7 +24,7 @@ def template_family(template: str, model_config: dict) -> str | None:
     archs = model_config.get("architectures") or []
     if "DeepseekV32ForCausalLM" in archs:
         return "deepseek_v32"
-    if "<|im_middle|>" in template or model_config.get("model_type") == "kimi_k2":
+    if "<|im_middle|>" in template or model_config.get("model_type") in ("kimi_k2", "kimi_k25"):
         return "kimi_k2"
     if "<｜Assistant｜>" in template:
         if "<｜tool▁sep｜>" in template and "```json" not in template and "function<｜tool▁sep｜>" not in template:

@@ -57,7 +57,8 @@ def router(ctx: ApiContext) -> APIRouter:
     def _encode_chat(body: dict) -> list[int]:
         need_tokenizer("messages")
         fmt = tokenizer.chat_format
-        msgs = normalize_messages(body["messages"], keep_developer=getattr(fmt, "family", None) == "deepseek_v32")
+        msgs = normalize_messages(body["messages"], keep_developer=getattr(fmt, "family", None) == "deepseek_v32",
+                                  vision=getattr(tokenizer, "vision_wrapper", None))
         if ctx.max_chars is not None:
             too_large("conversation (characters)", sum(len(m.get("content") or "") for m in msgs), ctx.max_chars,
                       "--max-prompt-chars")
