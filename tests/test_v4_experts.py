@@ -167,14 +167,17 @@ def test_split_shards_sum_to_the_whole(flash):
 
 
 @KERNELS
-@pytest.mark.parametrize("which", ["flash", "pro_fp8"])
-def test_kernels_hold_v4_experts_exactly_as_bf16(which, request):
-    """auto on MXFP4 / FP8-e8m0 = bf16 kernels, and bf16 holds every dequantised weight exactly."""
+@pytest.mark.parametrize("which,asked,held", [("flash", "auto", "mxfp4"), ("flash", "bf16", "bf16"),
+                                              ("pro_fp8", "auto", "bf16")])
+def test_kernels_hold_v4_experts_exactly(which, asked, held, request):
+    """auto on MXFP4 = mxfp4 kernels holding the stored nibbles and e8m0 scales; --weight-format
+    bf16 on MXFP4 and auto on FP8-e8m0 = bf16 kernels; either way every weight the kernels hold is
+    the dequantised checkpoint weight exactly."""
     from cpu_expert_service.server import load_shard
 
     d = request.getfixturevalue(which)
-    cfg, be, info = load_shard(d, [1, 4, 9], None, backend="kernels")
-    assert be.weight_format == "bf16" and info["serve_format"] == "bf16" and be.swiglu_limit == 10.0
+    cfg, be, info = load_shard(d, [1, 4, 9], None, backend="kernels", weight_format=asked)
+    assert be.weight_format == held and info["serve_format"] == held and be.swiglu_limit == 10.0
     r = CheckpointReader(d, any_architecture=True)
     for e in (1, 4, 9):
         for p, got in zip(("gate", "up", "down"), be.dequantised(L_TEST, e)):
@@ -219,10 +222,21 @@ def test_kernels_apply_swiglu_limit_in_c(flash, isa):
 
 
 @KERNELS
-def test_kernels_and_numpy_agree_through_load_shard(flash):
+def test_kernels_and_numpy_agree_through_load_shard(flash, pro_fp8):
+    """A half slice on mxfp4 kernels (auto) against numpy; mxfp4 on anything but MXFP4, and a slice
+    off the group of 32, are refused."""
     from cpu_expert_service.server import load_shard
 
     cfg, kb, _ = load_shard(flash, None, (1, 2), backend="kernels")
+    assert kb.weight_format == "mxfp4"
+    with pytest.raises(ValueError, match="stores fp8_e8m0"):
+        load_shard(pro_fp8, [0], None, backend="kernels", weight_format="mxfp4")
+    from cpu_expert_service.shard_load import slice_range
+
+    I = cfg.moe_intermediate_size
+    bad = next((i, n) for n in range(2, 9) for i in range(n) if slice_range(I, i, n)[0] % 32)
+    with pytest.raises(ValueError, match="group of 32"):
+        load_shard(flash, [0], bad, backend="kernels")
     _, nb, _ = load_shard(flash, None, (1, 2), backend="numpy", weight_format="bf16")
     x, ids, w = inputs(cfg, T=10, seed=11)
     x = _bf16(x)
@@ -294,7 +308,7 @@ def test_convert_keeps_mxfp4_as_stored_and_packed_shards_serve_it(flash, tmp_pat
     if "kernels" in available_backends():
         _, pk, info = load_packed(out, 0, backend="kernels")
         _, lk, _ = load_shard(flash, None, (0, 2), backend="kernels")
-        assert info["serve_format"] == "bf16" and pk.swiglu_limit == 10.0
+        assert info["serve_format"] == "mxfp4" and pk.swiglu_limit == 10.0
         np.testing.assert_array_equal(pk.forward(L_TEST, x, ids, w), lk.forward(L_TEST, x, ids, w))
 
 
