@@ -4,7 +4,8 @@ probed in the same run.
 
 H 4096, I 2048, E = 8 experts, top-6, 1 and 256 tokens per call, 2 threads (the kernels' pool),
 caches flushed before every timed call (bench_kernels.timed). Both engines hold the same weights:
-the bf16 one gets dequant_mxfp4 of the mxfp4 one's blocks (exact in bf16). GB/s counts the packed
+the bf16 one gets dequant_mxfp4 of the mxfp4 one's blocks (exact in bf16); an int4 engine (the
+same panel layout and bytes, its own nibble code) re-quantises them, as the layout's reference speed. GB/s counts the packed
 bytes of the experts a call touches once (what a weight stream must read). Writes
 bench/results/mxfp4.json.
 
@@ -43,17 +44,18 @@ def mxfp4_expert(rng):
 
 
 def build(threads: int):
-    """The two engines holding the same E experts (layer 0)."""
+    """The engines holding the same E experts (layer 0): mxfp4 as stored, bf16 exact, int4 re-quantised."""
     rng = np.random.default_rng(0)
-    mx = KernelExperts("mxfp4", num_threads=threads)
-    bf = KernelExperts("bf16", num_threads=threads)
+    engines = {fmt: KernelExperts(fmt, num_threads=threads) for fmt in ("mxfp4", "bf16", "int4")}
     for e in range(E):
         st = mxfp4_expert(rng)
-        mx.add_expert_mxfp4(0, e, *st)
-        bf.add_expert(0, e, *(dequant_mxfp4(st[2 * j], st[2 * j + 1]) for j in range(3)))
-    mx.finalize()
-    bf.finalize()
-    return {"mxfp4": mx, "bf16": bf}
+        engines["mxfp4"].add_expert_mxfp4(0, e, *st)
+        deq = [dequant_mxfp4(st[2 * j], st[2 * j + 1]) for j in range(3)]
+        engines["bf16"].add_expert(0, e, *deq)
+        engines["int4"].add_expert(0, e, *deq)
+    for be in engines.values():
+        be.finalize()
+    return engines
 
 
 def routing(T: int, seed: int):
