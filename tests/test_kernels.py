@@ -200,6 +200,13 @@ def test_mxfp4_checkpoint_format_held_as_stored(isa):
         for mine, theirs in zip(be.dequantised(0, e), deq[e]):
             np.testing.assert_array_equal(mine, theirs)
     assert be.expert_bytes(0, 0) == 3 * H * I * 576 // 1024  # 4.5 bits a weight: nibbles + a bf16 scale per 32
+    # every e8m0 exponent 0..254 (2^-127 .. 2^127; f32 subnormals and overflow to inf included) with every code
+    codes = np.tile(np.arange(16, dtype=np.uint8), (256, 2))  # [256, 32]: I 256 rows, H 32
+    every = [pack_mxfp4_codes(codes), np.minimum(np.arange(256), 254).astype(np.uint8)[:, None]]
+    be.add_expert_mxfp4(1, 0, *every, *every, pack_mxfp4_codes(np.zeros((32, 256), np.uint8)),
+                        np.full((32, 8), 127, np.uint8))
+    with np.errstate(over="ignore"):  # 4 and 6 x 2^127 are inf in f32, in the kernels and in numpy alike
+        np.testing.assert_array_equal(be.dequantised(1, 0)[0], dequant_mxfp4(*every))
     be.finalize()
     x = rng.standard_normal((9, H), dtype=np.float32)
     ids = rng.integers(0, 3, size=(9, 2)).astype(np.int64)

@@ -402,6 +402,25 @@ def test_expert_server_processes_serve_v4(flash, tmp_path):
             shards.stop()
 
 
+def test_mxfp4_hand_over_refuses_nan_scales():
+    """An e8m0 scale byte 255 (NaN) is corrupt data: refused before the kernels see it, naming the file."""
+    from checkpoint.reader import CheckpointError
+    from cpu_expert_service.arch import add_mxfp4_expert
+
+    class Sink:
+        got = None
+
+        def add_expert_mxfp4(self, *args):
+            Sink.got = args
+
+    ok = [{"weight": np.zeros((64, 16), np.uint8), "scale": np.full((64, 1), 127, np.uint8)}] * 3
+    add_mxfp4_expert(Sink(), 3, 1, ok, ["g", "u", "d"], lambda n: "f.safetensors")
+    assert Sink.got[:2] == (3, 1) and len(Sink.got) == 8
+    bad = ok[:2] + [{"weight": ok[2]["weight"], "scale": np.full((64, 1), 255, np.uint8)}]
+    with pytest.raises(CheckpointError, match="f.safetensors.*'d'.*255"):
+        add_mxfp4_expert(Sink(), 3, 1, bad, ["g", "u", "d"], lambda n: "f.safetensors")
+
+
 def test_bf16_exact_refuses_what_bf16_would_round(tmp_path):
     """The load-time check: MXFP4 values (any e8m0 scale that decodes finite) pass; a value with
     more than 8 significant bits, or an FP8 block scaled into bf16's subnormal gap, is refused."""
