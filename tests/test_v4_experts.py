@@ -350,7 +350,7 @@ def test_shared_memory_loop_and_clients_apply_the_limit(flash):
     srv, port = create_server(flash, backend="kernels", shm_dir="/dev/shm", data_port=0)
     try:
         cfg, be = srv.servicer.cfg, srv.servicer.backend
-        assert be.swiglu_limit == 10.0
+        assert be.swiglu_limit == 10.0 and be.weight_format == "mxfp4"  # the C loop runs the mxfp4 panels
         addr = f"127.0.0.1:{port}"
         ch, fp = _raw(addr, cfg)
         try:
