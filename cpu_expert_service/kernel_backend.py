@@ -19,7 +19,7 @@ from cpu_expert_service.kernels import _moe
 
 ISA_ENV = "MOESPLIT_KERNEL_ISA"
 ISA_ORDER = ("amx", "avx512", "avx2", "generic")  # best first
-FORMATS = ("bf16", "int8", "int4")
+FORMATS = ("bf16", "int8", "int4", "mxfp4")
 
 # decided once at import: what this machine can run (amx also asks the OS for tile permission)
 AVAILABLE_ISAS: tuple[str, ...] = tuple(isa for isa in ISA_ORDER if _moe.cpu_has(isa))
@@ -115,6 +115,19 @@ class KernelExperts:
             args += [packed, scale.view(np.uint16)]
         self._engine.add_int4(int(layer), int(expert), H, I, *args)
 
+    def add_expert_mxfp4(self, layer, expert, gate_blocks, gate_scale, up_blocks, up_scale,
+                         down_blocks, down_scale) -> None:
+        """Load OCP MXFP4 experts as stored (DeepSeek-V4): *_blocks I8/uint8 [out, in/2] (element 2j in
+        the low nibble), *_scale F8_E8M0 (ml_dtypes or raw uint8) [out, in/32]; gate/up [I, H], down
+        [H, I], H and I multiples of 32. Held as e2m1 nibbles + one power-of-two scale per 32 inputs."""
+        self._check_open()
+        if self.weight_format != "mxfp4":
+            raise ValueError(f"add_expert_mxfp4 needs weight_format='mxfp4', this backend is {self.weight_format!r}")
+        gb, gs, ub, us, db, ds = (np.ascontiguousarray(a).view(np.uint8) for a in
+                                  (gate_blocks, gate_scale, up_blocks, up_scale, down_blocks, down_scale))
+        I, H = gb.shape[0], gb.shape[1] * 2
+        self._engine.add_mxfp4(int(layer), int(expert), H, I, gb, gs, ub, us, db, ds)
+
     def finalize(self) -> None:
         self._finalized = True
 
@@ -154,9 +167,9 @@ class KernelExperts:
 
 def make_backend(weight_format: str = "bf16", num_threads: int | None = None,
                  swiglu_limit: float | None = None) -> KernelExperts:
-    """Backend for a checkpoint storage format: int4 and int8 keep their width, everything else
-    (bf16, fp8, f16, f32, and DeepSeek-V4's fp8_e8m0 and mxfp4) runs as bf16. For mxfp4 and
-    fp8_e8m0 that is exact: e2m1 (2 significant bits) or e4m3 (4) times a power of two fits bf16's
-    8-bit significand (load_shard checks every weight; see mxfp4_as_bf16)."""
-    fmt = weight_format if weight_format in ("int4", "int8") else "bf16"
+    """Backend for a checkpoint storage format: int4, int8 and mxfp4 (DeepSeek-V4) keep their width
+    (mxfp4: e2m1 nibbles + a power-of-two scale per 32, as stored), everything else (bf16, fp8, f16,
+    f32, DeepSeek-V4's fp8_e8m0) runs as bf16. For fp8_e8m0 that is exact: e4m3 (4 significant bits)
+    times a power of two fits bf16's 8-bit significand (load_shard checks every weight)."""
+    fmt = weight_format if weight_format in ("int4", "int8", "mxfp4") else "bf16"
     return KernelExperts(weight_format=fmt, num_threads=num_threads, swiglu_limit=swiglu_limit)

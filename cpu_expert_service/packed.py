@@ -43,11 +43,11 @@ from checkpoint.config_v4 import load_any_config
 from checkpoint.manifest import MANIFEST, VERSION, PackedError, read_manifest  # noqa: F401 (convert uses P.MANIFEST)
 from checkpoint.formats import as_format, pack_int4, quant_int8_channel
 from checkpoint.names import PROJS, expert_weight
-from cpu_expert_service.arch import V4_EXACT_IN_BF16, bf16_exact, expert_weight_name, swiglu_limit_of
+from cpu_expert_service.arch import V4_EXACT_IN_BF16, add_mxfp4_expert, bf16_exact, expert_weight_name, swiglu_limit_of
 from checkpoint.reader import DTYPES, CheckpointError, SafetensorsFile, _ST_NAME
 
 FORMATS = ("bf16", "int8", "int4", "mxfp4")
-SERVE_FORMATS = ("bf16", "int8", "int4")  # how a shard may hold them (mxfp4 runs as bf16, exactly)
+SERVE_FORMATS = ("bf16", "int8", "int4", "mxfp4")  # how a shard may hold them (mxfp4: MXFP4 files only)
 SPLITS = ("intermediate", "experts")
 INT4_GROUP = 32  # the kernels' (and Kimi-K2-Thinking's) group size
 PARTIAL = ".partial"  # temporary layer files: layer-003.safetensors.partial-<pid>
@@ -277,7 +277,8 @@ def load_packed(packed_dir: str, shard_index: int, backend: str = "numpy", weigh
     and handed to add_expert, where INT8 kernels re-quantise it to the same q and scale (the scales
     convert writes are fl(amax/127), and fl(fl(127 * s) / 127) == s for those); the numpy backend
     with an explicit other format rounds through it (checkpoint.formats.as_format). MXFP4 files
-    (DeepSeek-V4) are dequantised exactly; the kernels hold them as bf16, exactly (bf16_exact)."""
+    (DeepSeek-V4) go into mxfp4 kernels as stored (add_mxfp4_expert); with --weight-format bf16 they
+    are dequantised exactly and held as bf16, exactly (bf16_exact)."""
     from checkpoint.reader import CheckpointReader
     from cpu_expert_service.backend import make_backend
 
@@ -291,6 +292,9 @@ def load_packed(packed_dir: str, shard_index: int, backend: str = "numpy", weigh
     serve = fmt if weight_format == "auto" else weight_format
     if weight_format != "auto" and serve not in SERVE_FORMATS:
         raise ValueError(f"--weight-format {weight_format!r}: choose auto, {', '.join(SERVE_FORMATS)}")
+    if serve == "mxfp4" and fmt != "mxfp4":
+        raise ValueError(f"--weight-format mxfp4 holds MXFP4 experts as stored; {packed_dir} holds {fmt}: "
+                         f"choose auto, {', '.join(f for f in SERVE_FORMATS if f != 'mxfp4')}")
     name_of = expert_weight_name(cfg)
     sdir = os.path.join(packed_dir, s["dir"])
     H = cfg.hidden_size
@@ -306,12 +310,16 @@ def load_packed(packed_dir: str, shard_index: int, backend: str = "numpy", weigh
     be = make_backend(backend, weight_format=serve, swiglu_limit=swiglu_limit_of(cfg))
     kernels = hasattr(be, "add_expert_int4")
     native_int4 = kernels and fmt == "int4" and be.weight_format == "int4"
+    native_mxfp4 = kernels and fmt == "mxfp4" and be.weight_format == "mxfp4"
     check_bf16 = kernels and fmt in V4_EXACT_IN_BF16 and be.weight_format == "bf16"
     t0 = time.perf_counter()
     reader = CheckpointReader(sdir, config=cfg)
     for layer in layers:
         for e in experts:
             names = [name_of(layer, e, p) for p in PROJS]
+            if native_mxfp4:  # the layer files hold the slice already
+                add_mxfp4_expert(be, layer, e, [reader.get_stored(n).arrays for n in names], names, reader.file_of)
+                continue
             if native_int4:
                 st = [reader.get_stored(n).arrays for n in names]
                 _check_finite(reader, names, [a["weight_scale"] for a in st])

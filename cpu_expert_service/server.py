@@ -8,7 +8,7 @@ tensor by tensor, through `CheckpointReader.get`, so its memory is its share of 
     moesplit expert-server --model DIR (--experts 0-7,9 | --slice 1/2) [--host H] [--port P]
                            [--port-file F] [--shard-id NAME] [--backend auto|kernels|numpy]
                            [--tls-cert F --tls-key F --tls-ca F] [--metrics-port N] [--shm-dir DIR]
-                           [--weight-format auto|bf16|int8|int4] [--auth-token-file F]
+                           [--weight-format auto|bf16|int8|int4|mxfp4] [--auth-token-file F]
     moesplit expert-server --packed OUTDIR --shard-index I [--model DIR] ...   (moesplit convert output)
     python -m cpu_expert_service.server ...   (same arguments)
 
@@ -348,8 +348,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--packed", help="serve from `moesplit convert` output OUTDIR instead of the checkpoint's files")
     p.add_argument("--shard-index", type=int, help="with --packed: which packed shard (0-based) to serve")
     p.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="auto",
-                   help="how the experts are held: auto (the checkpoint's / packed files': int4 stays int4, the "
-                        "rest, V4 MXFP4 too, runs as bf16) | bf16 | int8 | int4 (kernels quantise at load)")
+                   help="how the experts are held: auto (the checkpoint's / packed files': int4 stays int4, V4 "
+                        "MXFP4 stays mxfp4 as stored, the rest runs as bf16) | bf16 | int8 | int4 (kernels "
+                        "quantise at load) | mxfp4 (MXFP4 checkpoints only)")
     p.add_argument("--experts", help="routed expert ids to serve, e.g. '0-7,9' (default: all)")
     p.add_argument("--slice", dest="slice_spec", help="intermediate slice i/n to serve (0-based), e.g. 1/2")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")

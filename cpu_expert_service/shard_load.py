@@ -10,10 +10,12 @@ import time
 import numpy as np
 
 from checkpoint.config import ModelConfig
-from cpu_expert_service.arch import V4_EXACT_IN_BF16, bf16_exact, expert_weight_name, swiglu_limit_of
+from cpu_expert_service.arch import (V4_EXACT_IN_BF16, add_mxfp4_expert, bf16_exact, check_mxfp4_slice,
+                                    expert_weight_name, swiglu_limit_of)
 from cpu_expert_service.backend import ExpertBackend, make_backend
+from cpu_expert_service.packed import slice_mxfp4
 
-WEIGHT_FORMATS = ("auto", "bf16", "int8", "int4")  # --weight-format: how the shard holds its experts
+WEIGHT_FORMATS = ("auto", "bf16", "int8", "int4", "mxfp4")  # --weight-format: how the shard holds its experts
 
 
 # ---- what this shard serves -------------------------------------------------------------------
@@ -79,13 +81,15 @@ def load_shard(
 ) -> tuple[ModelConfig, ExpertBackend, dict]:
     """Read this shard's expert weights (only those) into a backend. Returns (cfg, backend, info).
 
-    weight_format: auto (the checkpoint's: int4 stays int4, bf16/fp8 run as bf16) | bf16 | int8 |
-    int4: the kernels quantise float weights at load; the numpy backend holds the same values
-    (checkpoint.formats.as_format).
+    weight_format: auto (the checkpoint's: int4 stays int4, mxfp4 stays mxfp4, bf16/fp8 run as bf16) |
+    bf16 | int8 | int4: the kernels quantise float weights at load; the numpy backend holds the same
+    values (checkpoint.formats.as_format) | mxfp4 (MXFP4 checkpoints only).
 
-    DeepSeek-V4 (V4Config): experts `layers.L.ffn.experts.E.w1|w3|w2` in MXFP4 or FP8-e8m0 are
-    dequantised exactly (checkpoint.formats_v4) and, under auto, held as bf16 by the kernels, which
-    is exact (checked per weight: bf16_exact); the backend applies the config's swiglu_limit."""
+    DeepSeek-V4 (V4Config): experts `layers.L.ffn.experts.E.w1|w3|w2` in MXFP4 are, under auto, held
+    by the kernels as stored (e2m1 nibbles + e8m0 group scales: add_expert_mxfp4; slices on groups
+    of 32); with --weight-format bf16, and for FP8-e8m0, they are dequantised exactly
+    (checkpoint.formats_v4) and held as bf16, which is exact (checked per weight: bf16_exact). The
+    numpy backend holds the exact f32 values. The backend applies the config's swiglu_limit."""
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"--weight-format {weight_format!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
     from checkpoint.formats import as_format
@@ -109,6 +113,9 @@ def load_shard(
     # headers only: every tensor served is present, inside its file and of the right shape
     reader.verify([expert_weight(layer, e, p) for layer in layers for e in experts for p in ("gate", "up", "down")])
     fmt = _weight_format(reader, expert_weight(layers[0], experts[0], "gate"), cfg) if layers else "f32"
+    if weight_format == "mxfp4" and fmt != "mxfp4":
+        raise ValueError(f"--weight-format mxfp4 holds MXFP4 experts as stored; {model_dir} stores {fmt}: "
+                         "choose auto, bf16, int8 or int4")
     be = make_backend(backend, weight_format=fmt if weight_format == "auto" else weight_format,
                       swiglu_limit=swiglu_limit_of(cfg))
     # V4 formats held as bf16 by the kernels: exact, checked per weight below
@@ -119,11 +126,20 @@ def load_shard(
     whole = (i0, i1) == (0, I)
     # INT4 checkpoints load into INT4 kernels as stored (re-quantising dequantised INT4 is lossy)
     native_int4 = fmt == "int4" and hasattr(be, "add_expert_int4") and be.weight_format == "int4"
+    native_mxfp4 = fmt == "mxfp4" and hasattr(be, "add_expert_mxfp4") and be.weight_format == "mxfp4"
+    if native_mxfp4:
+        check_mxfp4_slice(i0, i1, f"slice {s_idx}/{s_cnt}")
     if native_int4 and (i0 % 32 or (i1 % 32 and i1 != I)):
         raise ValueError(f"slice {s_idx}/{s_cnt} = intermediate [{i0}:{i1}) does not align to the INT4 group of 32; "
                          f"use a slice count that divides {I // 32}, --weight-format bf16|int8, or --backend numpy")
     for layer in layers:
         for e in experts:
+            if native_mxfp4:
+                names = [expert_weight(layer, e, p) for p in ("gate", "up", "down")]
+                st = [dict(zip(("weight", "scale"), slice_mxfp4(reader.get_stored(n).arrays, p, i0, i1)))
+                      for n, p in zip(names, ("gate", "up", "down"))]
+                add_mxfp4_expert(be, layer, e, st, names, reader.file_of)
+                continue
             if native_int4:
                 st = [reader.get_stored(expert_weight(layer, e, p)).arrays for p in ("gate", "up", "down")]
                 for proj, a in zip(("gate", "up", "down"), st):

@@ -2,7 +2,7 @@
 
 Every (weight format, ISA this CPU has) pair: odd token counts, experts with no tokens, a token
 routed twice to one expert, ids the backend does not hold, H and I not multiples of 64. The
-reference is f32 math on the weights exactly as packed (bf16-rounded / int8 / int4 dequantised),
+reference is f32 math on the weights exactly as packed (bf16-rounded / int8 / int4 / mxfp4 dequantised),
 so what is measured is the kernels' own error (activation rounding and accumulation order).
 And batch invariance: a token row's output bits do not depend on the rest of the call.
 """
@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 kb = pytest.importorskip("cpu_expert_service.kernel_backend", reason="kernel extension not built (make build)")
+from checkpoint.formats_v4 import dequant_mxfp4, pack_mxfp4_codes, quant_mxfp4  # noqa: E402
 
-FORMATS = ("bf16", "int8", "int4")
+FORMATS = ("bf16", "int8", "int4", "mxfp4")
 ISAS_HERE = [isa for isa in ("avx512", "avx2", "generic") if isa in kb.AVAILABLE_ISAS]
 TOL = 1e-2
 
@@ -49,7 +50,10 @@ def make_backend(fmt, isa, H, I, experts, seed=0, threads=2):
         gate = rng.standard_normal((I, H), dtype=np.float32) * 0.2
         up = rng.standard_normal((I, H), dtype=np.float32) * 0.2
         down = rng.standard_normal((H, I), dtype=np.float32) * 0.2
-        be.add_expert(3, e, gate, up, down)
+        if fmt == "mxfp4":  # held only as a checkpoint stores it: quantised here, loaded as stored
+            be.add_expert_mxfp4(3, e, *quant_mxfp4(gate), *quant_mxfp4(up), *quant_mxfp4(down))
+        else:
+            be.add_expert(3, e, gate, up, down)
         src[e] = (gate, up, down)
     be.finalize()
     return be, src
@@ -66,10 +70,16 @@ def routing(rng, T, k, n_ids):
 @pytest.mark.parametrize("H,I", [(96, 40), (256, 128)])
 def test_matches_reference(fmt, isa, H, I):
     held = [0, 1, 2, 4, 5, 7]  # 3 and 6 are routed to but not held; 8, 9 never chosen when k small
+    if fmt == "mxfp4" and I % 32:  # one e8m0 scale per 32 inputs: the format has no partial group
+        stored = [np.zeros((I, H // 2), np.uint8), np.zeros((I, H // 32), np.uint8)] * 2 + [
+            np.zeros((H, I // 2), np.uint8), np.zeros((H, -(-I // 32)), np.uint8)]
+        with pytest.raises(ValueError, match="multiples of 32"):
+            kb.KernelExperts(fmt, num_threads=1, isa=isa).add_expert_mxfp4(3, 0, *stored)
+        return
     be, src = make_backend(fmt, isa, H, I, held)
     deq = {e: be.dequantised(3, e) for e in held}
-    # the packed weights are the inputs, quantised sensibly
-    qtol = {"bf16": 5e-3, "int8": 1.5e-2, "int4": 0.15}[fmt]
+    # the packed weights are the inputs, quantised sensibly (e2m1: 3 significant bits, power-of-two scale)
+    qtol = {"bf16": 5e-3, "int8": 1.5e-2, "int4": 0.15, "mxfp4": 0.2}[fmt]
     for e in held:
         for a, b in zip(deq[e], src[e]):
             assert rel_err(a, b) < qtol
@@ -167,6 +177,46 @@ def test_int4_checkpoint_format_loads_without_requantising(isa):
     err = rel_err(be.forward(0, x, ids, w), reference(deq, x, ids, w))
     print(f"\nint4 checkpoint {isa}: {err:.2e}")
     assert err < TOL
+
+
+@pytest.mark.parametrize("isa", ISAS_HERE)
+def test_mxfp4_checkpoint_format_held_as_stored(isa):
+    """MXFP4 blocks + e8m0 scales load without conversion: the kernels' weights are bit for bit
+    checkpoint.formats_v4.dequant_mxfp4 (every e2m1 code, scales 2^-20 .. 2^12), and the forward pass
+    matches float math on those weights to the two-level int8 activations' precision (~2^-15
+    relative per group, so 1e-3 on whole outputs; the integer dot products themselves are exact)."""
+    H, I = 128, 64
+    rng = np.random.default_rng(4)
+    be = kb.KernelExperts("mxfp4", num_threads=2, isa=isa)
+    deq = {}
+    for e in (0, 2):
+        stored = []
+        for o, i in ((I, H), (I, H), (H, I)):
+            codes = rng.integers(0, 16, size=(o, i), dtype=np.uint8)
+            scale = rng.integers(127 - 20, 127 + 12, size=(o, i // 32), dtype=np.uint8)
+            stored += [pack_mxfp4_codes(codes), scale]
+        be.add_expert_mxfp4(0, e, *stored)
+        deq[e] = tuple(dequant_mxfp4(stored[2 * j], stored[2 * j + 1]) for j in range(3))
+        for mine, theirs in zip(be.dequantised(0, e), deq[e]):
+            np.testing.assert_array_equal(mine, theirs)
+    assert be.expert_bytes(0, 0) == 3 * H * I * 576 // 1024  # 4.5 bits a weight: nibbles + a bf16 scale per 32
+    # every e8m0 exponent 0..254 (2^-127 .. 2^127; f32 subnormals and overflow to inf included) with every code
+    codes = np.tile(np.arange(16, dtype=np.uint8), (256, 2))  # [256, 32]: I 256 rows, H 32
+    every = [pack_mxfp4_codes(codes), np.minimum(np.arange(256), 254).astype(np.uint8)[:, None]]
+    be.add_expert_mxfp4(1, 0, *every, *every, pack_mxfp4_codes(np.zeros((32, 256), np.uint8)),
+                        np.full((32, 8), 127, np.uint8))
+    with np.errstate(over="ignore"):  # 4 and 6 x 2^127 are inf in f32, in the kernels and in numpy alike
+        np.testing.assert_array_equal(be.dequantised(1, 0)[0], dequant_mxfp4(*every))
+    be.finalize()
+    x = rng.standard_normal((9, H), dtype=np.float32)
+    ids = rng.integers(0, 3, size=(9, 2)).astype(np.int64)
+    w = rng.random((9, 2), dtype=np.float32)
+    for T in (1, 9):
+        err = rel_err(be.forward(0, x[:T], ids[:T], w[:T]), reference(deq, x[:T], ids[:T], w[:T]))
+        print(f"\nmxfp4 checkpoint {isa} T={T}: {err:.2e}")
+        assert err < 1e-3
+    with pytest.raises(ValueError, match="add_mxfp4"):
+        be._engine.add_float(0, 5, *(np.zeros(s, np.float32) for s in ((I, H), (I, H), (H, I))))
 
 
 def test_api_surface():
@@ -276,7 +326,7 @@ for spec in sys.argv[2].split(","):
     if form:
         os.environ["MOESPLIT_BF16_DOT"] = form
     for fmt in TK.FORMATS if not form else ("bf16",):
-        for H, I in ((160, 96), (96, 40)):
+        for H, I in ((160, 96), (96, 40) if fmt != "mxfp4" else (96, 64)):  # mxfp4: whole groups of 32
             be, _ = TK.make_backend(fmt, isa, H, I, range(4))
             deq = {e: be.dequantised(3, e) for e in range(4)}
             rng = np.random.default_rng(4)
@@ -322,7 +372,7 @@ def test_amx_and_avx512_kernels_under_emulation(tmp_path):
                        text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     results = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(results) == sum(1 if ":" in run else 3 for run in runs) * (2 * 4 + 1)  # formats x (shapes x T + 1)
+    assert len(results) == sum(1 if ":" in run else len(FORMATS) for run in runs) * (2 * 4 + 1)  # formats x (shapes x T + 1)
     for res in results:
         print(res)
         assert res["name"].split("-")[1] in ("amx", "avx512")

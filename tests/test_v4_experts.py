@@ -167,14 +167,17 @@ def test_split_shards_sum_to_the_whole(flash):
 
 
 @KERNELS
-@pytest.mark.parametrize("which", ["flash", "pro_fp8"])
-def test_kernels_hold_v4_experts_exactly_as_bf16(which, request):
-    """auto on MXFP4 / FP8-e8m0 = bf16 kernels, and bf16 holds every dequantised weight exactly."""
+@pytest.mark.parametrize("which,asked,held", [("flash", "auto", "mxfp4"), ("flash", "bf16", "bf16"),
+                                              ("pro_fp8", "auto", "bf16")])
+def test_kernels_hold_v4_experts_exactly(which, asked, held, request):
+    """auto on MXFP4 = mxfp4 kernels holding the stored nibbles and e8m0 scales; --weight-format
+    bf16 on MXFP4 and auto on FP8-e8m0 = bf16 kernels; either way every weight the kernels hold is
+    the dequantised checkpoint weight exactly."""
     from cpu_expert_service.server import load_shard
 
     d = request.getfixturevalue(which)
-    cfg, be, info = load_shard(d, [1, 4, 9], None, backend="kernels")
-    assert be.weight_format == "bf16" and info["serve_format"] == "bf16" and be.swiglu_limit == 10.0
+    cfg, be, info = load_shard(d, [1, 4, 9], None, backend="kernels", weight_format=asked)
+    assert be.weight_format == held and info["serve_format"] == held and be.swiglu_limit == 10.0
     r = CheckpointReader(d, any_architecture=True)
     for e in (1, 4, 9):
         for p, got in zip(("gate", "up", "down"), be.dequantised(L_TEST, e)):
@@ -219,10 +222,21 @@ def test_kernels_apply_swiglu_limit_in_c(flash, isa):
 
 
 @KERNELS
-def test_kernels_and_numpy_agree_through_load_shard(flash):
+def test_kernels_and_numpy_agree_through_load_shard(flash, pro_fp8):
+    """A half slice on mxfp4 kernels (auto) against numpy; mxfp4 on anything but MXFP4, and a slice
+    off the group of 32, are refused."""
     from cpu_expert_service.server import load_shard
 
     cfg, kb, _ = load_shard(flash, None, (1, 2), backend="kernels")
+    assert kb.weight_format == "mxfp4"
+    with pytest.raises(ValueError, match="stores fp8_e8m0"):
+        load_shard(pro_fp8, [0], None, backend="kernels", weight_format="mxfp4")
+    from cpu_expert_service.shard_load import slice_range
+
+    I = cfg.moe_intermediate_size
+    bad = next((i, n) for n in range(2, 9) for i in range(n) if slice_range(I, i, n)[0] % 32)
+    with pytest.raises(ValueError, match="group of 32"):
+        load_shard(flash, [0], bad, backend="kernels")
     _, nb, _ = load_shard(flash, None, (1, 2), backend="numpy", weight_format="bf16")
     x, ids, w = inputs(cfg, T=10, seed=11)
     x = _bf16(x)
@@ -294,7 +308,7 @@ def test_convert_keeps_mxfp4_as_stored_and_packed_shards_serve_it(flash, tmp_pat
     if "kernels" in available_backends():
         _, pk, info = load_packed(out, 0, backend="kernels")
         _, lk, _ = load_shard(flash, None, (0, 2), backend="kernels")
-        assert info["serve_format"] == "bf16" and pk.swiglu_limit == 10.0
+        assert info["serve_format"] == "mxfp4" and pk.swiglu_limit == 10.0
         np.testing.assert_array_equal(pk.forward(L_TEST, x, ids, w), lk.forward(L_TEST, x, ids, w))
 
 
@@ -336,7 +350,7 @@ def test_shared_memory_loop_and_clients_apply_the_limit(flash):
     srv, port = create_server(flash, backend="kernels", shm_dir="/dev/shm", data_port=0)
     try:
         cfg, be = srv.servicer.cfg, srv.servicer.backend
-        assert be.swiglu_limit == 10.0
+        assert be.swiglu_limit == 10.0 and be.weight_format == "mxfp4"  # the C loop runs the mxfp4 panels
         addr = f"127.0.0.1:{port}"
         ch, fp = _raw(addr, cfg)
         try:
@@ -386,6 +400,25 @@ def test_expert_server_processes_serve_v4(flash, tmp_path):
                 c.close()
         finally:
             shards.stop()
+
+
+def test_mxfp4_hand_over_refuses_nan_scales():
+    """An e8m0 scale byte 255 (NaN) is corrupt data: refused before the kernels see it, naming the file."""
+    from checkpoint.reader import CheckpointError
+    from cpu_expert_service.arch import add_mxfp4_expert
+
+    class Sink:
+        got = None
+
+        def add_expert_mxfp4(self, *args):
+            Sink.got = args
+
+    ok = [{"weight": np.zeros((64, 16), np.uint8), "scale": np.full((64, 1), 127, np.uint8)}] * 3
+    add_mxfp4_expert(Sink(), 3, 1, ok, ["g", "u", "d"], lambda n: "f.safetensors")
+    assert Sink.got[:2] == (3, 1) and len(Sink.got) == 8
+    bad = ok[:2] + [{"weight": ok[2]["weight"], "scale": np.full((64, 1), 255, np.uint8)}]
+    with pytest.raises(CheckpointError, match="f.safetensors.*'d'.*255"):
+        add_mxfp4_expert(Sink(), 3, 1, bad, ["g", "u", "d"], lambda n: "f.safetensors")
 
 
 def test_bf16_exact_refuses_what_bf16_would_round(tmp_path):

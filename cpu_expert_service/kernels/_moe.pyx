@@ -3,13 +3,13 @@
 pool, its kernel table (fixed at construction) and the packed experts of every layer.
 
 Use cpu_expert_service.kernel_backend.KernelExperts, not this module directly."""
-from libc.stdint cimport int32_t, int64_t, uint16_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t
 from libc.stdlib cimport calloc, free, realloc
 
 import numpy as np
 
 cdef extern from "moe.h" nogil:
-    int MOE_FMT_BF16, MOE_FMT_INT8, MOE_FMT_INT4
+    int MOE_FMT_BF16, MOE_FMT_INT8, MOE_FMT_INT4, MOE_FMT_MXFP4
     int MOE_ISA_GENERIC, MOE_ISA_AVX2, MOE_ISA_AVX512, MOE_ISA_AMX
     ctypedef struct MoePool:
         pass
@@ -37,6 +37,9 @@ cdef extern from "moe.h" nogil:
     int moe_expert_pack_int4(MoePool *pool, MoeExpert *e, int H, int I,
                              const int32_t *gp, const uint16_t *gs, const int32_t *upk,
                              const uint16_t *us, const int32_t *dp, const uint16_t *ds)
+    int moe_expert_pack_mxfp4(MoePool *pool, MoeExpert *e, int H, int I,
+                              const uint8_t *gb, const uint8_t *gs, const uint8_t *ub,
+                              const uint8_t *us, const uint8_t *db, const uint8_t *ds)
     void moe_expert_free(MoeExpert *e)
     size_t moe_expert_bytes(const MoeExpert *e)
     void moe_expert_unpack(const MoeExpert *e, int which, float *out)
@@ -45,7 +48,7 @@ cdef extern from "moe.h" nogil:
                     int k, float *out)
 
 ISAS = {"generic": MOE_ISA_GENERIC, "avx2": MOE_ISA_AVX2, "avx512": MOE_ISA_AVX512, "amx": MOE_ISA_AMX}
-FORMATS = {"bf16": MOE_FMT_BF16, "int8": MOE_FMT_INT8, "int4": MOE_FMT_INT4}
+FORMATS = {"bf16": MOE_FMT_BF16, "int8": MOE_FMT_INT8, "int4": MOE_FMT_INT4, "mxfp4": MOE_FMT_MXFP4}
 
 
 def cpu_has(str isa):
@@ -127,7 +130,7 @@ cdef class _Layer:
 
 
 cdef class Engine:
-    """Thread pool + kernel table + packed experts. fmt: bf16|int8|int4; isa: a key of ISAS that
+    """Thread pool + kernel table + packed experts. fmt: bf16|int8|int4|mxfp4 (mxfp4: add_mxfp4 only); isa: a key of ISAS that
     cpu_has() accepted; cpus: the CPUs to pin thread i to (cpus[i % len]); swiglu_limit: L > 0
     clamps gate to <= L and up to [-L, L] before silu(gate) * up (DeepSeek-V4), 0 = off."""
     cdef MoePool *pool
@@ -187,6 +190,8 @@ cdef class Engine:
     def add_float(self, int layer, int expert, const float[:, ::1] gate, const float[:, ::1] up,
                   const float[:, ::1] down):
         cdef int I = gate.shape[0], H = gate.shape[1], rc
+        if self.fmt == MOE_FMT_MXFP4:
+            raise ValueError("an mxfp4 engine takes the checkpoint's blocks and scales: use add_mxfp4")
         cdef _Layer L = self._layer(layer, H, I)
         cdef MoeExpert *e = L.slot(expert)
         with nogil:
@@ -206,6 +211,30 @@ cdef class Engine:
         with nogil:
             rc = moe_expert_pack_int4(self.pool, e, H, I, &gp[0, 0], &gs[0, 0], &upk[0, 0], &us[0, 0],
                                       &dp[0, 0], &ds[0, 0])
+        if rc != 0:
+            raise MemoryError(f"packing layer {layer} expert {expert} failed ({rc})")
+
+    def add_mxfp4(self, int layer, int expert, int H, int I,
+                  const uint8_t[:, ::1] gb, const uint8_t[:, ::1] gs,
+                  const uint8_t[:, ::1] ub, const uint8_t[:, ::1] us,
+                  const uint8_t[:, ::1] db, const uint8_t[:, ::1] ds):
+        """Pack one expert from its MXFP4 tensors as stored: blocks u8 [out, in/2] (low nibble = element
+        2j), e8m0 scales u8 [out, in/32]; gate/up [I, H], down [H, I]; H and I multiples of 32."""
+        if self.fmt != MOE_FMT_MXFP4:
+            raise ValueError("add_mxfp4 needs an mxfp4 engine")
+        if H % 32 or I % 32:
+            raise ValueError(f"mxfp4 needs H ({H}) and I ({I}) multiples of 32 (one e8m0 scale per 32 inputs)")
+        for name, t, rows, cols in (("gate blocks", gb, I, H // 2), ("gate scales", gs, I, H // 32),
+                                    ("up blocks", ub, I, H // 2), ("up scales", us, I, H // 32),
+                                    ("down blocks", db, H, I // 2), ("down scales", ds, H, I // 32)):
+            if t.shape[0] != rows or t.shape[1] != cols:
+                raise ValueError(f"{name} shape ({t.shape[0]}, {t.shape[1]}) != ({rows}, {cols}) for H={H}, I={I}")
+        cdef int rc
+        cdef _Layer L = self._layer(layer, H, I)
+        cdef MoeExpert *e = L.slot(expert)
+        with nogil:
+            rc = moe_expert_pack_mxfp4(self.pool, e, H, I, &gb[0, 0], &gs[0, 0], &ub[0, 0], &us[0, 0],
+                                       &db[0, 0], &ds[0, 0])
         if rc != 0:
             raise MemoryError(f"packing layer {layer} expert {expert} failed ({rc})")
 

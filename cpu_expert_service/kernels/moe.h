@@ -20,7 +20,7 @@
  * Activations (one format per weight format, whatever the batch, so a row's result does not
  * depend on its neighbours): bf16 rows [Kp] for bf16; for int8/int4, two-level int8 rows [2*Kp]: per group g
  * of 32, 32 bytes q1 then 32 bytes q2 with x ~= (254*q1 + q2) * xs[g], and a correction
- * xc[g] = offset * xs[g] * sum(254*q1 + q2) (offset 128 for int8, 8 for int4), so kernels that
+ * xc[g] = offset * xs[g] * sum(254*q1 + q2) (offset 128 for int8, 8 for int4, 12 for mxfp4), so kernels that
  * multiply unsigned weights (vpdpbusd, tdpbsud) subtract it.
  */
 #ifndef MOESPLIT_MOE_H
@@ -32,6 +32,8 @@
 #define MOE_FMT_BF16 0
 #define MOE_FMT_INT8 1
 #define MOE_FMT_INT4 2
+#define MOE_FMT_MXFP4 3
+#define MOE_NFMT 4
 
 #define MOE_ISA_GENERIC 0
 #define MOE_ISA_AVX2 1
@@ -42,6 +44,10 @@
 #define MOE_NP_BF16 64
 #define MOE_NP_INT 32
 #define MOE_INT4_GROUP_BYTES (4 * 32 * 4 + 32 * 2) /* weights + bf16 scales = 576 */
+#define MOE_MXFP4_OFFSET 12 /* the unsigned mxfp4 weight is 2 * e2m1 + 12 */
+
+/* e2m1 code (bit 3 sign) -> 2 * value + 12: 0,.5,1,1.5,2,3,4,6 doubled, offset to be unsigned */
+static const uint8_t moe_mxfp4_u8[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 
 /* One packed matrix. */
 typedef struct {
@@ -75,7 +81,7 @@ typedef void (*moe_act_fn)(const float *g, const float *u, int n, float *out, ui
 
 typedef struct {
     int isa;
-    moe_panel_fn panel[3]; /* by format */
+    moe_panel_fn panel[MOE_NFMT]; /* by format */
     moe_act_fn act;
     /* SwiGLU clamp before act (DeepSeek-V4's swiglu_limit L): gate = min(gate, L), up = min(max(up, -L), L),
      * as transformers' DeepseekV4Experts; 0 = off (no clamp: V3). Set by the owner after the table. */
@@ -97,6 +103,7 @@ void moe_kernels_amx(MoeKernels *k);
 void moe_panel_bf16_generic(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch);
 void moe_panel_int8_generic(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch);
 void moe_panel_int4_generic(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch);
+void moe_panel_mxfp4_generic(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch);
 
 /* bf16 helpers */
 static inline float moe_bf16_to_f32(uint16_t h) {
@@ -152,6 +159,10 @@ int moe_expert_pack_float(MoePool *pool, MoeExpert *e, int fmt, int H, int I,
 int moe_expert_pack_int4(MoePool *pool, MoeExpert *e, int H, int I,
                          const int32_t *gp, const uint16_t *gs, const int32_t *upk,
                          const uint16_t *us, const int32_t *dp, const uint16_t *ds);
+/* MXFP4 (OCP MX) sources: blocks u8 [out][in/2] (low nibble = element 2j), e8m0 scales u8 [out][in/32];
+ * in must be a multiple of 32 (H and I) */
+int moe_expert_pack_mxfp4(MoePool *pool, MoeExpert *e, int H, int I, const uint8_t *gb, const uint8_t *gs,
+                          const uint8_t *ub, const uint8_t *us, const uint8_t *db, const uint8_t *ds);
 void moe_expert_free(MoeExpert *e);
 size_t moe_expert_bytes(const MoeExpert *e);
 /* Dequantised weight as the kernels see it: which 0 gate, 1 up, 2 down; out [N][K] f32 */

@@ -201,4 +201,6 @@ void moe_kernels_amx(MoeKernels *k) {
     k->panel[MOE_FMT_BF16] = moe_panel_bf16_amx;
     k->panel[MOE_FMT_INT8] = moe_panel_int8_amx;
     k->panel[MOE_FMT_INT4] = moe_panel_int4_amx;
+    /* mxfp4 keeps moe_kernels_avx512's panel (vpdpbusd) at every token count: a tile path would
+     * unpack each group through moe_mxfp4_u8 into scratch like int4's, with offset 12 */
 }

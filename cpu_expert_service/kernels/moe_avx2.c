@@ -67,10 +67,13 @@ static inline __m256 bf16x8_to_ps(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 
+/* int4: 0 int8, 1 int4 (nibble = q + 8), 2 mxfp4 (nibble = e2m1 code, vpshufb'd through moe_mxfp4_u8 to
+ * 2 * value + 12 <= 24: four vpmaddubsw products stay under 4 * 24 * 127 < 2^15, no saturation) */
 static void panel_int_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, int int4) {
     const uint8_t *wp = W->data + W->panel_bytes * (size_t)p;
     int G = W->Kp / MOE_GROUP, n = rows->n;
     const __m256i ones = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0f), x80 = _mm256_set1_epi8((char)0x80);
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)moe_mxfp4_u8));
     for (int g0 = 0; g0 < G; g0 += GC_INT) {
         int g1 = g0 + GC_INT < G ? g0 + GC_INT : G;
         for (int m = 0; m < n; m++) {
@@ -104,6 +107,10 @@ static void panel_int_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C
                         for (int v = 0; v < 4; v++) {
                             __m256i pk = _mm256_loadu_si256((const __m256i *)(gb + o * 128 + 32 * v));
                             __m256i l = _mm256_and_si256(pk, lo4), h = _mm256_and_si256(_mm256_srli_epi16(pk, 4), lo4);
+                            if (int4 == 2) {
+                                l = _mm256_shuffle_epi8(lut, l);
+                                h = _mm256_shuffle_epi8(lut, h);
+                            }
                             __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(l, a), _mm256_maddubs_epi16(h, b));
                             __m256i pl = _mm256_add_epi16(_mm256_maddubs_epi16(l, c), _mm256_maddubs_epi16(h, d));
                             ia[v] = _mm256_add_epi32(ia[v], _mm256_madd_epi16(ph, ones));
@@ -144,6 +151,10 @@ void moe_panel_int4_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, 
     (void)scratch;
     panel_int_avx2(W, p, rows, C, 1);
 }
+void moe_panel_mxfp4_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {
+    (void)scratch;
+    panel_int_avx2(W, p, rows, C, 2);
+}
 
 void moe_kernels_avx2(MoeKernels *k) {
     k->isa = MOE_ISA_AVX2;
@@ -151,6 +162,7 @@ void moe_kernels_avx2(MoeKernels *k) {
     k->panel[MOE_FMT_BF16] = moe_panel_bf16_avx2;
     k->panel[MOE_FMT_INT8] = moe_panel_int8_avx2;
     k->panel[MOE_FMT_INT4] = moe_panel_int4_avx2;
+    k->panel[MOE_FMT_MXFP4] = moe_panel_mxfp4_avx2;
 }
 
 /* ---------------- machine-ceiling probes (for bench/bench_kernels.py) ---------------- */

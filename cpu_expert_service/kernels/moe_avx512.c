@@ -251,7 +251,9 @@ AI __m512 bf16x16_to_ps(const uint16_t *p) {
 }
 
 /* acc[m][v] (+)= sum over groups [g0, g0+ng) of the group partial products. Activations are
- * two-level int8 (q1 at 64g, q2 at 64g + 32): two vpdpbusd chains per weight vector. */
+ * two-level int8 (q1 at 64g, q2 at 64g + 32): two vpdpbusd chains per weight vector.
+ * INT4: 0 int8, 1 int4 (nibble = q + 8), 2 mxfp4 (nibble = e2m1 code, vpshufb'd through
+ * moe_mxfp4_u8 to 2 * value + 12; the group scale slot and the correction are int4's). */
 AI void mk_int(const int MR, const int INT4, const uint8_t *wp, int g0, int ng, const MoeRows *rows, int m0,
                float *C, int load) {
     __m512 acc[IN_MR][2];
@@ -259,6 +261,7 @@ AI void mk_int(const int MR, const int INT4, const uint8_t *wp, int g0, int ng, 
         for (int v = 0; v < 2; v++) acc[m][v] = load ? _mm512_loadu_ps(C + m * 32 + 16 * v) : _mm512_setzero_ps();
     const __m512i lo4 = _mm512_set1_epi8(0x0f);
     const __m512 k254 = _mm512_set1_ps(254.f);
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)moe_mxfp4_u8));
     for (int g = g0; g < g0 + ng; g++) {
         __m512i ih[IN_MR][2], il[IN_MR][2];
         for (int m = 0; m < MR; m++) ih[m][0] = ih[m][1] = il[m][0] = il[m][1] = _mm512_setzero_si512();
@@ -283,6 +286,12 @@ AI void mk_int(const int MR, const int INT4, const uint8_t *wp, int g0, int ng, 
                 __m512i p0 = _mm512_loadu_si512(gb + o * 128), p1 = _mm512_loadu_si512(gb + o * 128 + 64);
                 __m512i l0 = _mm512_and_si512(p0, lo4), h0 = _mm512_and_si512(_mm512_srli_epi16(p0, 4), lo4);
                 __m512i l1 = _mm512_and_si512(p1, lo4), h1 = _mm512_and_si512(_mm512_srli_epi16(p1, 4), lo4);
+                if (INT4 == 2) {
+                    l0 = _mm512_shuffle_epi8(lut, l0);
+                    h0 = _mm512_shuffle_epi8(lut, h0);
+                    l1 = _mm512_shuffle_epi8(lut, l1);
+                    h1 = _mm512_shuffle_epi8(lut, h1);
+                }
                 for (int m = 0; m < MR; m++) {
                     const int8_t *xq = rows->q[m0 + m] + g * 64 + 8 * o;
                     __m512i a = _mm512_set1_epi32(*(const int32_t *)xq), b = _mm512_set1_epi32(*(const int32_t *)(xq + 4));
@@ -365,6 +374,52 @@ static void gemv_int4(const uint8_t *wp, int G, const int8_t *xq, const float *x
     _mm512_storeu_ps(C + 16, _mm512_mul_ps(acc1, r16));
 }
 
+/* 1 token, mxfp4: the weight stream of gemv_int4 (same 576-byte groups, same prefetch), each nibble
+ * decoded through moe_mxfp4_u8 (vpshufb), lo and hi codes in 8 independent vpdpbusd chains. The
+ * integer group sums equal mk_int's exactly (no overflow: |sum| < 32 * 24 * 127 * 2), and the float
+ * steps per group are mk_int's, in its order, so a row's bits match the multi-token path. */
+static void gemv_mxfp4(const uint8_t *wp, int G, const int8_t *xq, const float *xs, const float *xc, float *C) {
+    const __m512i lo4 = _mm512_set1_epi8(0x0f);
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)moe_mxfp4_u8));
+    const __m512 k254 = _mm512_set1_ps(254.f);
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
+    for (int g = 0; g < G; g++) {
+        const uint8_t *gb = wp + (size_t)g * MOE_INT4_GROUP_BYTES;
+        const int8_t *xg = xq + (size_t)g * 64;
+        int4_prefetch(gb);
+        __m512i hl0 = _mm512_setzero_si512(), hl1 = hl0, hh0 = hl0, hh1 = hl0; /* level 1 (q1): lo / hi codes */
+        __m512i ll0 = hl0, ll1 = hl0, lh0 = hl0, lh1 = hl0;                  /* level 2 (q2) */
+        for (int o = 0; o < 4; o++) {
+            __m512i p0 = _mm512_loadu_si512(gb + o * 128), p1 = _mm512_loadu_si512(gb + o * 128 + 64);
+            __m512i l0 = _mm512_shuffle_epi8(lut, _mm512_and_si512(p0, lo4));
+            __m512i h0 = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(p0, 4), lo4));
+            __m512i l1 = _mm512_shuffle_epi8(lut, _mm512_and_si512(p1, lo4));
+            __m512i h1 = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(p1, 4), lo4));
+            __m512i a = _mm512_set1_epi32(*(const int32_t *)(xg + 8 * o)), b = _mm512_set1_epi32(*(const int32_t *)(xg + 8 * o + 4));
+            __m512i c = _mm512_set1_epi32(*(const int32_t *)(xg + 32 + 8 * o)), d = _mm512_set1_epi32(*(const int32_t *)(xg + 36 + 8 * o));
+            hl0 = _mm512_dpbusd_epi32(hl0, l0, a);
+            hl1 = _mm512_dpbusd_epi32(hl1, l1, a);
+            hh0 = _mm512_dpbusd_epi32(hh0, h0, b);
+            hh1 = _mm512_dpbusd_epi32(hh1, h1, b);
+            ll0 = _mm512_dpbusd_epi32(ll0, l0, c);
+            ll1 = _mm512_dpbusd_epi32(ll1, l1, c);
+            lh0 = _mm512_dpbusd_epi32(lh0, h0, d);
+            lh1 = _mm512_dpbusd_epi32(lh1, h1, d);
+        }
+        __m512i ih0 = _mm512_add_epi32(hl0, hh0), ih1 = _mm512_add_epi32(hl1, hh1);
+        __m512i il0 = _mm512_add_epi32(ll0, lh0), il1 = _mm512_add_epi32(ll1, lh1);
+        const uint16_t *sp = (const uint16_t *)(gb + 512);
+        __m512 ws0 = bf16x16_to_ps(sp), ws1 = bf16x16_to_ps(sp + 16);
+        __m512 vxs = _mm512_set1_ps(xs[g]), vxc = _mm512_set1_ps(xc[g]);
+        __m512 s0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih0), k254, _mm512_cvtepi32_ps(il0));
+        __m512 s1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih1), k254, _mm512_cvtepi32_ps(il1));
+        acc0 = _mm512_fmadd_ps(ws0, _mm512_fmsub_ps(s0, vxs, vxc), acc0);
+        acc1 = _mm512_fmadd_ps(ws1, _mm512_fmsub_ps(s1, vxs, vxc), acc1);
+    }
+    _mm512_storeu_ps(C, acc0);
+    _mm512_storeu_ps(C + 16, acc1);
+}
+
 #define MK_INT_SWITCH(INT4)                                                                   \
     switch (mr) {                                                                             \
     case 1: mk_int(1, INT4, wp, g0, ng, rows, m0, C + (size_t)m0 * 32, load); break;          \
@@ -378,6 +433,9 @@ static void mk_int8_n(int mr, const uint8_t *wp, int g0, int ng, const MoeRows *
 static void mk_int4_n(int mr, const uint8_t *wp, int g0, int ng, const MoeRows *rows, int m0, float *C, int load) {
     MK_INT_SWITCH(1)
 }
+static void mk_mxfp4_n(int mr, const uint8_t *wp, int g0, int ng, const MoeRows *rows, int m0, float *C, int load) {
+    MK_INT_SWITCH(2)
+}
 
 /* int8 epilogue: C[m][0..32) *= the panel's 32 per-output-channel scales, for n tokens (also the AMX path's) */
 void moe_scale_channels_avx512(const float *chs, float *C, int n) {
@@ -388,18 +446,24 @@ void moe_scale_channels_avx512(const float *chs, float *C, int n) {
     }
 }
 
+/* int4: 0 int8, 1 int4, 2 mxfp4 */
 static void panel_int(const MoeMat *W, int p, const MoeRows *rows, float *C, int int4) {
     const uint8_t *wp = W->data + W->panel_bytes * (size_t)p;
     int G = W->Kp / MOE_GROUP, n = rows->n;
-    if (int4 && n == 1) {
+    if (int4 == 1 && n == 1) {
         gemv_int4(wp, G, rows->q[0], rows->xs[0], rows->xc[0], C);
+        return;
+    }
+    if (int4 == 2 && n == 1) {
+        gemv_mxfp4(wp, G, rows->q[0], rows->xs[0], rows->xc[0], C);
         return;
     }
     for (int g0 = 0; g0 < G; g0 += (n <= IN_MR ? G : IN_GC)) {
         int ng = n <= IN_MR ? G : (G - g0 < IN_GC ? G - g0 : IN_GC);
         for (int m0 = 0; m0 < n; m0 += IN_MR) {
             int mr = n - m0 < IN_MR ? n - m0 : IN_MR;
-            if (int4) mk_int4_n(mr, wp, g0, ng, rows, m0, C, g0 > 0);
+            if (int4 == 2) mk_mxfp4_n(mr, wp, g0, ng, rows, m0, C, g0 > 0);
+            else if (int4) mk_int4_n(mr, wp, g0, ng, rows, m0, C, g0 > 0);
             else mk_int8_n(mr, wp, g0, ng, rows, m0, C, g0 > 0);
         }
     }
@@ -414,6 +478,11 @@ void moe_panel_int8_avx512(const MoeMat *W, int p, const MoeRows *rows, float *C
 void moe_panel_int4_avx512(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {
     (void)scratch;
     panel_int(W, p, rows, C, 1);
+}
+
+void moe_panel_mxfp4_avx512(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {
+    (void)scratch;
+    panel_int(W, p, rows, C, 2);
 }
 
 /* ---------------- silu(g) * u: exp by range reduction + degree-6 polynomial + vscalefps ---------------- */
@@ -451,6 +520,7 @@ void moe_kernels_avx512(MoeKernels *k) {
     k->panel[MOE_FMT_BF16] = moe_bf16_dot_fma() ? moe_panel_bf16_fma_avx512 : moe_panel_bf16_avx512;
     k->panel[MOE_FMT_INT8] = moe_panel_int8_avx512;
     k->panel[MOE_FMT_INT4] = moe_panel_int4_avx512;
+    k->panel[MOE_FMT_MXFP4] = moe_panel_mxfp4_avx512;
 }
 
 /* ---------------- compute-ceiling probes (for bench/bench_kernels.py) ----------------

@@ -292,13 +292,19 @@ static int mat_init(MoeMat *m, int fmt, int N, int K, int Np) {
     return 0;
 }
 
-/* Source of one logical matrix row (output channel): float, or int4 native. */
+/* Source of one logical matrix row (output channel): float, int4 native or mxfp4 native. */
 typedef struct {
     const float *f; /* [N][K] */
     const int32_t *q4;
     const uint16_t *s4; /* int4: packed [N][ceil(K/8)], scale [N][ceil(K/32)] */
     int N, K;
+    const uint8_t *fp4, *e8; /* mxfp4: blocks [N][K/2], e8m0 scales [N][K/32] */
 } Src;
+
+/* the bf16 group scale of an e8m0 exponent: 2^(e-128) (the table doubles the e2m1 values), NaN at 255 */
+static uint16_t mxfp4_scale_bf16(uint8_t e) {
+    return e == 255 ? (uint16_t)0x7fc0 : moe_f32_to_bf16(ldexpf(1.f, (int)e - 128));
+}
 
 /* Fused gate/up: panel channel c of panel p -> (source, row) */
 static void gu_row(const MoeMat *m, const Src *g, const Src *u, int p, int c, const Src **s, int *row) {
@@ -323,9 +329,16 @@ static void prep_row(int fmt, const Src *s, int row, int Kp, uint16_t *bf, uint8
             memset(u, 128, Kp);
             *chs = 0.f;
         } else {
-            memset(u, 8, Kp);
+            memset(u, fmt == MOE_FMT_MXFP4 ? 0 : 8, Kp); /* int4 q = 0; mxfp4 code 0 (+0) */
             memset(gsc, 0, sizeof(uint16_t) * (Kp / MOE_GROUP));
         }
+        return;
+    }
+    if (fmt == MOE_FMT_MXFP4) { /* e2m1 codes as stored (the kernels decode them), K a multiple of 32 */
+        const uint8_t *pr = s->fp4 + (size_t)row * (K / 2);
+        for (int k = 0; k < Kp; k++) u[k] = k < K ? (uint8_t)((pr[k >> 1] >> (4 * (k & 1))) & 15u) : 0;
+        for (int g = 0; g < Kp / MOE_GROUP; g++)
+            gsc[g] = g < K / MOE_GROUP ? mxfp4_scale_bf16(s->e8[(size_t)row * (K / MOE_GROUP) + g]) : 0;
         return;
     }
     if (fmt == MOE_FMT_INT4 && s->q4) { /* native compressed-tensors int4 */
@@ -457,9 +470,10 @@ static int expert_alloc(MoeExpert *e, int fmt, int H, int I) {
 
 int moe_expert_pack_float(MoePool *pool, MoeExpert *e, int fmt, int H, int I, const float *gate,
                           const float *up, const float *down) {
+    if (fmt == MOE_FMT_MXFP4) return -EINVAL; /* mxfp4 packs only as stored (moe_expert_pack_mxfp4) */
     int rc = expert_alloc(e, fmt, H, I);
     if (rc) return rc;
-    Src g = {gate, NULL, NULL, I, H}, u = {up, NULL, NULL, I, H}, d = {down, NULL, NULL, H, I};
+    Src g = {gate, NULL, NULL, I, H, NULL, NULL}, u = {up, NULL, NULL, I, H, NULL, NULL}, d = {down, NULL, NULL, H, I, NULL, NULL};
     PackJob j = {e, {&g, &u, 1}, {&d, NULL, 0}};
     moe_pool_run(pool, pack_job, &j);
     return 0;
@@ -470,7 +484,18 @@ int moe_expert_pack_int4(MoePool *pool, MoeExpert *e, int H, int I, const int32_
                          const uint16_t *ds) {
     int rc = expert_alloc(e, MOE_FMT_INT4, H, I);
     if (rc) return rc;
-    Src g = {NULL, gp, gs, I, H}, u = {NULL, upk, us, I, H}, d = {NULL, dp, ds, H, I};
+    Src g = {NULL, gp, gs, I, H, NULL, NULL}, u = {NULL, upk, us, I, H, NULL, NULL}, d = {NULL, dp, ds, H, I, NULL, NULL};
+    PackJob j = {e, {&g, &u, 1}, {&d, NULL, 0}};
+    moe_pool_run(pool, pack_job, &j);
+    return 0;
+}
+
+int moe_expert_pack_mxfp4(MoePool *pool, MoeExpert *e, int H, int I, const uint8_t *gb, const uint8_t *gs,
+                          const uint8_t *ub, const uint8_t *us, const uint8_t *db, const uint8_t *ds) {
+    if (H % MOE_GROUP || I % MOE_GROUP) return -EINVAL;
+    int rc = expert_alloc(e, MOE_FMT_MXFP4, H, I);
+    if (rc) return rc;
+    Src g = {NULL, NULL, NULL, I, H, gb, gs}, u = {NULL, NULL, NULL, I, H, ub, us}, d = {NULL, NULL, NULL, H, I, db, ds};
     PackJob j = {e, {&g, &u, 1}, {&d, NULL, 0}};
     moe_pool_run(pool, pack_job, &j);
     return 0;
@@ -505,7 +530,8 @@ static float mat_get(const MoeMat *m, int p, int c, int k) {
     int g = k / MOE_GROUP, r = k % MOE_GROUP, o = r / 8, j = r % 8;
     const uint8_t *gb = base + (size_t)g * MOE_INT4_GROUP_BYTES;
     uint8_t byte = gb[o * NP * 4 + c * 4 + (j & 3)];
-    int q = (j < 4 ? (byte & 15) : (byte >> 4)) - 8;
+    int nib = j < 4 ? (byte & 15) : (byte >> 4);
+    int q = m->fmt == MOE_FMT_MXFP4 ? (int)moe_mxfp4_u8[nib] - MOE_MXFP4_OFFSET : nib - 8;
     return q * moe_bf16_to_f32(((const uint16_t *)(gb + 4 * NP * 4))[c]);
 }
 
@@ -594,7 +620,8 @@ typedef struct {
 
 static void fwd_job(void *arg, int tid, int nt) {
     Fwd *f = arg;
-    int fmt = f->fmt, isint = fmt != MOE_FMT_BF16, off = fmt == MOE_FMT_INT8 ? 128 : 8;
+    int fmt = f->fmt, isint = fmt != MOE_FMT_BF16;
+    int off = fmt == MOE_FMT_INT8 ? 128 : fmt == MOE_FMT_MXFP4 ? MOE_MXFP4_OFFSET : 8;
     int Kx = f->Kx, Ka = f->Ka, gx = Kx / MOE_GROUP, ga = Ka / MOE_GROUP;
     int r0, r1;
     /* phase 0: convert token rows */
@@ -883,8 +910,8 @@ void moe_panel_int8_generic(const MoeMat *W, int p, const MoeRows *rows, float *
     }
 }
 
-void moe_panel_int4_generic(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {
-    (void)scratch;
+/* int4 (lut NULL: nibble - 8) or mxfp4 (lut: moe_mxfp4_u8, minus its offset) */
+static void panel_nibble_generic(const MoeMat *W, int p, const MoeRows *rows, float *C, const uint8_t *lut) {
     enum { NP = MOE_NP_INT };
     const uint8_t *wp = W->data + W->panel_bytes * (size_t)p;
     for (int m = 0; m < rows->n; m++) {
@@ -901,7 +928,9 @@ void moe_panel_int4_generic(const MoeMat *W, int p, const MoeRows *rows, float *
                 for (int c = 0; c < NP; c++)
                     for (int j = 0; j < 4; j++) {
                         uint8_t b = gb[o * NP * 4 + c * 4 + j];
-                        ia[c] += ((int)(b & 15) - 8) * X16(xq, j) + ((int)(b >> 4) - 8) * X16(xq, j + 4);
+                        int lo = lut ? (int)lut[b & 15] - MOE_MXFP4_OFFSET : (int)(b & 15) - 8;
+                        int hi = lut ? (int)lut[b >> 4] - MOE_MXFP4_OFFSET : (int)(b >> 4) - 8;
+                        ia[c] += lo * X16(xq, j) + hi * X16(xq, j + 4);
                     }
             }
             float s = rows->xs[m][g];
@@ -909,6 +938,16 @@ void moe_panel_int4_generic(const MoeMat *W, int p, const MoeRows *rows, float *
         }
         for (int c = 0; c < NP; c++) C[(size_t)m * NP + c] = acc[c];
     }
+}
+
+void moe_panel_int4_generic(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {
+    (void)scratch;
+    panel_nibble_generic(W, p, rows, C, NULL);
+}
+
+void moe_panel_mxfp4_generic(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {
+    (void)scratch;
+    panel_nibble_generic(W, p, rows, C, moe_mxfp4_u8);
 }
 
 void moe_act_generic(const float *g, const float *u, int n, float *out, uint16_t *outb) {
@@ -923,4 +962,5 @@ void moe_kernels_generic(MoeKernels *k) {
     k->panel[MOE_FMT_BF16] = moe_panel_bf16_generic;
     k->panel[MOE_FMT_INT8] = moe_panel_int8_generic;
     k->panel[MOE_FMT_INT4] = moe_panel_int4_generic;
+    k->panel[MOE_FMT_MXFP4] = moe_panel_mxfp4_generic;
 }
