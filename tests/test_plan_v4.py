@@ -28,7 +28,9 @@ def fp8(out: int, inp: int) -> int:
 
 
 def mxfp4(out: int, inp: int) -> int:
-    return out * inp // 2 + out * inp // 32
+    """MXFP4 as the expert kernels hold it: nibbles + a 16-bit scale slot per 32 inputs (the
+    checkpoint's e8m0 byte widened; cpu_expert_service/kernels' int4 panel layout)."""
+    return out * inp // 2 + 2 * (out * inp // 32)
 
 
 def hand_params(d: dict) -> dict:

@@ -86,8 +86,9 @@ def linear_bytes(out: int, inp: int, fmt: str, fp8_block: tuple[int, int] = FP8_
         return n + 4 * out
     if fmt == "int4":
         return 4 * out * math.ceil(inp / 8) + 2 * out * math.ceil(inp / INT4_GROUP)
-    if fmt == "mxfp4":  # DeepSeek-V4 experts: e2m1 nibbles + one e8m0 byte per 32 inputs
-        return out * math.ceil(inp / 2) + out * math.ceil(inp / MXFP4_GROUP)
+    if fmt == "mxfp4":  # DeepSeek-V4 experts as the kernels hold them: e2m1 nibbles in the int4 panels, the
+        # e8m0 byte of each 32 inputs widened to the panels' 16-bit scale slot (4.5 bits a weight; stored: 4.25)
+        return out * math.ceil(inp / 2) + 2 * out * math.ceil(inp / MXFP4_GROUP)
     raise ValueError(f"unknown weight format {fmt!r}; expected bf16, fp8, int8, int4 or mxfp4")
 
 
