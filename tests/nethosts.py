@@ -75,12 +75,18 @@ def start_in(ns: str, target, name: str) -> threading.Thread:
 
 
 def sweep_stale() -> None:
-    """Delete namespaces this module made in a test process that is gone (killed before its teardown)."""
+    """Delete namespaces this module made in a test process that is gone (killed before its teardown),
+    killing what still runs in them."""
     import re
 
     for line in _ip("netns", "list", check=False).stdout.splitlines():
         m = re.match(r"(ms(\d+)x\d+\w+)", line.strip())
         if m and not os.path.exists(f"/proc/{m.group(2)}"):
+            for pid in _ip("netns", "pids", m.group(1), check=False).stdout.split():  # its orphaned servers
+                try:
+                    os.kill(int(pid), 9)
+                except (OSError, ValueError):
+                    pass
             _ip("netns", "del", m.group(1), check=False)
 
 

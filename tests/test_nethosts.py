@@ -105,6 +105,8 @@ def hosts(model_dir, tmp_path_factory):
                                   "--port-file", str(work / f"{h}.port"), "--shard-id", h, "--backend", "auto",
                                   "--shm-dir", ""], stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=ROOT)
             watched.append((p, log))
+            net.shards = getattr(net, "shards", {})
+            net.shards[h] = (p, p.args[4:], log, work / f"{h}.port", env)  # args after `ip netns exec NS`
         _wait(lambda: all((work / f"{h}.port").exists() for h in ("r0", "r1")), 120, "the shards", watched)
         gpu = net.addr["gpu"]
         proxies = [FaultProxy(net.ns["gpu"], (gpu, port), (net.addr["r1"], port), seed=port).start()
@@ -252,6 +254,33 @@ def test_bandwidth_cap_and_reset(hosts, loopback):
         for px in hosts.proxies:
             px.rate_bps = 0
     assert got == loopback[1]
+
+
+def test_replica_killed_and_restarted(hosts, loopback):
+    """kill -9 of r0 after the first streamed chunk: same tokens; r0 started again on its host and
+    port (a new process) rejoins without a restart of the GPU service."""
+    _wait(lambda: _replicas_healthy(hosts), 30, "both replicas healthy")
+    p, cmd, log, port_file, env = hosts.shards["r0"]
+    r0 = f"{hosts.addr['r0']}:{GRPC_PORT}"
+
+    def kill(k):
+        if k == 1:
+            p.kill()
+            p.wait()
+
+    got = _stream(hosts, 1, kill)
+    assert got == loopback[1] and p.returncode is not None
+    _wait(lambda: _shard_status(hosts)[r0] != "SERVING", TIMEOUT_S + 2, "r0 reported down")
+    os.remove(port_file)
+    t0 = time.monotonic()
+    with open(log, "ab") as err:
+        q = hosts.popen("r0", cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=ROOT)
+    hosts.shards["r0"] = (q, cmd, log, port_file, env)
+    _wait(lambda: port_file.exists(), 60, "r0 restarted", [(q, log)])
+    _wait(lambda: _replicas_healthy(hosts), 30, "r0 to rejoin")
+    rejoined = time.monotonic() - t0
+    assert _complete(hosts, 0) == loopback[0]
+    print(f"\nrestart: r0 serving again and used {rejoined:.2f}s after its new process started")
 
 
 def test_half_open_link_found_by_deadline(hosts, loopback):
