@@ -5,7 +5,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-test protos build test soak demo bench bench-decode bench-doctor bench-grammar bench-kernels bench-prefix gpu-check gpu-check-dry-run chart-check images image-test clean
+.PHONY: setup setup-test protos build test soak nethosts demo bench bench-decode bench-doctor bench-grammar bench-kernels bench-prefix gpu-check gpu-check-dry-run chart-check images image-test clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,10 @@ test: setup-test
 # 32 concurrent streams for 2 minutes against the local stack (`make test` runs a 15 s form).
 soak: setup
 	MOESPLIT_SOAK_S=120 $(PY) -m pytest -q -s tests/test_soak.py
+
+# Experts on other hosts: GPU service and 2 shard replicas in their own network namespaces (root), with faults.
+nethosts: setup
+	$(PY) -m pytest -q -s tests/test_nethosts_faults.py tests/test_nethosts.py
 
 demo: setup
 	$(PY) -m gpu_service.entrypoints.demo

@@ -1,0 +1,316 @@
+"""Expert shards on other hosts, tested as other hosts: the GPU service (`moesplit gpu-server`) in
+one network namespace, 2 replicas of the same experts (`moesplit expert-server`) in two others,
+each with its own address on a private bridge (tests/nethosts.py); replica r1 is reached through
+a fault proxy in the GPU host's namespace. The shards refuse shared memory (--shm-dir ''), so the
+GPU service talks to them over gRPC and the TCP data path, as to a remote host.
+
+Greedy tokens are compared with the same prompt run over loopback (`moesplit generate`): fault
+free, with one replica partitioned mid-stream (its veth down), with 20 ms + jitter on one link,
+and with a half-open link (the proxy holds every byte and closes nothing) found by the deadline.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from nethosts import FaultProxy, NetHosts, skip_reason
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = "tiny-net"
+N_TOK = 16
+TIMEOUT_S = 3.0  # --expert-timeout of the GPU service
+GRPC_PORT, DATA_PORT, HTTP_PORT = 50051, 50061, 8000
+
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _need_namespaces():
+    """Skip the module, with the reason, where namespaces cannot be made."""
+    why = skip_reason()
+    if why is not None:
+        pytest.skip(why)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny bf16 checkpoint for the module."""
+    from gpu_service.local.tiny import make_tiny
+
+    return make_tiny(str(tmp_path_factory.mktemp("net") / MODEL), "bf16", seed=5)
+
+
+def _prompt(i: int) -> list[int]:
+    """Prompt i as token ids (different lengths)."""
+    return [5 + (7 * i + 3 * k) % 90 for k in range(6 + i)]
+
+
+@pytest.fixture(scope="module")
+def loopback(model_dir):
+    """Greedy tokens of prompts 0 and 1 over loopback (`moesplit generate`, 1 local shard each, run together)."""
+    procs = [subprocess.Popen([sys.executable, "-m", "moesplit", "generate", "--model", model_dir, "--prompt-ids",
+                               ",".join(map(str, _prompt(i))), "--max-new-tokens", str(N_TOK), "--shards", "1",
+                               "--backend", "auto", "--device", "cpu", "--dtype", "float32", "--ignore-eos",
+                               "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+             for i in range(2)]
+    out = []
+    try:
+        for p in procs:
+            so, se = p.communicate(timeout=120)
+            assert p.returncode == 0, se[-2000:]
+            out.append(json.loads(so.strip().splitlines()[-1])["token_ids"])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert out[0] != out[1]  # different prompts: the comparisons below can tell them apart
+    return out
+
+
+def _wait(pred, timeout, what, procs=()):
+    """Poll pred() until true; fails naming `what`, or with the log of a process in procs that died."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p, log in procs:
+            if p.poll() is not None:
+                with open(log, errors="replace") as f:
+                    raise AssertionError(f"{what}: process exited {p.returncode}:\n{f.read()[-3000:]}")
+        try:
+            if pred():
+                return
+        except (OSError, httpx.TransportError):  # not listening yet
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def hosts(model_dir, tmp_path_factory):
+    """gpu (10.77.0.1), r0 (.2), r1 (.3); the GPU service's shards: r0 direct, r1 via the proxy."""
+    work = tmp_path_factory.mktemp("nethosts")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with NetHosts(["gpu", "r0", "r1"]) as net:
+        watched = []
+        for h in ("r0", "r1"):
+            log = str(work / f"{h}.log")
+            with open(log, "wb") as err:
+                p = net.popen(h, [sys.executable, "-m", "moesplit", "expert-server", "--model", model_dir,
+                                  "--host", net.addr[h], "--port", str(GRPC_PORT), "--data-port", str(DATA_PORT),
+                                  "--port-file", str(work / f"{h}.port"), "--shard-id", h, "--backend", "auto",
+                                  "--shm-dir", ""], stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=ROOT)
+            watched.append((p, log))
+            net.shards = getattr(net, "shards", {})
+            net.shards[h] = (p, p.args[4:], log, work / f"{h}.port", env)  # args after `ip netns exec NS`
+        _wait(lambda: all((work / f"{h}.port").exists() for h in ("r0", "r1")), 120, "the shards", watched)
+        gpu = net.addr["gpu"]
+        proxies = [FaultProxy(net.ns["gpu"], (gpu, port), (net.addr["r1"], port), seed=port).start()
+                   for port in (GRPC_PORT, DATA_PORT)]
+        try:
+            log = str(work / "gpu.log")
+            with open(log, "wb") as err:
+                p = net.popen("gpu", [sys.executable, "-m", "moesplit", "gpu-server", "--model", model_dir,
+                                      "--shards-addresses", f"{net.addr['r0']}:{GRPC_PORT},{gpu}:{GRPC_PORT}",
+                                      "--host", gpu, "--port", str(HTTP_PORT), "--grpc-port", "50050",
+                                      "--device", "cpu", "--dtype", "float32", "--kv-tokens", "1024",
+                                      "--page-size", "16", "--max-batch", "4", "--chunk-tokens", "256",
+                                      "--expert-timeout", str(TIMEOUT_S), "--served-model-name", MODEL],
+                              stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=ROOT)
+            watched.append((p, log))
+            net.url = f"http://{gpu}:{HTTP_PORT}"
+            net.proxies, net.logs = proxies, {"gpu": log}
+            _wait(lambda: _get(net, "/health").status_code == 200, 120, "the GPU service", watched)
+            yield net
+        finally:
+            for px in proxies:
+                px.close()
+
+
+def _get(net, path):
+    """GET path of the GPU service, from inside its namespace."""
+    return net.call_in("gpu", lambda: httpx.get(net.url + path, timeout=5), timeout=10)
+
+
+def _complete(net, i, timeout=60):
+    """Greedy completion of prompt i from inside the GPU namespace; its token ids."""
+    def go():
+        return httpx.post(net.url + "/v1/completions", timeout=timeout, json={
+            "model": MODEL, "prompt": _prompt(i), "max_tokens": N_TOK, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True})
+
+    r = net.call_in("gpu", go, timeout=timeout + 5)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+def _stream(net, i, on_chunk, timeout=60):
+    """Streamed completion of prompt i; on_chunk(k) after the k-th chunk. Its token ids."""
+    def go():
+        ids, k = [], 0
+        with httpx.stream("POST", net.url + "/v1/completions", timeout=timeout, json={
+                "model": MODEL, "prompt": _prompt(i), "max_tokens": N_TOK, "temperature": 0, "ignore_eos": True,
+                "stream": True, "return_token_ids": True}) as resp:
+            assert resp.status_code == 200
+            for ln in resp.iter_lines():
+                if not ln.startswith("data: ") or ln == "data: [DONE]":
+                    continue
+                ch = json.loads(ln[len("data: "):])
+                assert "error" not in ch, ch
+                ids += ch["choices"][0].get("token_ids") or []
+                k += 1
+                on_chunk(k)
+        return ids
+
+    return net.call_in("gpu", go, timeout=timeout + 5)
+
+
+def _shard_status(net) -> dict:
+    """{address: status} of the GPU service's /health (its experts client's view of each replica)."""
+    return _get(net, "/health").json()["shards"]
+
+
+def _replicas_healthy(net):
+    """Every replica SERVING in the GPU service's view."""
+    return set(_shard_status(net).values()) == {"SERVING"}
+
+
+def test_fault_free_equals_loopback(hosts, loopback):
+    """Two hosts' replicas, gRPC + TCP data path: the greedy tokens of the loopback run."""
+    for i in range(2):
+        assert _complete(hosts, i) == loopback[i]
+    assert all(px.forwarded > 0 for px in hosts.proxies)  # replica r1 served calls through the proxy, both ports
+    with open(hosts.logs["gpu"], errors="replace") as f:
+        log = f.read()
+    for addr in (f"{hosts.addr['r0']}:{GRPC_PORT}", f"{hosts.addr['gpu']}:{GRPC_PORT}"):  # no shared memory
+        assert f"expert shard {addr}: TCP data path" in log, log[-3000:]
+
+
+def test_partition_mid_stream(hosts, loopback):
+    """r0's veth taken down after the first streamed chunk (r1's link slowed by 20 ms so the stream
+    is still decoding): the stream completes with the loopback tokens; r0 is reported down."""
+    _wait(lambda: _replicas_healthy(hosts), 30, "both replicas healthy")
+    r0 = f"{hosts.addr['r0']}:{GRPC_PORT}"
+    t, seen = {}, []
+
+    def cut(k):
+        seen.append(k)
+        if k == 1:
+            hosts.partition("r0")
+            t["cut"] = time.monotonic()
+
+    for px in hosts.proxies:
+        px.latency_s = 0.020
+    try:
+        got = _stream(hosts, 1, cut)
+        took = time.monotonic() - t["cut"]
+        _wait(lambda: _shard_status(hosts)[r0] != "SERVING", 2 * TIMEOUT_S + 2, "r0 reported down")
+    finally:
+        for px in hosts.proxies:
+            px.latency_s = 0.0
+        hosts.heal("r0")
+    assert got == loopback[1]
+    assert len(seen) > 2  # chunks kept coming after the partition
+    assert took < 3 * TIMEOUT_S + 5, took  # one deadline to notice, then the other replica
+    print(f"\npartition: stream completed {took:.2f}s after r0's link went down")
+    _wait(lambda: _replicas_healthy(hosts), 30, "r0 back after healing")
+    assert _complete(hosts, 0) == loopback[0]
+
+
+def test_latency_on_one_link(hosts, loopback):
+    """20 ms + up to 5 ms jitter per forwarded chunk on r1's link: same tokens."""
+    for px in hosts.proxies:
+        px.latency_s, px.jitter_s = 0.020, 0.005
+    n0 = sum(px.forwarded for px in hosts.proxies)
+    try:
+        t0 = time.monotonic()
+        got = [_complete(hosts, i) for i in (1, 0)]
+        took = time.monotonic() - t0
+    finally:
+        for px in hosts.proxies:
+            px.latency_s = px.jitter_s = 0.0
+    assert got == [loopback[1], loopback[0]]
+    assert sum(px.forwarded for px in hosts.proxies) > n0  # the slow link carried calls
+    print(f"\n20 ms link: 2 completions in {took:.2f}s")
+
+
+def test_bandwidth_cap_and_reset(hosts, loopback):
+    """A 2 MB/s cap, then every proxied connection reset mid-stream: same tokens."""
+    for px in hosts.proxies:
+        px.rate_bps = 2_000_000
+
+    def rst(k):
+        if k == 2:
+            for px in hosts.proxies:
+                px.reset()
+
+    try:
+        got = _stream(hosts, 1, rst)
+    finally:
+        for px in hosts.proxies:
+            px.rate_bps = 0
+    assert got == loopback[1]
+
+
+def test_replica_killed_and_restarted(hosts, loopback):
+    """kill -9 of r0 after the first streamed chunk: same tokens; r0 started again on its host and
+    port (a new process) rejoins without a restart of the GPU service."""
+    _wait(lambda: _replicas_healthy(hosts), 30, "both replicas healthy")
+    p, cmd, log, port_file, env = hosts.shards["r0"]
+    r0 = f"{hosts.addr['r0']}:{GRPC_PORT}"
+
+    def kill(k):
+        if k == 1:
+            p.kill()
+            p.wait()
+
+    got = _stream(hosts, 1, kill)
+    assert got == loopback[1] and p.returncode is not None
+    _wait(lambda: _shard_status(hosts)[r0] != "SERVING", TIMEOUT_S + 2, "r0 reported down")
+    os.remove(port_file)
+    t0 = time.monotonic()
+    with open(log, "ab") as err:
+        q = hosts.popen("r0", cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=ROOT)
+    hosts.shards["r0"] = (q, cmd, log, port_file, env)
+    _wait(lambda: port_file.exists(), 60, "r0 restarted", [(q, log)])
+    _wait(lambda: _replicas_healthy(hosts), 30, "r0 to rejoin")
+    rejoined = time.monotonic() - t0
+    assert _complete(hosts, 0) == loopback[0]
+    print(f"\nrestart: r0 serving again and used {rejoined:.2f}s after its new process started")
+
+
+def test_half_open_link_found_by_deadline(hosts, loopback):
+    """r1's link holds every byte and closes nothing (from the first streamed chunk on): the stream
+    completes with the loopback tokens, r1 is reported down within the expert deadline (not TCP
+    keep-alive, minutes), and a request sent while the link hangs completes in bounded time."""
+    _wait(lambda: _replicas_healthy(hosts), 30, "both replicas healthy")
+    r1 = f"{hosts.addr['gpu']}:{GRPC_PORT}"  # r1 as the GPU service knows it: the proxy
+    t = {}
+
+    def hang(k):
+        if k == 1:
+            for px in hosts.proxies:
+                px.half_open = True
+            t["hang"] = time.monotonic()
+
+    try:
+        got = _stream(hosts, 0, hang)
+        _wait(lambda: _shard_status(hosts)[r1] != "SERVING", TIMEOUT_S + 2, "r1 reported down")
+        noticed = time.monotonic() - t["hang"]
+        t0 = time.monotonic()
+        again = _complete(hosts, 1, timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        for px in hosts.proxies:
+            px.half_open = False
+            px.reset()
+    assert got == loopback[0] and again == loopback[1]
+    assert noticed < 2 * TIMEOUT_S + 3, noticed
+    assert took < TIMEOUT_S + 10, took
+    print(f"\nhalf-open: r1 reported down {noticed:.2f}s after its link stopped forwarding; "
+          f"a request during the hang took {took:.2f}s")
+    _wait(lambda: _replicas_healthy(hosts), 30, "r1 back once the link forwards again")
