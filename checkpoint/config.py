@@ -302,8 +302,8 @@ class ModelConfig:
             raise ConfigError(f"{source}: deepseek_v32 needs index_n_heads, index_head_dim and index_topk")
 
 
-def load_config(path: str | os.PathLike) -> ModelConfig:
-    """Read `config.json` from a checkpoint directory (or a path to the JSON file itself)."""
+def read_config_json(path: str | os.PathLike) -> tuple[dict, str]:
+    """config.json of a checkpoint directory (or the JSON file itself) -> (dict, its path)."""
     p = os.fspath(path)
     if os.path.isdir(p):
         p = os.path.join(p, "config.json")
@@ -311,7 +311,12 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
         raise ConfigError(f"{p}: not found; point --model at a checkpoint directory containing config.json")
     with open(p) as f:
         try:
-            d = json.load(f)
+            return json.load(f), p
         except json.JSONDecodeError as e:
             raise ConfigError(f"{p}: not valid JSON ({e})") from e
+
+
+def load_config(path: str | os.PathLike) -> ModelConfig:
+    """Read `config.json` from a checkpoint directory (or a path to the JSON file itself)."""
+    d, p = read_config_json(path)
     return ModelConfig.from_dict(d, source=p)

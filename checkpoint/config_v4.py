@@ -25,7 +25,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from checkpoint.config import ConfigError, ModelConfig, load_config
+from checkpoint.config import ConfigError, ModelConfig, load_config, read_config_json
 
 V4_ARCHITECTURE = "DeepseekV4ForCausalLM"
 V4_MODEL_TYPE = "deepseek_v4"
@@ -312,20 +312,6 @@ def _rope(d: dict, source: str) -> dict:
             "compress_rope_theta": float(ctheta if ctheta is not None else 160000.0), "rope_scaling": scaling}
 
 
-def _read_json(path: str | os.PathLike) -> tuple[dict, str]:
-    """config.json of a directory (or the file itself) -> (dict, path)."""
-    p = os.fspath(path)
-    if os.path.isdir(p):
-        p = os.path.join(p, "config.json")
-    if not os.path.exists(p):
-        raise ConfigError(f"{p}: not found; point --model at a checkpoint directory containing config.json")
-    with open(p) as f:
-        try:
-            return json.load(f), p
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{p}: not valid JSON ({e})") from e
-
-
 def is_v4_dict(d: dict) -> bool:
     """True for a DeepSeek-V4 config.json dict."""
     return (d.get("architectures") or [None])[0] == V4_ARCHITECTURE or d.get("model_type") == V4_MODEL_TYPE
@@ -333,7 +319,7 @@ def is_v4_dict(d: dict) -> bool:
 
 def load_v4_config(path: str | os.PathLike) -> V4Config:
     """Read a DeepSeek-V4 `config.json` (directory or file)."""
-    d, p = _read_json(path)
+    d, p = read_config_json(path)
     return V4Config.from_dict(d, source=p)
 
 
@@ -344,5 +330,5 @@ def config_from_dict(d: dict, source: str = "config.json") -> ModelConfig | V4Co
 
 def load_any_config(path: str | os.PathLike) -> ModelConfig | V4Config:
     """`load_config` for every supported architecture: V4Config for DeepSeek-V4, else ModelConfig."""
-    d, p = _read_json(path)
+    d, p = read_config_json(path)
     return V4Config.from_dict(d, p) if is_v4_dict(d) else load_config(path)
