@@ -28,6 +28,8 @@ import subprocess
 import threading
 import time
 
+from gpu_service.local.stack import stop_processes
+
 SUBNET = "10.77.0"
 CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -170,16 +172,7 @@ class NetHosts:
 
     def close(self) -> None:
         """Kill what was started in the namespaces, then delete every namespace made (idempotent)."""
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-        deadline = time.monotonic() + 10
-        for p in self.procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(self.procs, 10.0)
         self.procs.clear()
         for ns in reversed(self._made):
             _ip("netns", "del", ns, check=False)

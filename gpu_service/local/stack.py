@@ -36,6 +36,20 @@ def expert_ranges(n_experts: int, n: int) -> list[tuple[int, int]]:
     return [(bounds[i], bounds[i + 1] - 1) for i in range(n)]
 
 
+def stop_processes(procs, timeout_s: float = 10.0) -> None:
+    """SIGTERM every process still running, wait up to `timeout_s` for them all, SIGKILL stragglers."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 @dataclass
 class LocalShards:
     addresses: list[str]
@@ -69,16 +83,7 @@ class LocalShards:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM every shard, wait, SIGKILL stragglers, remove the work directory."""
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for p in self.procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(self.procs, timeout_s)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self) -> "LocalShards":
