@@ -11,9 +11,11 @@ What differs from V3 (MLA):
   compressed entry (head_dim values) and one indexer key (index_head_dim values) per 4 tokens of
   the pool, HCA layers one entry per `ratio` tokens. The pool of `kv_tokens` tokens therefore costs
   (head_dim + index_head_dim)/4 values per token on a CSA layer and head_dim/ratio on an HCA layer.
-- Workspace: the 4 mHC residual streams (f32) of the chunk, per-head queries [T, heads*head_dim],
-  scores over window + chunk + selected compressed keys, the indexer's scores over the pool's
-  entries in blocks, the compressors' f32 rows.
+- Workspace: as the torch model computes a layer step (measured by tests/test_peak_memory_v4.py): the
+  mHC streams, the projections, then the largest of the attention core (logits and probabilities
+  over window + chunk + every compressed entry of the layer: CSA picks are a mask, not a gather),
+  the indexer (f32 scores of every query and head over all of the pool's CSA entries, not blocked)
+  and the compressor; the larger of a prefill chunk's and a decode batch's step.
 - Experts: MXFP4 (`linear_bytes(..., "mxfp4")`) as stored, on the shards and as hot GPU experts.
 """
 from __future__ import annotations
@@ -21,9 +23,7 @@ from __future__ import annotations
 import math
 
 from checkpoint.config_v4 import CSA_RATIO, V4Config
-from gpu_service.plan.bytes import (
-    INDEX_SCORE_ELEMS, MIN_KEYS, Module, Options, graph_buckets, GRAPH_SLOTS,
-)
+from gpu_service.plan.bytes import Module, Options, graph_buckets, GRAPH_SLOTS
 
 F32 = 4
 # categories a V4 GPU plan shows (gpu_service.plan.bytes.CATEGORIES order; "kv_window" and "kv_state" are V4's)
@@ -112,15 +112,12 @@ def kv_bytes_per_token_v4(cfg: V4Config, eb: int = 2) -> float:
     return total
 
 
-def _compressed_keys(cfg: V4Config, kv: int) -> int:
-    """Compressed keys one query attends to, the most over layer types: CSA top-k, HCA all entries."""
-    keys = 0
-    for r in set(cfg.compress_ratios):
-        if r == CSA_RATIO:
-            keys = max(keys, min(cfg.index_topk, entries(kv, r)))
-        elif r:
-            keys = max(keys, entries(kv, r))
-    return keys
+def _attended_entries(cfg: V4Config, kv: int) -> int:
+    """Compressed entries one query's attention reads, the most over the layers. The torch attention
+    (gpu_service.model.v4.attention) concatenates every entry of its layer after the window keys and
+    masks the ones a query may not see (on CSA layers all but the indexer's picks), so a layer reads
+    ceil(kv/ratio)+1 entries, not index_topk: the smallest ratio gives the most."""
+    return max((entries(kv, r) for r in cfg.compress_ratios if r), default=0)
 
 
 def _rows(cfg: V4Config, e: int, mlp_width: int) -> int:
@@ -131,33 +128,46 @@ def _rows(cfg: V4Config, e: int, mlp_width: int) -> int:
                 + 3 * mlp_width)
 
 
+def layer_step_bytes_v4(cfg: V4Config, o: Options, *, rows: int, span: int, seqs: int, mlp_width: int) -> int:
+    """Transient bytes of one layer over `rows` token rows of `seqs` sequences whose queries see at most
+    `span` keys of their own chunk (prefill: T rows, span T, 1 sequence; decode: B rows, span 1, B
+    sequences), as the torch model computes it (docs/v4.md "Memory plan"): the streams and projections,
+    what attention holds beside its scores, then the largest of the attention core, the indexer and
+    the CSA compressor, which run one after the other."""
+    e, kv, D, hc = o.eb, o.kv_tokens, cfg.hidden_size, cfg.hc_mult
+    H, hd, W = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
+    f32copy = 0 if e == F32 else F32  # a float32 copy of a 16-bit tensor (`.float()`)
+    Ea = _attended_entries(cfg, kv)
+    S = span + W + Ea  # key columns: the window's W - 1 keys, the chunk, the entries, the sink logit
+    topk = cfg.index_topk if CSA_RATIO in cfg.compress_ratios else 0
+    streams = 2 * F32 * rows * hc * D + F32 * rows * (2 + hc) * hc  # X, X' (f32 at most), mixing coefficients
+    act = rows * _rows(cfg, e, mlp_width)
+    held = seqs * e * (Ea + span + W) * hd + e * rows * (span + W) + 8 * rows * topk  # entries, window, mask, picks
+    attn = 2 * e * rows * H * S + e * rows * S + seqs * e * S * hd  # logits and probabilities, bias, keys ++ entries
+    index = 0
+    if topk:
+        E4, nI, dI = entries(kv, CSA_RATIO), cfg.index_n_heads, cfg.index_head_dim
+        index = (2 * F32 * rows * nI * E4 + 2 * F32 * rows * E4 + 20 * rows * topk  # head scores, summed, top-k
+                 + (e + f32copy) * rows * nI * dI + seqs * f32copy * E4 * dI)  # queries, f32 copies
+    widest = max((compressor_width(cfg, r) for r in cfg.compress_ratios if r), default=0)
+    comp = (4 * e + 3 * F32) * rows * widest  # kv, gate (+ the chunk's rows), gate + ape, slots, softmax: f32
+    return streams + act + held + max(attn, index, comp)
+
+
 def workspace_bytes_v4(cfg: V4Config, o: Options, *, mlp_width: int, lm_head: bool, scratch: int = 0,
                        layers: int = 0) -> int:
-    """Activation workspace of one GPU running V4 layers (docs/v4.md "Workspace")."""
-    T, B, e, kv, D = o.chunk_tokens, o.max_batch, o.eb, o.kv_tokens, cfg.hidden_size
-    H, hd, W, hc = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window, cfg.hc_mult
-    twin = 0 if e == 4 else e
-    Kc = _compressed_keys(cfg, kv)
-    streams = 2 * F32 * T * hc * D + F32 * T * (2 + hc) * hc  # X and X' (f32), the mixing coefficients
-    act = T * _rows(cfg, e, mlp_width)
-    E4 = entries(kv, CSA_RATIO) if CSA_RATIO in cfg.compress_ratios else 0
-    gathered = e * hd * max(entries(kv, r) for r in cfg.compress_ratios) + 8 * Kc * T  # entries; selection ids
-    attn = (F32 + twin) * T * H * (T + W + Kc) + T * (T + W + Kc) + e * (T + W + Kc) * hd  # scores, mask, keys
-    nI, dI = cfg.index_n_heads, cfg.index_head_dim
-    index = 0
-    if E4:
-        index = (F32 * min(T * nI * E4, max(INDEX_SCORE_ELEMS, nI * E4)) + F32 * T * E4 + 12 * T * cfg.index_topk
-                 + e * (T * nI * dI + E4 * dI))
-    comp = 2 * F32 * T * 2 * hd  # the chunk's compressor kv and score rows (f32)
+    """Activation workspace of one GPU running V4 layers (docs/v4.md "Memory plan"): the larger of a
+    prefill chunk's and a decode batch's layer step, the MoE routing, the logits, scratch and graphs."""
+    T, B, e, D = o.chunk_tokens, o.max_batch, o.eb, cfg.hidden_size
+    prefill = layer_step_bytes_v4(cfg, o, rows=T, span=T, seqs=1, mlp_width=mlp_width)
+    decode = layer_step_bytes_v4(cfg, o, rows=B, span=1, seqs=B, mlp_width=mlp_width)
     moe = F32 * T * D + 12 * T * cfg.num_experts_per_tok
     logits = 2 * F32 * B * cfg.vocab_size if lm_head else 0
-    Kd = W + Kc + MIN_KEYS
-    decode = (F32 + twin + e) * B * H * Kd + e * B * Kd * hd + 2 * F32 * B * hc * D + B * _rows(cfg, e, mlp_width)
     graphs = 0
     if o.cuda_graphs and layers:
-        row = 2 * 2 * F32 * hc * D + 2 * _rows(cfg, e, mlp_width) + 8 * cfg.n_routed_experts
+        row = 2 * 2 * F32 * cfg.hc_mult * D + 2 * _rows(cfg, e, mlp_width) + 8 * cfg.n_routed_experts
         graphs = GRAPH_SLOTS * sum(graph_buckets(B)) * row
-    return streams + max(act + gathered + max(attn, index) + comp, decode) + moe + logits + scratch + graphs
+    return max(prefill, decode) + moe + logits + scratch + graphs
 
 
 def native_expert_format_v4(cfg: V4Config) -> str | None:
