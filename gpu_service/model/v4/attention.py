@@ -24,10 +24,29 @@ class AttnState:
 
     __slots__ = ("keys", "length", "comp", "index")
 
-    def __init__(self):
+    def __init__(self, comp_store=None, index_store=None):
         self.keys = None
         self.length = 0  # tokens fed so far (the next chunk's first position)
-        self.comp, self.index = CompressorState(), CompressorState()
+        self.comp, self.index = CompressorState(comp_store), CompressorState(index_store)
+
+    def snapshot(self) -> dict:
+        """The bounded part (window keys, length, both compressors' pending rows and counts) as
+        clones; the entries stay in their stores. `restore` puts it back."""
+        def grab(c: CompressorState) -> dict:
+            return {k: _clone(getattr(c, k)) for k in CompressorState.BOUNDED}
+        return {"keys": _clone(self.keys), "length": self.length, "comp": grab(self.comp), "index": grab(self.index)}
+
+    def restore(self, snap: dict) -> None:
+        """Continue from a `snapshot` (the stores must hold its entries already)."""
+        self.keys, self.length = _clone(snap["keys"]), snap["length"]
+        for name in ("comp", "index"):
+            for k, v in snap[name].items():
+                setattr(getattr(self, name), k, _clone(v))
+
+
+def _clone(v):
+    """A tensor's copy (other values as they are)."""
+    return v.clone() if isinstance(v, torch.Tensor) else v
 
 
 class Attention(nn.Module):
