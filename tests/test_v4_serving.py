@@ -9,7 +9,8 @@ experts — a 100-token prompt (past the window of 8, 25 CSA blocks of 4, 6 HCA 
 - a second turn (the first turn's prompt + output + new tokens) hits the prefix cache (cached
   tokens > 0, fewer prompt tokens computed) and gives the tokens of a runner without the cache;
 - 8 concurrent requests in a pool too small for all of them (preemptions happen) each give the
-  tokens of its run alone; a request larger than the pool is refused at submit;
+  tokens of its run alone; a request larger than the pool is refused at submit; n = 2 choices
+  give the alone run twice;
 - the HTTP completions endpoint returns the text of the runner's greedy run, chat is refused
   naming the missing DeepSeek-V4 chat encoder; `moesplit generate` (shards, no --in-process) gives
   transformers' tokens; options that cannot apply to V4 are refused by name.
@@ -163,10 +164,13 @@ def test_batch_of_8_each_equals_its_alone_run_with_preemption():
         got = [[t for o in h for t in o.token_ids] for h in handles]
         with pytest.raises(RequestError):
             e.submit(_prompt(330), SamplingParams(), max_tokens=4)  # more than the pool holds
+        # n = 2 choices of one prompt: V4 forks none at the last prompt token, each choice prefills
+        n2 = [[t for o in h for t in o.token_ids] for h in
+              e.submit_n(prompts[3], [SamplingParams(), SamplingParams()], max_tokens=24, ignore_eos=True)]
         s = e.stats()
     finally:
         e.stop()
-    assert got == alone
+    assert got == alone and n2 == [alone[3], alone[3]]
     assert s["peak_running"] > 1 and s["preempted"] > 0 and s["errors"] == 0
     assert len({tuple(g) for g in got}) == 8
 
@@ -187,7 +191,8 @@ def test_http_completions_and_chat_refused():
         r = httpx.post(st.http_url + "/v1/chat/completions", timeout=60,
                        json={"model": "tiny-v4", "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 400 and "DeepSeek-V4 chat encoder" in r.text
-        assert httpx.get(st.http_url + "/metrics", timeout=30).status_code == 200
+        m = httpx.get(st.http_url + "/metrics", timeout=30)
+        assert m.status_code == 200 and f'category="kv_cache",device="cuda:0"}} {runner.pool.bytes()}' in m.text
     finally:
         st.engine.stop()
         st.http.stop()
