@@ -124,6 +124,9 @@ def test_second_turn_hits_the_prefix_cache_with_the_tokens_of_no_cache():
     try:
         out1 = _run(e, turn1, 40)
         computed = e.stats()["prefill_tokens_computed"]
+        cache = runner.prefix_cache
+        assert len(cache.snaps) == 1 and cache.snap_pages > 0  # turn 1 left its last boundary, charged pages
+        assert runner.pool.pages_in_use == runner.pool.cached_pages == len(cache.gpu_lru) + cache.snap_pages
         turn2 = turn1 + out1 + _prompt(9, seed=9)
         out2 = _run(e, turn2, 24)
         s = e.stats()
@@ -172,6 +175,7 @@ def test_batch_of_8_each_equals_its_alone_run_with_preemption():
         e.stop()
     assert got == alone and n2 == [alone[3], alone[3]]
     assert s["peak_running"] > 1 and s["preempted"] > 0 and s["errors"] == 0
+    assert s["prefix_snapshots"] > 0 and s["prefix_snapshots_dropped"] > 0  # charged pages, given back under pressure
     assert len({tuple(g) for g in got}) == 8
 
 

@@ -16,17 +16,20 @@ path (one-shot prefill, chunked prefill, decode) reads and writes the pool.
 `V4PrefixCache` is the engine's `PrefixCache` (same keys, same page sharing: a prefix's entries never
 change) plus a snapshot of the bounded state at a page boundary: a sequence whose step ends on a page
 boundary keeps that state (`V4Seq.snap`); when the page is committed the snapshot goes to its node
-(a sequence keeps only its latest one there). A lookup attaches up to the deepest cached node with a
-snapshot and restores it, so a second turn resumes exactly where the first stopped on a boundary.
+(a sequence keeps only its latest one there), charged pool pages for its bytes. A lookup attaches up
+to the deepest cached node with a snapshot and restores it, so a second turn resumes exactly where
+the first stopped on a boundary.
 """
 from __future__ import annotations
 
+import collections
 import math
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
-from gpu_service.model.kv import KVPool, SeqKV
+from gpu_service.model.kv import KVPool, PoolExhausted, SeqKV
 from gpu_service.model.prefix_cache import page_key, PrefixCache, root_key
 from gpu_service.model.v4.attention import AttnState
 
@@ -125,13 +128,32 @@ class V4Seq(SeqKV):
             st.restore(s)
 
 
+@dataclass(eq=False)
+class Snapshot:
+    """A cached node's bounded-state snapshot and the pool pages it is charged (its bytes rounded up)."""
+
+    state: tuple  # (length, per-layer AttnState snapshots)
+    pages: list[int]
+    owner: object = None  # the running sequence that placed it (it keeps only its latest)
+
+
 class V4PrefixCache(PrefixCache):
     """PrefixCache whose lookups stop at the deepest node with a bounded-state snapshot (module
-    docstring). No host tier: the snapshots would have to move with the pages."""
+    docstring). A snapshot is charged pool pages (its bytes rounded up to pages), so the engine's
+    admission and preemption see it; it is dropped (pages freed) with its node, when its sequence
+    places a newer one, or least recently used first when the pool needs pages and no cached node
+    is left to evict. No host tier: the snapshots would have to move with the pages."""
 
     def __init__(self, pool: V4Pool):
         super().__init__(pool, None)
-        self.stats["snapshots"] = 0
+        self.snaps: "collections.OrderedDict[object, Snapshot]" = collections.OrderedDict()  # node -> its, LRU
+        self.snap_pages = 0
+        self.stats.update(snapshots=0, snapshots_dropped=0)
+
+    @property
+    def evictable(self) -> int:
+        """Unreferenced cached pages plus every snapshot's pages (droppable at any time)."""
+        return len(self.gpu_lru) + self.snap_pages
 
     def _depth(self, tokens: list[int], salt: str | None) -> int:
         """Pages of `tokens` cached on the GPU up to the deepest node holding a snapshot."""
@@ -141,7 +163,7 @@ class V4PrefixCache(PrefixCache):
             node = self.nodes.get(key)
             if node is None or node.page < 0:
                 break
-            if getattr(node, "snapshot", None) is not None:
+            if node in self.snaps:
                 best = i + 1
         return best
 
@@ -150,28 +172,77 @@ class V4PrefixCache(PrefixCache):
         k = self._depth(tokens, salt)
         hit = super().attach(seq, tokens[:k * self.S + 1], salt)
         if seq.nodes:
-            seq.restore(seq.nodes[-1].snapshot)
+            self.snaps.move_to_end(seq.nodes[-1])
+            seq.restore(self.snaps[seq.nodes[-1]].state)
         return hit
 
     def commit(self, seq: V4Seq, tokens: list[int]) -> None:
         """PrefixCache.commit, then the sequence's boundary snapshot onto its page's node (the
-        sequence's previous one dropped)."""
+        sequence's previous one dropped); skipped when the pool cannot give its pages."""
         super().commit(seq, tokens)
-        if seq.cache_root is None or seq.snap is None or not seq.snap[0] or seq.snap[0] // self.S > len(seq.nodes):
+        snap, seq.snap = seq.snap, None
+        if seq.cache_root is None or snap is None or not snap[0] or snap[0] // self.S > len(seq.nodes):
             return
-        node = seq.nodes[seq.snap[0] // self.S - 1]
-        if getattr(node, "snapshot", None) is None:
-            old = seq.snap_node
-            if old is not None and getattr(old, "snap_owner", None) is seq:
-                old.snapshot = old.snap_owner = None
-            node.snapshot, node.snap_owner = seq.snap, seq
-            seq.snap_node = node
-            self.stats["snapshots"] += 1
-        seq.snap = None
+        node = seq.nodes[snap[0] // self.S - 1]
+        if node in self.snaps:
+            return
+        old = self.snaps.get(seq.snap_node)
+        if old is not None and old.owner is seq:
+            self._unsnap(seq.snap_node)
+        size = sum(t.numel() * t.element_size() for st in snap[1] for t in _tensors(st))
+        try:
+            pages = self.pool.take(-(-size // max(self.pool.page_bytes(), 1)))  # the node is referenced: kept
+        except PoolExhausted:
+            return
+        self.snaps[node] = Snapshot(snap, pages, seq)
+        self.snap_pages += len(pages)
+        seq.snap_node = node
+        self.stats["snapshots"] += 1
+
+    def _unsnap(self, node) -> None:
+        """Drop `node`'s snapshot (if any), its pages back to the pool."""
+        s = self.snaps.pop(node, None)
+        if s is not None:
+            self.pool.free_pages.extend(s.pages)
+            self.snap_pages -= len(s.pages)
+            self.stats["snapshots_dropped"] += 1
+
+    def evict(self, k: int) -> int:
+        """PrefixCache.evict (a dropped node's snapshots go with it), then snapshots least recently
+        used first while fewer than `k` pages came free."""
+        freed = super().evict(k)
+        while freed < k and self.snaps:
+            n0 = len(self.pool.free_pages)
+            self._unsnap(next(iter(self.snaps)))
+            freed += len(self.pool.free_pages) - n0
+        return freed
+
+    def _drop(self, n) -> None:
+        """PrefixCache._drop, the snapshots of `n` and its descendants dropped first."""
+        stack = [n]
+        while stack:
+            x = stack.pop()
+            stack.extend(x.children)
+            self._unsnap(x)
+        super()._drop(n)
 
     def release(self, seq) -> None:
         """PrefixCache.release; the snapshot the sequence left stays with its node, ownerless."""
-        node = getattr(seq, "snap_node", None)
-        if node is not None and getattr(node, "snap_owner", None) is seq:
-            node.snap_owner = None
+        s = self.snaps.get(seq.snap_node) if getattr(seq, "snap_node", None) is not None else None
+        if s is not None and s.owner is seq:
+            s.owner = None
         super().release(seq)
+
+    def check(self, seqs=()) -> None:
+        """PrefixCache.check with the snapshots' pages held too."""
+        held = SimpleNamespace(pages=[p for s in self.snaps.values() for p in s.pages], nodes=[])
+        if sum(len(s.pages) for s in self.snaps.values()) != self.snap_pages:
+            raise AssertionError(f"snapshot pages counted {self.snap_pages}, held {len(held.pages)}")
+        super().check(list(seqs) + [held])
+
+
+def _tensors(st: dict):
+    """The tensors of one layer's AttnState snapshot."""
+    for v in [st["keys"], *st["comp"].values(), *st["index"].values()]:
+        if isinstance(v, torch.Tensor):
+            yield v
