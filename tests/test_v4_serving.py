@@ -11,8 +11,8 @@ experts — a 100-token prompt (past the window of 8, 25 CSA blocks of 4, 6 HCA 
 - 8 concurrent requests in a pool too small for all of them (preemptions happen) each give the
   tokens of its run alone; a request larger than the pool is refused at submit; n = 2 choices
   give the alone run twice;
-- the HTTP completions endpoint returns the text of the runner's greedy run, chat is refused
-  naming the missing DeepSeek-V4 chat encoder; `moesplit generate` (shards, no --in-process) gives
+- the HTTP completions endpoint (and gRPC Generate) returns the runner's greedy run, chat is refused
+  on both naming the missing DeepSeek-V4 chat encoder; `moesplit generate` (shards, no --in-process) gives
   transformers' tokens; options that cannot apply to V4 are refused by name.
 """
 from __future__ import annotations
@@ -179,7 +179,7 @@ def test_batch_of_8_each_equals_its_alone_run_with_preemption():
     assert len({tuple(g) for g in got}) == 8
 
 
-def test_http_completions_and_chat_refused():
+def test_http_and_grpc_completions_and_chat_refused():
     from gpu_service.entrypoints.serving import ServingStack
 
     _, runner, _, tok = _served("flash-mxfp4")
@@ -195,6 +195,16 @@ def test_http_completions_and_chat_refused():
         r = httpx.post(st.http_url + "/v1/chat/completions", timeout=60,
                        json={"model": "tiny-v4", "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 400 and "DeepSeek-V4 chat encoder" in r.text
+        import grpc
+
+        from gpu_service.api.grpc_client import GenerateClient
+
+        with GenerateClient(st.grpc_address) as gc:
+            g = next(gc.generate(prompt_ids=ids, max_tokens=16, temperature=0, stream=False))
+            assert list(g.token_ids) == want
+            with pytest.raises(grpc.RpcError) as ei:
+                next(gc.generate(messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=False))
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "DeepSeek-V4 chat encoder" in ei.value.details()
         m = httpx.get(st.http_url + "/metrics", timeout=30)
         assert m.status_code == 200 and f'category="kv_cache",device="cuda:0"}} {runner.pool.bytes()}' in m.text
     finally:
