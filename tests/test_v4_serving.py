@@ -7,7 +7,8 @@ experts — a 100-token prompt (past the window of 8, 25 CSA blocks of 4, 6 HCA 
 - 64 greedy tokens through the Engine (check_pool on) equal transformers' DeepseekV4ForCausalLM
   generate, with the prompt in one chunk and in chunks of 3 (under a compression block);
 - a second turn (the first turn's prompt + output + new tokens) hits the prefix cache (cached
-  tokens > 0, fewer prompt tokens computed) and gives the tokens of a runner without the cache;
+  tokens > 0, fewer prompt tokens computed) and gives the tokens of a runner without the cache,
+  also after a reply too short to cross a page boundary (resumed at the prompt's last boundary);
 - 8 concurrent requests in a pool too small for all of them (preemptions happen) each give the
   tokens of its run alone; a request larger than the pool is refused at submit; n = 2 choices
   give the alone run twice;
@@ -135,6 +136,17 @@ def test_second_turn_hits_the_prefix_cache_with_the_tokens_of_no_cache():
     assert s["cached_tokens"] > 0 and s["cached_tokens"] % PAGE == 0 and s["prefix_hits_gpu"] == s["cached_tokens"]
     assert s["prefill_tokens_computed"] - computed == len(turn2) - s["cached_tokens"]
     assert s["prefix_snapshots"] >= 1
+    # a short reply that crosses no page boundary: the next turn resumes at the prompt's last boundary
+    # (its final prefill chunk ran in two passes split there)
+    short1 = _prompt(50, seed=10)
+    e = _engine(runner, max_batch=4, chunk_tokens=64)
+    try:
+        short_out1 = _run(e, short1, 10)  # 50 + 9 fed: the boundary 48 inside the prompt, 64 not reached
+        short2 = short1 + short_out1 + _prompt(9, seed=11)
+        short_out2 = _run(e, short2, 12)
+        assert e.stats()["cached_tokens"] == 48
+    finally:
+        e.stop()
     from checkpoint.reader import CheckpointReader
 
     plain = make_runner(CheckpointReader(d, any_architecture=True), runner.experts, device=torch.device("cpu"),
@@ -144,6 +156,7 @@ def test_second_turn_hits_the_prefix_cache_with_the_tokens_of_no_cache():
     try:
         assert _run(e, turn1, 40) == out1
         assert _run(e, turn2, 24) == out2
+        assert _run(e, short1, 10) == short_out1 and _run(e, short2, 12) == short_out2
         assert e.stats()["cached_tokens"] == 0
     finally:
         e.stop()

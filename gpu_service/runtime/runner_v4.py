@@ -70,19 +70,34 @@ class V4Runner:
 
     def step(self, input_ids: list[int], chunks: list[Chunk], all_logits: bool = False) -> torch.Tensor:
         """One engine step: chunk j feeds input_ids of its run to its sequence -> float32 logits
-        [len(chunks), V] of each chunk's last token ([len(input_ids), V] with all_logits)."""
+        [len(chunks), V] of each chunk's last token ([len(input_ids), V] with all_logits). With the
+        prefix cache, a chunk that ends its prompt past a page boundary runs in two passes split at
+        the last boundary, so the sequence leaves a snapshot there (the next turn resumes from it)."""
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        batch, a = [], 0
+        parts, a = [], 0
         for c in chunks:
             if c.start != c.seq.length:
                 raise RuntimeError(f"a V4 chunk must continue its sequence: starts at {c.start}, the sequence "
                                    f"holds {c.seq.length} tokens")
             c.seq.reserve(c.start + c.n)  # a no-op under the engine (its admission reserved them)
-            batch.append((ids[a:a + c.n], c.seq))
+            end, cut = c.start + c.n, c.n
+            boundary = end // self.page_size * self.page_size
+            if self.prefix_cache is not None and end == c.seq.fed_to and c.start < boundary < end:
+                cut = boundary - c.start
+            parts.append((ids[a:a + cut], ids[a + cut:a + c.n], c.seq))
             a += c.n
+        out = self._pass([(p, seq) for p, _, seq in parts], all_logits)
+        rest = [j for j, (_, r, _) in enumerate(parts) if r.numel()]
+        for j, o in zip(rest, self._pass([(parts[j][1], parts[j][2]) for j in rest], all_logits) if rest else []):
+            out[j] = torch.cat([out[j], o]) if all_logits else o
+        return torch.cat(out) if all_logits else torch.stack(out)
+
+    def _pass(self, batch: list[tuple[torch.Tensor, V4Seq]], all_logits: bool) -> list[torch.Tensor]:
+        """forward_batch of (tokens, sequence) chunks; a sequence it leaves on a page boundary keeps
+        its bounded state for the prefix cache."""
         out = self.model.forward_batch(batch, self.experts, all_logits)
         if self.prefix_cache is not None:
-            for c in chunks:
-                if c.seq.length % self.page_size == 0:
-                    c.seq.take_snapshot()
-        return torch.cat(out) if all_logits else torch.stack(out)
+            for _, seq in batch:
+                if seq.length % self.page_size == 0:
+                    seq.take_snapshot()
+        return out

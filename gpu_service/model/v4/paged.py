@@ -98,6 +98,7 @@ class V4Seq(SeqKV):
     layers: list = field(default_factory=list)  # AttnState per layer
     snap: tuple | None = None  # (length, per-layer snapshots) at the last page boundary a step ended on
     snap_node: object = None  # the prefix-cache node holding this sequence's latest snapshot
+    fed_to: int = 0  # tokens the engine feeds before its next sample (set at the prefix-cache lookup)
 
     def __post_init__(self):
         self._fresh()
@@ -109,6 +110,7 @@ class V4Seq(SeqKV):
                                  PagedEntries(pool.index_k[i], self, r) if r == CSA else None)
                        for i, r in enumerate(pool.ratios)]
         self.snap = self.snap_node = None
+        self.fed_to = 0
 
     def free(self) -> None:
         """Pages back to the pool (or the prefix cache), the bounded state dropped."""
@@ -168,8 +170,11 @@ class V4PrefixCache(PrefixCache):
         return best
 
     def attach(self, seq: V4Seq, tokens: list[int], salt: str | None = None) -> tuple[int, int]:
-        """PrefixCache.attach up to the deepest snapshot, then the sequence resumes from it."""
+        """PrefixCache.attach up to the deepest snapshot, then the sequence resumes from it. Notes
+        len(tokens) on the sequence: the runner splits the chunk that ends there at its last page
+        boundary, so the sequence leaves a snapshot before its first sample."""
         k = self._depth(tokens, salt)
+        seq.fed_to = len(tokens)
         hit = super().attach(seq, tokens[:k * self.S + 1], salt)
         if seq.nodes:
             self.snaps.move_to_end(seq.nodes[-1])
