@@ -14,7 +14,8 @@ experts — a 100-token prompt (past the window of 8, 25 CSA blocks of 4, 6 HCA 
   give the alone run twice;
 - the HTTP completions endpoint (and gRPC Generate) returns the runner's greedy run, chat is refused
   on both naming the missing DeepSeek-V4 chat encoder; `moesplit generate` (shards, no --in-process) gives
-  transformers' tokens; options that cannot apply to V4 are refused by name.
+  transformers' tokens; `moesplit gpu-server` over the shards serves V4 completions and refuses chat;
+  options that cannot apply to V4 are refused by name.
 """
 from __future__ import annotations
 
@@ -255,3 +256,47 @@ def test_options_that_cannot_apply_are_refused_by_name():
         assert err is not None and word in err and "DeepSeek-V4" in err
     with pytest.raises(ValueError, match="multiple of 16"):
         V4Pool(runner.cfg, 4, 24, torch.float32, torch.device("cpu"))
+
+
+def test_gpu_server_cli_serves_v4_completions():
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    d, runner, _, _ = _served("flash-mxfp4")
+    addresses = ",".join(_STARTED["flash-mxfp4"][4].addresses)
+    base = [sys.executable, "-m", "moesplit", "gpu-server", "--model", d, "--shards-addresses", addresses,
+            "--port", "0", "--grpc-port", "0", "--kv-tokens", "512", "--page-size", str(PAGE), "--dtype", "float32",
+            "--device", "cpu", "--log-level", "WARNING"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    bad = subprocess.run(base + ["--gpu", "24GiB"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--gpu" in bad.stderr and "DeepSeek-V4" in bad.stderr
+    p = subprocess.Popen(base, cwd=root, stderr=subprocess.PIPE, text=True)
+    try:
+        url, deadline, lines = None, time.monotonic() + 90, []
+        while url is None and time.monotonic() < deadline:
+            line = p.stderr.readline()
+            if not line and p.poll() is not None:
+                break
+            lines.append(line)
+            m = re.search(r"OpenAI API (http://\S+)/v1", line)
+            url = m.group(1) if m else None
+        assert url is not None, "".join(lines)
+        ids = _prompt(30, seed=3)
+        want = runner.generate(ids, 8).token_ids
+        r = httpx.post(url + "/v1/completions", timeout=120, json={
+            "model": os.path.basename(d), "prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == want
+        r = httpx.post(url + "/v1/chat/completions", timeout=60,
+                       json={"model": os.path.basename(d), "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and "DeepSeek-V4 chat encoder" in r.text
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
