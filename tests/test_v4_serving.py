@@ -12,7 +12,8 @@ experts — a 100-token prompt (past the window of 8, 25 CSA blocks of 4, 6 HCA 
 - 8 concurrent requests in a pool too small for all of them (preemptions happen) each give the
   tokens of its run alone; a request larger than the pool is refused at submit; n = 2 choices
   give the alone run twice;
-- the HTTP completions endpoint (and gRPC Generate) returns the runner's greedy run, chat is refused
+- the HTTP completions endpoint (and gRPC Generate) returns the runner's greedy run, a JSON schema
+  constrains its output (structured outputs), chat is refused
   on both naming the missing DeepSeek-V4 chat encoder; `moesplit generate` (shards, no --in-process) gives
   transformers' tokens; `moesplit gpu-server` over the shards serves V4 completions and refuses chat;
   options that cannot apply to V4 are refused by name.
@@ -206,6 +207,13 @@ def test_http_and_grpc_completions_and_chat_refused():
                        json={"model": "tiny-v4", "prompt": "hello there", "max_tokens": 16, "temperature": 0})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == tok.decode([t for t in want if t not in runner.cfg.eos_token_ids])
+        schema = {"type": "object", "properties": {"a": {"type": "string", "enum": ["yes", "no"]}}, "required": ["a"],
+                  "additionalProperties": False}
+        r = httpx.post(st.http_url + "/v1/completions", timeout=120, json={
+            "model": "tiny-v4", "prompt": "hello there", "max_tokens": 40, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}})
+        assert r.status_code == 200, r.text
+        assert json.loads(r.json()["choices"][0]["text"])["a"] in ("yes", "no")  # structured outputs on V4
         r = httpx.post(st.http_url + "/v1/chat/completions", timeout=60,
                        json={"model": "tiny-v4", "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 400 and "DeepSeek-V4 chat encoder" in r.text
