@@ -197,15 +197,10 @@ class ModelConfig:
         arch = archs[0] if archs else None
         if arch == "DeepseekV4ForCausalLM" or d.get("model_type") == "deepseek_v4":
             raise ConfigError(
-                f"{source}: a DeepSeek-V4 checkpoint, which the engine cannot serve yet: the V4 model "
-                "(gpu_service.model.v4, load_v4) keeps each sequence's cache in its own SeqCache, and the engine "
-                "(gpu_service.runtime ModelRunner / engine) has no V4 layer step nor a paged-pool layout for its "
-                "window keys, compressed entries and compressor states (docs/v4-cache.md), so no batching, "
-                "prefix cache or scheduled chunked prefill. What runs V4 today: `moesplit generate --in-process` "
-                "(greedy, experts in process), `moesplit expert-server --model DIR` and `moesplit convert` "
-                "(MXFP4 / FP8-e8m0 experts, swiglu_limit), `moesplit plan --model`, `moesplit make-tiny --arch "
-                "deepseek_v4` (checkpoint.config_v4.load_any_config, CheckpointReader(dir, any_architecture=True) "
-                "read it)"
+                f"{source}: a DeepSeek-V4 checkpoint, not a V3-family one: load_config gives the V3 family's "
+                "ModelConfig; read it with checkpoint.config_v4.load_any_config (a V4Config), as serve, gpu-server "
+                "and generate do (gpu_service.runtime.runners.make_runner picks the V4 runner), or "
+                "CheckpointReader(dir, any_architecture=True)"
             )
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(

@@ -223,9 +223,10 @@ class CheckpointReader:
 
     def __init__(self, model_dir: str | os.PathLike, config: ModelConfig | V4Config | None = None, *,
                  any_architecture: bool = False):
-        """config None: read config.json with checkpoint.config.load_config, which refuses what the
-        runtime cannot serve (DeepSeek-V4 today); any_architecture=True reads every supported
-        architecture (checkpoint.config_v4.load_any_config), for tools that only read weights."""
+        """config None: read config.json with checkpoint.config.load_config (the V3 family; it
+        refuses DeepSeek-V4 naming the reader that takes it); any_architecture=True reads every
+        supported architecture (checkpoint.config_v4.load_any_config): the serving paths, the expert
+        shard and convert."""
         self.model_dir = os.path.abspath(os.fspath(model_dir))
         if not os.path.isdir(self.model_dir):
             raise CheckpointError(f"{self.model_dir}: not a directory; pass a checkpoint directory")

@@ -177,6 +177,9 @@ def actual_bytes(runner, placement=None) -> dict[tuple[str, str], int]:
     the placement's map (`placement.placed_bytes`)."""
     from gpu_service.model.placement import Placement, placed_bytes
 
+    if getattr(runner.cfg, "is_v4", False):  # one device, no plan categories yet: weights and the pool
+        weights = sum(t.numel() * t.element_size() for t in list(runner.model.parameters()) + list(runner.model.buffers()))
+        return {("weights", device_label(0)): weights, ("kv_cache", device_label(0)): runner.pool.bytes()}
     placement = placement or getattr(runner, "placement", None) or Placement.single(runner.cfg, runner.device)
     mods = _module_categories(runner.cfg)
     out: dict[tuple[str, str], int] = {}
@@ -201,6 +204,8 @@ def planned_bytes(runner, plan=None, placement=None) -> dict[tuple[str, str], in
             out[("embeddings", "cpu")] = getattr(plan.options, "eb", 2) * plan.cfg.vocab_size * plan.cfg.hidden_size
         return out
     cfg = runner.cfg
+    if getattr(cfg, "is_v4", False):
+        return out  # the V4 runner executes no memory plan yet
     placement = placement or getattr(runner, "placement", None) or Placement.single(cfg, runner.device)
     dt = getattr(runner, "dtype", None)
     eb = dt.itemsize if dt is not None else 2  # the compute dtype's bytes per element

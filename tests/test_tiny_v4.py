@@ -163,11 +163,11 @@ def test_cli_v4_and_errors(tmp_path, capsys):
         assert (tmp_path / "d1" / f).read_bytes() == (tmp_path / "d2" / f).read_bytes()
 
 
-def test_runtime_paths_refuse_v4_naming_what_is_missing(flash_mxfp4):
-    """Until the engine runs V4 (paged pool, V4 step), the GPU-side paths (CheckpointReader's default,
-    load_config) stop at config.json with the reason; the expert shard and convert take V4
-    (tests/test_v4_experts.py)."""
+def test_v3_family_reader_names_the_v4_reader(flash_mxfp4):
+    """The V3 family's readers (CheckpointReader's default, load_config) send V4 to the ones that read
+    it (load_any_config, any_architecture=True: what the engine's paths use, tests/test_v4_serving.py);
+    the expert shard and convert take V4 too (tests/test_v4_experts.py)."""
     from checkpoint.config import ConfigError
 
-    with pytest.raises(ConfigError, match="cannot serve yet: .*no V4 layer step nor a paged-pool layout"):
+    with pytest.raises(ConfigError, match="load_any_config .*any_architecture=True"):
         CheckpointReader(flash_mxfp4)

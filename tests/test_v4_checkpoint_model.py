@@ -10,8 +10,8 @@ generate (EOS not stopping) after a prompt longer than the window and than sever
 blocks, the same 64 after a prefill in chunks smaller than a compression block, and through
 `moesplit generate --in-process`; no indexer score ties at the top-k boundary on those runs (the
 tokens do not rest on topk's tie order). Also: every non-expert tensor is loaded, an unknown tensor and a
-non-V4 directory are refused by name, bf16 loads keep the float32 set, and the serving paths still
-refuse V4 naming what the engine lacks.
+non-V4 directory are refused by name, bf16 loads keep the float32 set, and the V3-family config
+reader sends V4 to the one that reads it (the engine's paths: tests/test_v4_serving.py).
 """
 from __future__ import annotations
 
@@ -166,22 +166,24 @@ def test_generate_in_process_equals_transformers(capsys):
 
 
 def test_generate_refuses_what_it_would_ignore(capsys):
-    """Without --in-process V4 is refused with what the engine lacks; options the in-process path
-    cannot honour, --chat, and --in-process on a V3 checkpoint are refused by name."""
+    """Options the in-process path cannot honour, --chat, and the memory-plan options without
+    --in-process (the V4 runner executes no plan) are refused by name."""
     from moesplit.cli import main as cli_main
 
     d = _case("flash-mxfp4")[0]
     base = ["generate", "--model", d, "--prompt-ids", "5,6,7"]
-    assert cli_main(base) == 2
-    assert "paged-pool layout" in capsys.readouterr().err
+    assert cli_main(base + ["--gpu", "24GiB"]) == 2
+    assert "--gpu" in capsys.readouterr().err
+    assert cli_main(base + ["--chat"]) == 2
+    assert "chat encoder" in capsys.readouterr().err
     for extra, word in ((["--temperature", "0.7"], "--temperature"), (["--shards", "3"], "--shards"),
                         (["--kv-tokens", "64"], "--kv-tokens"), (["--chat"], "chat encoder")):
         assert cli_main(base + ["--in-process"] + extra) == 2
         assert word in capsys.readouterr().err
-    with pytest.raises(ConfigError, match="--in-process"):
+    with pytest.raises(ConfigError, match="load_any_config"):
         from checkpoint.reader import CheckpointReader
 
-        CheckpointReader(d)  # the serving paths' reader: V4 refused, naming what runs it today
+        CheckpointReader(d)  # the V3-family reader: V4 sent to the reader that takes it
 
 
 def test_generate_in_process_stops_at_eos_and_decodes_text(capsys):

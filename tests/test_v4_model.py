@@ -227,8 +227,9 @@ def test_cache_holds_the_window_and_the_entries():
         if blk.attn.ratio:
             assert st.comp.count == PROMPT_LEN // blk.attn.ratio
             assert st.comp.buf_kv.shape[0] == PROMPT_LEN % blk.attn.ratio
+            assert st.comp.store.read(st.comp.count, st.keys).shape == (st.comp.count, cfg.head_dim)
         else:
-            assert st.comp.entries is None
+            assert st.comp.count == 0 and st.comp.store.t is None
 
 
 def test_bfloat16_runs_close_to_float32():

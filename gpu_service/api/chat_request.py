@@ -54,6 +54,7 @@ class ChatSettings:
 
     tool_parser: str = "auto"
     reasoning_parser: str = "auto"
+    refused: str | None = None  # why this model takes no chat requests (e.g. no encoder for its format)
 
 
 @dataclass
@@ -277,6 +278,8 @@ def reasoning_kwargs(effort: str | None, fmt, kwargs: dict) -> dict:
 def chat_plan(body: dict, tokenizer, settings: ChatSettings, max_chars: int | None = None) -> ChatPlan:
     """Validate the chat fields of `body`, render the prompt and set up its output parsers; a
     conversation over `max_chars` characters is refused before the template runs."""
+    if settings.refused:
+        raise APIError(400, settings.refused, param="messages")
     if tokenizer is None:
         raise APIError(400, "this model has no tokenizer (tokenizer.json or tiktoken.model); use /v1/completions "
                             "with token ids", param="messages")

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 
 import torch
 
 from gpu_service.local.stack import add_local_shard_arguments
-from gpu_service.model.placement import add_device_arguments, add_plan_arguments, placement_from_args
+from gpu_service.model.placement import (add_device_arguments, add_plan_arguments, options_set, placement_from_args,
+                                         V4_PLAN_OPTIONS)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,33 +44,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(gpu_service.entrypoints.generate_v4)")
 
 
-def load_config_error(model_dir: str) -> str:
-    """Why checkpoint.config.load_config refuses `model_dir` (the serving paths' reason), '' if it does not."""
-    from checkpoint.config import ConfigError, load_config
-
-    try:
-        load_config(model_dir)
-    except ConfigError as e:
-        return str(e)
-    return ""
-
-
 def run(args: argparse.Namespace) -> int:
     from checkpoint.config_v4 import load_any_config
     from checkpoint.reader import CheckpointReader
     from gpu_service.experts.client import ExpertsClient
     from gpu_service.local.stack import start_shards
     from gpu_service.experts.handoff import RemoteExperts
-    from gpu_service.runtime.runner import ModelRunner
+    from gpu_service.model.v4.paged import page_block
+    from gpu_service.runtime.runners import make_runner
     from gpu_service.runtime.sampling import SamplingParams
 
     if args.max_new_tokens < 1:
         print("moesplit generate: --max-new-tokens must be >= 1", file=sys.stderr)
         return 2
-    v4 = load_any_config(args.model).is_v4
-    if v4 != args.in_process:
-        print(f"moesplit generate: {load_config_error(args.model)}" if v4 else
-              "moesplit generate: --in-process runs DeepSeek-V4 checkpoints only; drop it", file=sys.stderr)
+    cfg = load_any_config(args.model)
+    v4 = cfg.is_v4
+    if args.in_process and not v4:
+        print("moesplit generate: --in-process runs DeepSeek-V4 checkpoints only; drop it", file=sys.stderr)
+        return 2
+    bad = options_set(args, V4_PLAN_OPTIONS) if v4 and not args.in_process else []
+    if bad:
+        print(f"moesplit generate: {', '.join(bad)}: not available for DeepSeek-V4 yet (its runner executes no "
+              "memory plan); drop them", file=sys.stderr)
         return 2
     if v4 and args.chat:
         print("moesplit generate: --chat needs the DeepSeek-V4 chat encoder, which moesplit does not have yet; "
@@ -87,21 +84,20 @@ def run(args: argparse.Namespace) -> int:
             print(f"moesplit generate: --prompt-ids must be comma-separated integers, got {args.prompt_ids!r}",
                   file=sys.stderr)
             return 2
-    if v4:
+    if args.in_process:
         from gpu_service.entrypoints.generate_v4 import run_in_process
 
         parser = argparse.ArgumentParser()
         add_arguments(parser)
         return run_in_process(args, parser, ids, tok)
-    reader = CheckpointReader(args.model)
-    cfg = reader.config
+    reader = CheckpointReader(args.model, cfg)
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     device = torch.device(args.device) if args.device else None
     dtype = getattr(torch, args.dtype) if args.dtype else None
 
     # the memory plan comes first: a plan that cannot fit stops here, before anything is loaded
     kv = args.kv_tokens or max(len(ids) + args.max_new_tokens, 64)
-    placement = placement_from_args(args, cfg, kv, device=device)
+    placement = None if v4 else placement_from_args(args, cfg, kv, device=device)
 
     from gpu_service.experts.client import expert_client_tls
 
@@ -127,8 +123,9 @@ def run(args: argparse.Namespace) -> int:
         client.connect()
         transports = {a: client.fast.transport_of(a) for a in addresses}
         try:
-            runner = ModelRunner(reader, RemoteExperts(client), device=device, dtype=dtype, kv_tokens=kv,
-                                 placement=placement, cuda_graphs=args.cuda_graphs)
+            page = {"page_size": math.lcm(64, page_block(cfg))} if v4 else {}  # whole V4 compression blocks
+            runner = make_runner(reader, RemoteExperts(client), device=device, dtype=dtype, kv_tokens=kv,
+                                 placement=placement, cuda_graphs=args.cuda_graphs, **page)
             res = runner.generate(ids, args.max_new_tokens, sampling,
                                   stop_ids=() if args.ignore_eos else cfg.eos_token_ids)
         finally:

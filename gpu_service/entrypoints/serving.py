@@ -8,6 +8,7 @@ then the engine + HTTP + gRPC APIs (`ServingStack`), and serve until SIGINT/SIGT
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import logging
 import os
@@ -31,6 +32,8 @@ from gpu_service.api.http_api import create_app, HTTPServer
 from gpu_service.metrics import GpuMetrics
 
 log = logging.getLogger("moesplit.serve")
+V4_CHAT_REFUSED = ("chat on DeepSeek-V4 needs the DeepSeek-V4 chat encoder (its own message format, not a Jinja "
+                   "template), which moesplit does not have yet; send the prompt to /v1/completions")
 
 
 def add_serving_arguments(p: argparse.ArgumentParser) -> None:
@@ -118,13 +121,44 @@ def server_limits(args: argparse.Namespace) -> ServerLimits:
 
 def plan_or_exit(args: argparse.Namespace):
     """The memory plan, made before anything is loaded; None on a CPU-only machine without
-    --gpu. A plan that cannot fit exits here with the table and the options that would fit."""
+    --gpu, and for DeepSeek-V4 (its runner executes no plan yet: v4_option_error refuses the plan
+    options). A plan that cannot fit exits here with the table and the options that would fit."""
     import torch
 
-    from checkpoint.config import load_config
+    from checkpoint.config_v4 import load_any_config
 
-    return placement_from_args(args, load_config(args.model), args.kv_tokens, args.chunk_tokens, args.max_batch,
+    cfg = load_any_config(args.model)
+    if cfg.is_v4:
+        return None
+    return placement_from_args(args, cfg, args.kv_tokens, args.chunk_tokens, args.max_batch,
                                device=torch.device(args.device) if args.device else None)
+
+
+# serving options of chat that a DeepSeek-V4 model cannot use yet (no chat encoder): (dest, default, flag)
+V4_CHAT_OPTIONS = (("chat_template", None, "--chat-template"), ("tool_call_parser", "auto", "--tool-call-parser"),
+                   ("reasoning_parser", "auto", "--reasoning-parser"))
+
+
+def v4_option_error(args: argparse.Namespace, cfg) -> str | None:
+    """The serving options set that a DeepSeek-V4 model (`cfg`) cannot honour, as an error; None if none."""
+    from gpu_service.model.placement import options_set, V4_PLAN_OPTIONS
+    from gpu_service.model.v4.paged import page_block
+    from gpu_service.plan.bytes import parse_size
+
+    block = page_block(cfg)
+    if args.page_size % block:
+        return (f"--page-size {args.page_size}: a DeepSeek-V4 page must hold whole compression blocks of every "
+                f"layer; use a multiple of {block} (lcm of 4 and the HCA ratios)")
+
+    bad = options_set(args, V4_PLAN_OPTIONS + V4_CHAT_OPTIONS)
+    host = getattr(args, "host_kv_cache", "auto")
+    if host != "auto" and parse_size(host):
+        bad.append("--host-kv-cache")
+    if not bad:
+        return None
+    return (f"{', '.join(bad)}: not available for DeepSeek-V4 yet (its runner executes no memory plan: no multi-GPU "
+            "split, hot experts or weight formats; its prefix cache has no host tier; chat needs the DeepSeek-V4 "
+            "chat encoder); drop them (--kv-tokens sizes its cache)")
 
 
 def check_serving_args(args: argparse.Namespace) -> str | None:
@@ -159,7 +193,14 @@ def check_serving_args(args: argparse.Namespace) -> str | None:
     template = getattr(args, "chat_template", None)
     if template and not os.path.isfile(template):
         return f"--chat-template {template}: no such file"
-    return None
+    from checkpoint.config import ConfigError
+    from checkpoint.config_v4 import load_any_config
+
+    try:
+        cfg = load_any_config(args.model)
+    except ConfigError as e:
+        return str(e)
+    return v4_option_error(args, cfg) if cfg.is_v4 else None
 
 
 def build_runner(model_dir: str, addresses: list[str], device=None, dtype=None, kv_tokens: int = 8192,
@@ -173,18 +214,19 @@ def build_runner(model_dir: str, addresses: list[str], device=None, dtype=None, 
     from checkpoint.reader import CheckpointReader
     from gpu_service.experts.client import ExpertsClient
     from gpu_service.experts.handoff import RemoteExperts
-    from gpu_service.runtime.runner import ModelRunner
+    from gpu_service.runtime.runners import make_runner
     from gpu_service.api.tokenizer import TokenizerError, load_tokenizer
 
-    reader = CheckpointReader(model_dir)
+    reader = CheckpointReader(model_dir, any_architecture=True)  # DeepSeek-V4 too (a V4Config)
     client = ExpertsClient(addresses, reader.config, timeout_s=expert_timeout, tls=tls,
                            tls_server_name=tls_server_name).connect()
     try:
-        runner = ModelRunner(reader, RemoteExperts(client), device=torch.device(device) if device else None,
+        host_bytes = 0 if reader.config.is_v4 and host_kv_cache == "auto" else \
+            host_kv_bytes(host_kv_cache, placement, device)
+        runner = make_runner(reader, RemoteExperts(client), device=torch.device(device) if device else None,
                              dtype=getattr(torch, dtype) if dtype else None, kv_tokens=kv_tokens,
                              page_size=page_size, placement=placement, prefix_cache=prefix_cache,
-                             host_kv_bytes=host_kv_bytes(host_kv_cache, placement, device),
-                             cuda_graphs=cuda_graphs)
+                             host_kv_bytes=host_bytes, cuda_graphs=cuda_graphs)
     except BaseException:
         client.close()
         raise
@@ -227,6 +269,8 @@ class ServingStack:
                              eos_token_ids=tuple(dict.fromkeys(eos)))
         self.limits = limits or ServerLimits()
         self.api_key, self.grpc_tls = api_key, grpc_tls
+        if getattr(runner.cfg, "is_v4", False):  # completions only until the DeepSeek-V4 chat encoder exists
+            chat_settings = dataclasses.replace(chat_settings or ChatSettings(), refused=V4_CHAT_REFUSED)
         self.chat_settings = chat_settings
         self.tokenizer = tokenizer
         self.model_name = model_name

@@ -197,6 +197,17 @@ def add_plan_arguments(p) -> None:
                         "shards' activation counts; default: the lowest ids)")
 
 
+# memory-plan options a DeepSeek-V4 model cannot use yet (its runner executes no plan): (dest, default, flag)
+V4_PLAN_OPTIONS = (("gpu", None, "--gpu"), ("attention_weights", "auto", "--attention-weights"),
+                   ("embeddings", "auto", "--embeddings"), ("gpu_experts", "0", "--gpu-experts"),
+                   ("min_kv_tokens", None, "--min-kv-tokens"), ("hot_experts", None, "--hot-experts"))
+
+
+def options_set(args, options) -> list[str]:
+    """The flags of `options` ((dest, default, flag) each) that `args` sets away from their defaults."""
+    return [flag for dest, default, flag in options if getattr(args, dest, default) != default]
+
+
 def placement_from_args(args, cfg: ModelConfig, kv_tokens: int, chunk_tokens: int = 2048,
                         max_batch: int = 16, device: torch.device | None = None) -> "Placement | None":
     """Make the plan, refuse before loading if it cannot fit (SystemExit with the table and the

@@ -66,6 +66,11 @@ class ModelRunner:
         self.prefix_cache = make_prefix_cache(self.pool, host_kv_bytes) if prefix_cache else None
         self.set_cuda_graphs(cuda_graphs and os.environ.get("MOESPLIT_CUDA_GRAPHS", "1") != "0", graph_buckets)
 
+    @property
+    def chunk_tokens(self) -> int:
+        """The prefill chunk of `generate`: the plan's."""
+        return self.placement.chunk_tokens
+
     def set_cuda_graphs(self, on: bool, buckets: tuple[int, ...] | None = None, mode: str = "cuda") -> None:
         """The decode pieces as CUDA graphs per batch-size bucket (gpu_service.runtime.cuda_graphs), CUDA
         only; mode="static" runs the same plumbing on CPU (tests)."""
@@ -100,7 +105,7 @@ class ModelRunner:
         if any(not 0 <= t < self.cfg.vocab_size for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
         sampling = sampling or SamplingParams()
-        chunk_tokens = chunk_tokens or self.placement.chunk_tokens  # the plan's prefill chunk
+        chunk_tokens = chunk_tokens or self.chunk_tokens  # the plan's prefill chunk
         gen = sampling.generator()
         seq = self.new_seq()
         out: list[int] = []

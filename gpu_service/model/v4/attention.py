@@ -24,10 +24,29 @@ class AttnState:
 
     __slots__ = ("keys", "length", "comp", "index")
 
-    def __init__(self):
+    def __init__(self, comp_store=None, index_store=None):
         self.keys = None
         self.length = 0  # tokens fed so far (the next chunk's first position)
-        self.comp, self.index = CompressorState(), CompressorState()
+        self.comp, self.index = CompressorState(comp_store), CompressorState(index_store)
+
+    def snapshot(self) -> dict:
+        """The bounded part (window keys, length, both compressors' pending rows and counts) as
+        clones; the entries stay in their stores. `restore` puts it back."""
+        def grab(c: CompressorState) -> dict:
+            return {k: _clone(getattr(c, k)) for k in CompressorState.BOUNDED}
+        return {"keys": _clone(self.keys), "length": self.length, "comp": grab(self.comp), "index": grab(self.index)}
+
+    def restore(self, snap: dict) -> None:
+        """Continue from a `snapshot` (the stores must hold its entries already)."""
+        self.keys, self.length = _clone(snap["keys"]), snap["length"]
+        for name in ("comp", "index"):
+            for k, v in snap[name].items():
+                setattr(getattr(self, name), k, _clone(v))
+
+
+def _clone(v):
+    """A tensor's copy (other values as they are)."""
+    return v.clone() if isinstance(v, torch.Tensor) else v
 
 
 class Attention(nn.Module):
@@ -59,12 +78,29 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, pos: torch.Tensor, st: AttnState) -> torch.Tensor:
         """x [n, hidden] (the normed collapsed streams) of the tokens at positions pos [n] that
         follow what `st` holds -> [n, hidden]; `st` now holds them too."""
-        n, dt = x.shape[0], x.dtype
+        return self.forward_batch(x, [(0, x.shape[0], pos)], [st])
+
+    def forward_batch(self, x: torch.Tensor, segs: list[tuple[int, int, torch.Tensor]],
+                      states: list[AttnState]) -> torch.Tensor:
+        """`forward` of several sequences' chunks in one batch of rows x [T, hidden]: rows a:b at
+        positions pos continue states[j] (segs[j] = (a, b, pos)). The row-wise projections, RoPE and
+        the output projection run over all rows; the window, compressors and attention per sequence."""
+        T, dt = x.shape[0], x.dtype
+        pos = segs[0][2] if len(segs) == 1 else torch.cat([p for _, _, p in segs])
         cos, sin = self.rope.cos_sin(pos, torch.float32)
         cos, sin = cos.to(dt), sin.to(dt)
-        qr = self.q_norm.norm(self.wq_a(x))  # [n, q_lora]
-        q = rope_tail(rms_unit(self.wq_b(qr).view(n, self.H, self.D), self.eps), cos, sin)  # [n, H, D]
-        kv = rope_tail(self.kv_norm.norm(self.wkv(x)), cos, sin)  # [n, D]
+        qr = self.q_norm.norm(self.wq_a(x))  # [T, q_lora]
+        q = rope_tail(rms_unit(self.wq_b(qr).view(T, self.H, self.D), self.eps), cos, sin)  # [T, H, D]
+        kv = rope_tail(self.kv_norm.norm(self.wkv(x)), cos, sin)  # [T, D]
+        o = [self._attend(x[a:b], qr[a:b], q[a:b], kv[a:b], p, st) for (a, b, p), st in zip(segs, states)]
+        o = rope_tail(o[0] if len(o) == 1 else torch.cat(o), cos, -sin)
+        return self.wo_b(grouped_out(o.reshape(T, -1), self.wo_a.weight, self.groups))
+
+    def _attend(self, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor,
+                st: AttnState) -> torch.Tensor:
+        """One sequence's chunk: its window keys and compressed entries (`st` extended by the chunk)
+        -> the attention output [n, H, D] (before the inverse RoPE)."""
+        n, dt = x.shape[0], x.dtype
         keys = kv if st.keys is None else torch.cat([st.keys, kv])
         k_pos = torch.arange(st.length + n - keys.shape[0], st.length + n, device=x.device)
         bias = window_bias(pos, k_pos, self.window, dt)  # [n, S]
@@ -74,6 +110,4 @@ class Attention(nn.Module):
             picks = self.indexer.pick(x, qr, pos, st.index) if self.indexer is not None else None
             keys = torch.cat([keys, entries])
             bias = torch.cat([bias, compressed_bias(pos, entries.shape[0], self.ratio, dt, picks)], dim=-1)
-        o = sink_attention(q, keys, bias, self.attn_sink, self.D ** -0.5)  # [n, H, D]
-        o = rope_tail(o, cos, -sin)
-        return self.wo_b(grouped_out(o.reshape(n, -1), self.wo_a.weight, self.groups))
+        return sink_attention(q, keys, bias, self.attn_sink, self.D ** -0.5)  # [n, H, D]

@@ -7,8 +7,11 @@ projects to 2 * d channels: entry w pools the first d of window w-1's tokens and
 window w's (2 * ratio slots); without it (HCA) one window, d channels.
 
 The compressors run over a sequence chunk by chunk with a `CompressorState` per sequence (tokens
-of an unfinished window, the previous window's first half for the overlap, the entries so far), so
-one-shot prefill, chunked prefill and decode run the same code and give the same entries.
+of an unfinished window, the previous window's first half for the overlap, the count of entries so
+far), so one-shot prefill, chunked prefill and decode run the same code and give the same entries.
+The entries themselves live in the state's `store`: `TensorEntries` (one tensor grown per chunk, the
+model alone) or the engine's paged pool (gpu_service.model.v4.paged.PagedEntries); both `write` the
+new entries at their index and `read` the first W back.
 
 `Indexer` (CSA layers): its own overlapping compressor at `index_head_dim`, queries
 wq_b(q_lora) as index_n_heads heads with RoPE, score(t, s) = sum_h weights_proj(x)_h n_h^-1/2
@@ -24,15 +27,33 @@ from gpu_service.model.layers import RMSNorm, Rope
 from gpu_service.model.v4.pieces import rope_tail
 
 
-class CompressorState:
-    """One sequence's compressor progress (module docstring)."""
+class TensorEntries:
+    """A sequence's entries of one compressor in one tensor [W, d], grown as they come."""
 
-    __slots__ = ("buf_kv", "buf_gate", "prev_kv", "prev_gate", "entries", "count")
+    __slots__ = ("t",)
 
     def __init__(self):
+        self.t = None
+
+    def write(self, first: int, new: torch.Tensor) -> None:
+        """Entries first .. first + len(new) (first = those held so far)."""
+        self.t = new if self.t is None else torch.cat([self.t, new])
+
+    def read(self, count: int, like: torch.Tensor) -> torch.Tensor:
+        """The first `count` entries [count, d] (like: a tensor of the entries' dtype and device)."""
+        return self.t[:count] if self.t is not None else like.new_zeros((0, like.shape[-1]))
+
+
+class CompressorState:
+    """One sequence's compressor progress (module docstring); `store` holds its entries."""
+
+    __slots__ = ("buf_kv", "buf_gate", "prev_kv", "prev_gate", "store", "count")
+    BOUNDED = ("buf_kv", "buf_gate", "prev_kv", "prev_gate", "count")  # all but the entries
+
+    def __init__(self, store=None):
         self.buf_kv = self.buf_gate = None  # [< ratio, c * d]: tokens of the window not yet complete
         self.prev_kv = self.prev_gate = None  # [ratio, d]: overlap half of the last complete window
-        self.entries = None  # [W, d]
+        self.store = store if store is not None else TensorEntries()  # entries [W, d]
         self.count = 0  # W
 
 
@@ -71,9 +92,7 @@ class Compressor(nn.Module):
         usable = kv.shape[0] // self.ratio * self.ratio
         st.buf_kv, st.buf_gate = kv[usable:], gate[usable:]
         if usable == 0:
-            if st.entries is None:
-                st.entries = kv.new_zeros((0, self.d))
-            return st.entries
+            return st.store.read(st.count, kv[:0, :self.d])
         n_w, first = usable // self.ratio, st.count * self.ratio
         kv = kv[:usable].view(n_w, self.ratio, -1)
         gate = gate[:usable].view(n_w, self.ratio, -1) + self.ape
@@ -83,9 +102,9 @@ class Compressor(nn.Module):
         pos = torch.arange(n_w, device=x.device) * self.ratio + first
         cos, sin = self.rope.cos_sin(pos, torch.float32)
         new = rope_tail(pooled, cos.to(pooled.dtype), sin.to(pooled.dtype))
-        st.entries = new if st.entries is None else torch.cat([st.entries, new])
+        st.store.write(st.count, new)
         st.count += n_w
-        return st.entries
+        return st.store.read(st.count, new)
 
 
 class Indexer(nn.Module):

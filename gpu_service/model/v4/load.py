@@ -47,16 +47,23 @@ def _getter(reader: CheckpointReader):
     return get
 
 
+def model_from_reader(reader: CheckpointReader, dtype: torch.dtype = torch.float32,
+                      device: torch.device | str = "cpu") -> DeepseekV4:
+    """The model minus the routed experts from a reader over a V4 checkpoint (reader.config a
+    V4Config); a tensor it does not use (other than routed experts and MTP) is an error."""
+    model, loaded = build_v4(reader.config, _getter(reader), dtype=dtype, device=device)
+    unused = sorted(n for n in reader.names() if n not in loaded and N4.parse_expert(n) is None)
+    if unused:
+        raise ValueError(f"{reader.model_dir}: tensor(s) the V4 model does not use: {', '.join(unused[:5])}"
+                         f"{' ...' if len(unused) > 5 else ''}; config.json does not describe these weights")
+    return model
+
+
 def load_v4(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
             device: torch.device | str = "cpu") -> LoadedV4:
     """The runtime DeepSeek-V4 model of a checkpoint directory (module docstring)."""
     cfg = load_v4_config(model_dir)  # a ConfigError naming the fix for anything not V4
     reader = CheckpointReader(model_dir, cfg)
-    get = _getter(reader)
-    model, loaded = build_v4(cfg, get, dtype=dtype, device=device)
-    unused = sorted(n for n in reader.names() if n not in loaded and N4.parse_expert(n) is None)
-    if unused:
-        raise ValueError(f"{reader.model_dir}: tensor(s) the V4 model does not use: {', '.join(unused[:5])}"
-                         f"{' ...' if len(unused) > 5 else ''}; config.json does not describe these weights")
+    model = model_from_reader(reader, dtype, device)
     experts = ReferenceExperts(reader.get, cfg.n_routed_experts, cfg.swiglu_limit)
     return LoadedV4(model, experts, cfg, reader)

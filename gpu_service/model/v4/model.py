@@ -72,11 +72,11 @@ class Block(nn.Module):
     def forward(self, X: torch.Tensor, segs: list[tuple[int, int, torch.Tensor]], states: list[AttnState],
                 tokens: torch.Tensor, experts: ExpertsFn) -> torch.Tensor:
         """X [T, hc_mult, hidden] streams of the batch's rows -> the layer's output streams. Rows
-        a:b at positions pos are one sequence's chunk (segs), continuing states[j]; attention runs
-        per sequence, everything else over all rows."""
+        a:b at positions pos are one sequence's chunk (segs), continuing states[j]; the window,
+        compressors and attention run per sequence, everything else over all rows."""
         x, post, comb = hc_pre(X, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.cfg)
         x = self.attn_norm.norm(x)
-        y = torch.cat([self.attn(x[a:b], pos, st) for (a, b, pos), st in zip(segs, states)])
+        y = self.attn.forward_batch(x, segs, states)
         X = hc_post(X, y, post, comb)
         x, post, comb = hc_pre(X, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.cfg)
         return hc_post(X, self.ffn(self.ffn_norm.norm(x), tokens, experts), post, comb)

@@ -1,0 +1,103 @@
+"""The DeepSeek-V4 runner: what the engine drives (`cfg`, `pool`, `new_seq`, `step`, `copy_prefix`,
+`prefix_cache`, `generate`) over `gpu_service.model.v4` and the paged pool of
+`gpu_service.model.v4.paged`.
+
+Built from a reader over a V4 checkpoint (reader.config a V4Config) and an ExpertsFn: the shards
+(`RemoteExperts`, the V3 client path: the wire carries hidden [T, D], global expert ids [T, top_k]
+and the router's final weights) or in-process experts. A step runs the engine's chunks through
+`DeepseekV4.forward_batch`, each chunk continuing its sequence's paged cache; a chunk that ends on a
+page boundary keeps the sequence's bounded state for the prefix cache. Not built for V4 (refused by
+name, or off and logged): CUDA graphs, executing a memory plan (multi-GPU split, hot experts,
+weight formats), the prefix cache's host tier, MTP (not loaded).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from gpu_service.model.kv import Chunk
+from gpu_service.model.v4.load import model_from_reader
+from gpu_service.model.v4.paged import V4Pool, V4PrefixCache, V4Seq
+from gpu_service.runtime.runner import ModelRunner
+
+log = logging.getLogger("moesplit.runner")
+
+
+class V4Runner:
+    """The engine's runner for DeepSeek-V4 (module docstring); arguments as ModelRunner's."""
+
+    generate = ModelRunner.generate  # the one-request loop over new_seq / step
+
+    def __init__(self, reader, experts, device: torch.device | None = None, dtype: torch.dtype | None = None,
+                 kv_tokens: int = 4096, page_size: int = 64, placement=None, prefix_cache: bool = True,
+                 host_kv_bytes: int = 0, cuda_graphs: bool = True, graph_buckets: tuple[int, ...] | None = None):
+        if placement is not None:
+            raise ValueError("DeepSeek-V4: the V4 runner does not execute a memory plan yet (multi-GPU split, "
+                             "hot GPU experts, FP8 weights as stored): drop --gpu / the plan options and size the "
+                             "cache with --kv-tokens")
+        if host_kv_bytes:
+            raise ValueError("--host-kv-cache: DeepSeek-V4's prefix cache has no host tier (its boundary snapshots "
+                             "stay on the device); pass --host-kv-cache 0")
+        self.cfg = reader.config
+        self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.experts = experts
+        self.placement = self.plan = None
+        self.chunk_tokens = 2048  # ModelRunner.generate's default prefill chunk
+        t0 = time.perf_counter()
+        self.model = model_from_reader(reader, self.dtype, self.device)
+        self.load_s = time.perf_counter() - t0
+        self.page_size = page_size
+        self.pool = V4Pool(self.cfg, -(-kv_tokens // page_size), page_size, self.dtype, self.device)
+        self.prefix_cache = V4PrefixCache(self.pool) if prefix_cache else None
+        self.graphs = None
+        if cuda_graphs and self.device.type == "cuda":
+            log.info("CUDA graphs are off for DeepSeek-V4: its decode step (window + compressed entries + "
+                     "indexer) has no captured graphs yet; every step runs eagerly")
+
+    def new_seq(self) -> V4Seq:
+        """An empty sequence of the pool."""
+        return V4Seq(self.pool)
+
+    def copy_prefix(self, src: V4Seq, dst: V4Seq, n: int, start: int = 0) -> None:
+        """The engine's fork of `n` choices: V4 keeps no state at an arbitrary token (only at page
+        boundaries), so `dst` keeps what it has (`start` tokens: its prefix-cache pages and snapshot)
+        and the engine prefills the rest of its prompt (same tokens, more work)."""
+        if dst.length != start:
+            raise RuntimeError(f"copy_prefix: destination holds {dst.length} tokens, expected {start}")
+
+    def step(self, input_ids: list[int], chunks: list[Chunk], all_logits: bool = False) -> torch.Tensor:
+        """One engine step: chunk j feeds input_ids of its run to its sequence -> float32 logits
+        [len(chunks), V] of each chunk's last token ([len(input_ids), V] with all_logits). With the
+        prefix cache, a chunk that ends its prompt past a page boundary runs in two passes split at
+        the last boundary, so the sequence leaves a snapshot there (the next turn resumes from it)."""
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        parts, a = [], 0
+        for c in chunks:
+            if c.start != c.seq.length:
+                raise RuntimeError(f"a V4 chunk must continue its sequence: starts at {c.start}, the sequence "
+                                   f"holds {c.seq.length} tokens")
+            c.seq.reserve(c.start + c.n)  # a no-op under the engine (its admission reserved them)
+            end, cut = c.start + c.n, c.n
+            boundary = end // self.page_size * self.page_size
+            if self.prefix_cache is not None and end == c.seq.fed_to and c.start < boundary < end:
+                cut = boundary - c.start
+            parts.append((ids[a:a + cut], ids[a + cut:a + c.n], c.seq))
+            a += c.n
+        out = self._pass([(p, seq) for p, _, seq in parts], all_logits)
+        rest = [j for j, (_, r, _) in enumerate(parts) if r.numel()]
+        for j, o in zip(rest, self._pass([(parts[j][1], parts[j][2]) for j in rest], all_logits) if rest else []):
+            out[j] = torch.cat([out[j], o]) if all_logits else o
+        return torch.cat(out) if all_logits else torch.stack(out)
+
+    def _pass(self, batch: list[tuple[torch.Tensor, V4Seq]], all_logits: bool) -> list[torch.Tensor]:
+        """forward_batch of (tokens, sequence) chunks; a sequence it leaves on a page boundary keeps
+        its bounded state for the prefix cache."""
+        out = self.model.forward_batch(batch, self.experts, all_logits)
+        if self.prefix_cache is not None:
+            for _, seq in batch:
+                if seq.length % self.page_size == 0:
+                    seq.take_snapshot()
+        return out
