@@ -4,6 +4,7 @@ processes on the default backend, chunked prefill whose chunks start and end ins
 embedding cache and the prefix cache hit for the same image again; two different images with the same
 text share no image pages."""
 import io
+import time
 
 import numpy as np
 import pytest
@@ -70,21 +71,31 @@ def reference(hf, ids, images) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def engine(tiny):
-    """2 shard processes on the default backend, a float32 CPU runner, prefill chunks of 7 tokens."""
-    from gpu_service.entrypoints.serving import build_runner
+def stack(tiny):
+    """2 shard processes on the default backend, a float32 CPU runner, prefill chunks of 7 tokens,
+    KV pages of 16, the HTTP API on a free port (images as data: URLs only)."""
+    from gpu_service.entrypoints.serving import build_runner, ServingStack
     from gpu_service.local.stack import start_shards
-    from gpu_service.runtime.engine import Engine
 
     shards = start_shards(tiny, 2, split="experts", backend="auto")
-    runner, client, tok = build_runner(tiny, shards.addresses, "cpu", "float32", kv_tokens=2048, page_size=16)
-    eng = Engine(runner, tok, max_batch=4, chunk_tokens=7, check_pool=True).start()
     try:
-        yield eng
-    finally:
-        eng.stop()
-        client.close()
+        runner, client, tok = build_runner(tiny, shards.addresses, "cpu", "float32", kv_tokens=2048, page_size=16)
+        st = ServingStack(runner, tok, "k25", port=0, grpc_port=0, max_batch=4, chunk_tokens=7,
+                          closers=[shards.stop, client.close])
+    except BaseException:
         shards.stop()
+        raise
+    st.engine.check_pool = True  # the KV pool's invariants after every step
+    st.start()
+    try:
+        yield st
+    finally:
+        st.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(stack):
+    return stack.engine
 
 
 def run(engine, ids, images):
@@ -143,3 +154,143 @@ def test_placeholder_count_mismatch_is_refused(engine):
         engine.submit(ids[:-6] + ids[-4:], max_tokens=2, images=[a])  # two placeholders short
     with pytest.raises(RequestError, match="placeholder"):
         engine.submit(ids, max_tokens=2, images=[a, a])
+
+
+# ---- the OpenAI API ------------------------------------------------------------------------------
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    import base64
+
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def image_part(url: str, **extra) -> dict:
+    return {"type": "image_url", "image_url": {"url": url, **extra}}
+
+
+def test_openai_client_sends_an_image_and_gets_transformers_tokens(stack, hf):
+    """The chat path: the template's marker expanded to the image's tokens, then the engine: the
+    completion's ids are transformers' greedy continuation of the same ids and pixels."""
+    import openai
+
+    from gpu_service.api.chat_request import ChatSettings, chat_plan
+    from gpu_service.api.guard import ServerLimits
+
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
+                                         image_part(data_url(IMG_B))]}]
+    plan = chat_plan({"messages": msgs}, stack.tokenizer, ChatSettings(), images=ServerLimits().image_policy())
+    (img,) = plan.images
+    pad = stack.engine.cfg.multimodal["media_placeholder_token_id"]
+    assert plan.ids.count(pad) == img.tokens == load_image(IMG_B).tokens
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{stack.port}/v1", api_key="x")
+    r = c.chat.completions.create(model="k25", messages=msgs, max_tokens=N_NEW, temperature=0,
+                                  extra_body={"return_token_ids": True, "ignore_eos": True})
+    got = r.choices[0].model_extra["token_ids"]
+    assert r.usage.prompt_tokens == len(plan.ids) and r.usage.completion_tokens == N_NEW
+    assert got == reference(hf, plan.ids, [img])
+
+
+def _post(stack, body, timeout=30):
+    import httpx
+
+    return httpx.post(f"http://127.0.0.1:{stack.port}/v1/chat/completions", json=body, timeout=timeout)
+
+
+def _msgs(*parts):
+    return {"messages": [{"role": "user", "content": [{"type": "text", "text": "look"}, *parts]}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize("part,status,needle", [
+    (image_part("http://example.com/cat.png"), 400, "--allow-image-urls"),
+    (image_part(data_url(b"\x89PNG\r\n\x1a\n garbage")), 400, "not a readable image"),
+    (image_part(data_url(b"AAAA", "text/plain")), 400, "data:image/"),
+    (image_part("data:image/png;base64,@@@@"), 400, "not valid base64"),
+    (image_part(data_url(IMG_A), detail="high"), 400, "detail"),
+    (image_part(data_url(IMG_A), mystery=1), 400, "unknown field"),
+    ({"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}, 400, "video"),
+])
+def test_refused_image_parts_name_the_problem(stack, part, status, needle):
+    r = _post(stack, _msgs(part))
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["param"].startswith("messages[0].content[1]")
+
+
+def test_too_many_images_and_bytes_and_pixels(stack):
+    from PIL import Image
+
+    r = _post(stack, _msgs(*[image_part(data_url(IMG_A))] * 9))
+    assert r.status_code == 400 and "--max-images" in r.json()["error"]["message"]
+    buf = io.BytesIO()
+    Image.new("L", (9000, 9000)).save(buf, "PNG")  # 81 Mpixel in a small file
+    r = _post(stack, _msgs(image_part(data_url(buf.getvalue()))))
+    assert r.status_code == 413 and "--max-image-pixels" in r.json()["error"]["message"]
+    r = _post(stack, _msgs(image_part(data_url(b"\0" * (11 << 20)))))  # under the body cap if it were raised...
+    assert r.status_code == 413  # ...here the 8 MiB body cap answers first, naming --max-body-bytes
+    assert "--max-body-bytes" in r.json()["error"]["message"]
+
+
+def test_a_20mb_image_is_refused_fast_with_health_responsive(stack):
+    import threading
+
+    import httpx
+
+    import json
+
+    body = json.dumps(_msgs(image_part(data_url(np.random.default_rng(0).bytes(20 << 20))))).encode()
+    health = []
+
+    def probe():
+        for _ in range(20):
+            t = time.perf_counter()
+            h = httpx.get(f"http://127.0.0.1:{stack.port}/health", timeout=5)
+            health.append((h.status_code, time.perf_counter() - t))
+            time.sleep(0.01)
+
+    th = threading.Thread(target=probe)
+    th.start()
+    t0 = time.perf_counter()
+    r = httpx.post(f"http://127.0.0.1:{stack.port}/v1/chat/completions", content=body,
+                   headers={"Content-Type": "application/json"}, timeout=30)
+    took = time.perf_counter() - t0
+    th.join()
+    print(f"20 MB image: {r.status_code} in {took * 1000:.0f} ms; /health worst {max(s for _, s in health) * 1000:.0f} ms")
+    assert r.status_code == 413 and took < 0.5
+    assert all(code == 200 for code, _ in health) and max(s for _, s in health) < 0.5
+
+
+def test_image_urls_fetched_with_the_flag_within_limits(tmp_path):
+    """--allow-image-urls: fetched from a local HTTP server; over the byte limit a 413; a server that
+    never answers: refused after the fetch timeout."""
+    import http.server
+    import socket
+    import threading
+
+    from gpu_service.api.errors import APIError
+    from gpu_service.api.image_parts import ImagePolicy, image_of_part
+    from gpu_service.model.image_inputs import ImageLimits
+
+    (tmp_path / "a.png").write_bytes(IMG_A)
+    (tmp_path / "big.png").write_bytes(IMG_B)
+    handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(tmp_path), **k)  # noqa: E731
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(1)  # accepts, never answers
+    try:
+        base = f"http://127.0.0.1:{srv.server_address[1]}"
+        pol = ImagePolicy(ImageLimits(max_bytes=len(IMG_A) + 10), allow_urls=True, fetch_timeout_s=0.5)
+        img = image_of_part(image_part(base + "/a.png"), "m", pol)
+        assert img.digest == load_image(IMG_A).digest and img.tokens == load_image(IMG_A).tokens
+        with pytest.raises(APIError) as e:
+            image_of_part(image_part(base + "/big.png"), "m", pol)
+        assert e.value.status == 413 and "--max-image-bytes" in e.value.message
+        t0 = time.perf_counter()
+        with pytest.raises(APIError) as e:
+            image_of_part(image_part(f"http://127.0.0.1:{silent.getsockname()[1]}/x.png"), "m", pol)
+        assert e.value.status == 400 and time.perf_counter() - t0 < 3
+        with pytest.raises(APIError, match="--allow-image-urls"):
+            image_of_part(image_part(base + "/a.png"), "m", ImagePolicy())
+    finally:
+        srv.shutdown()
+        silent.close()

@@ -397,8 +397,8 @@ class Engine:
                 self.counters["prefill_tokens_computed"] += min(n, r.prompt_len - start)
         every = any(r.prompt_lp is not None and start < r.prompt_len for r, start, _ in batch)
         try:
-            logits = self.runner.step(ids, chunks, all_logits=every,  # [len(chunks), V] ([len(ids), V] with every)
-                                      embeds=(rows, vals) if rows else None)
+            # [len(chunks), V] ([len(ids), V] with every); image rows passed only when there are any
+            logits = self.runner.step(ids, chunks, all_logits=every, **({"embeds": (rows, vals)} if rows else {}))
         except Exception as e:  # noqa: BLE001 - fail this batch's requests, keep serving
             unavailable = bool(getattr(e, "unavailable", False))  # e.g. ShardError: no replica of a shard left
             msg = f"model step failed: {type(e).__name__}: {e}"
