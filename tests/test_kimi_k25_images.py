@@ -108,7 +108,8 @@ def run(engine, ids, images):
     return toks, h
 
 
-def test_one_image_equals_transformers_and_hits_the_caches(engine, hf):
+def test_one_image_equals_transformers_and_hits_the_caches(stack, hf):
+    engine = stack.engine
     a = load_image(IMG_A)
     ids = prompt(engine.cfg, [a])
     ref = reference(hf, ids, [a])
@@ -120,6 +121,12 @@ def test_one_image_equals_transformers_and_hits_the_caches(engine, hf):
     assert again == ref
     assert s1["image_hits"] == s0["image_hits"] + 1 and s1["image_misses"] == s0["image_misses"]
     assert h2.cached_tokens >= 16 * ((len(ids) - 1) // 16) > h1.cached_tokens  # every full page of the prompt
+    import httpx
+
+    prom = httpx.get(f"http://127.0.0.1:{stack.port}/metrics").text
+    assert f'moesplit_image_embedding_cache_total{{result="hit"}} {float(s1["image_hits"])}' in prom
+    assert f"moesplit_prefix_cache_hits_total{{tier=\"gpu\"}} {float(s1['prefix_hits_gpu'])}" in prom
+    assert s1["prefix_hits_gpu"] >= s0["prefix_hits_gpu"] + h2.cached_tokens
     print(f"one image ({a.tokens} tokens, prompt {len(ids)}): {got[:8]}...; second request cached "
           f"{h2.cached_tokens} tokens, image cache {s1['image_hits']} hits / {s1['image_misses']} misses")
 
