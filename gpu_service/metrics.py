@@ -183,6 +183,10 @@ def actual_bytes(runner, placement=None) -> dict[tuple[str, str], int]:
     for name, g, b in placed_bytes(runner.model, placement, runner.pool):
         k = (name if name in ("kv_cache", "index_keys") else category_of(name, mods), device_label(g))
         out[k] = out.get(k, 0) + b
+    images = getattr(runner, "images", None)
+    if images is not None:  # the vision tower (first GPU) and its cached embeddings
+        k = ("vision", device_label(0))
+        out[k] = sum(t.numel() * t.element_size() for t in images.tower.parameters()) + images.stats["cached_bytes"]
     return out
 
 

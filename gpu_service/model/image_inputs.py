@@ -28,6 +28,7 @@ PATCH = 14
 MERGE = 2
 MAX_PATCHES = 16384
 MAX_SIDE_PATCHES = 512
+EMBED_CACHE_BYTES = 256 << 20  # the image-embedding cache on the GPU (runtime.images; counted by the plan)
 
 
 class ImageError(ValueError):

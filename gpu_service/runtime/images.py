@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gpu_service.model.image_inputs import EMBED_CACHE_BYTES
 from gpu_service.runtime.requests import RequestError
 
 
@@ -80,7 +81,7 @@ class ImageEmbeddings:
     """The vision tower's outputs per image digest, LRU-evicted past `max_bytes`; `stats` counts
     hits, misses and the images computed."""
 
-    def __init__(self, tower, device: torch.device, dtype: torch.dtype, max_bytes: int = 256 << 20):
+    def __init__(self, tower, device: torch.device, dtype: torch.dtype, max_bytes: int = EMBED_CACHE_BYTES):
         self.tower, self.device, self.dtype, self.max_bytes = tower, device, dtype, int(max_bytes)
         self._lru: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
         self._bytes = 0
