@@ -182,7 +182,7 @@ def test_openai_client_sends_an_image_and_gets_transformers_tokens(stack, hf):
     from gpu_service.api.chat_request import ChatSettings, chat_plan
     from gpu_service.api.guard import ServerLimits
 
-    msgs = [{"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "Describe it."},
                                          image_part(data_url(IMG_B))]}]
     plan = chat_plan({"messages": msgs}, stack.tokenizer, ChatSettings(), images=ServerLimits().image_policy())
     (img,) = plan.images
@@ -301,3 +301,35 @@ def test_image_urls_fetched_with_the_flag_within_limits(tmp_path):
     finally:
         srv.shutdown()
         silent.close()
+
+
+def test_grpc_generate_carries_images(stack, hf):
+    """gRPC Generate: a message's parts (text + image bytes with their mime type) give the tokens of
+    the same conversation over HTTP (transformers' greedy continuation)."""
+    import grpc
+
+    from gpu_service.api.chat_request import ChatSettings, chat_plan
+    from gpu_service.api.guard import ServerLimits
+    from protos.moesplit.v1 import generate_pb2 as G, generate_pb2_grpc as GG
+
+    text = "What is in this picture?"
+    plan = chat_plan({"messages": [{"role": "user", "content": [{"type": "text", "text": text},
+                                                                image_part(data_url(IMG_A))]}]},
+                     stack.tokenizer, ChatSettings(), images=ServerLimits().image_policy())
+    stub = GG.GenerateServiceStub(grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}"))
+    msg = G.ChatMessage(role="user", parts=[G.ContentPart(text=text),
+                                            G.ContentPart(image=G.Image(data=IMG_A, mime_type="image/png"))])
+    req = G.GenerateRequest(messages=[msg], max_tokens=N_NEW, temperature=0.0, ignore_eos=True)
+    got, usage = [], None
+    for r in stub.Generate(req, timeout=600):
+        got += list(r.token_ids)
+        usage = r.usage if r.finish_reason else usage
+    assert usage.prompt_tokens == len(plan.ids) and got == reference(hf, plan.ids, plan.images)
+    bad = G.GenerateRequest(messages=[G.ChatMessage(role="user", content="x", parts=msg.parts)], max_tokens=2)
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(bad, timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not both" in e.value.details()
+    corrupt = G.ChatMessage(role="user", parts=[G.ContentPart(image=G.Image(data=b"nope", mime_type="image/png"))])
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(G.GenerateRequest(messages=[corrupt], max_tokens=2), timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a readable image" in e.value.details()

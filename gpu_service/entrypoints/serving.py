@@ -259,7 +259,8 @@ class ServingStack:
             self.grpc_server, self.grpc_port = create_grpc_server(
                 self.engine, self.tokenizer, self.host, self.grpc_port, api_key=self.api_key, tls=self.grpc_tls,
                 max_prompt_chars=self.limits.prompt_chars_for(self.engine.max_request_tokens),
-                chat_settings=self.chat_settings, options=grpc_server_options(self.limits))
+                chat_settings=self.chat_settings, options=grpc_server_options(self.limits),
+                image_policy=self.limits.image_policy() if getattr(self.engine.runner, "images", None) else None)
         except BaseException:
             self.stop()
             raise
