@@ -333,3 +333,38 @@ def test_grpc_generate_carries_images(stack, hf):
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Generate(G.GenerateRequest(messages=[corrupt], max_tokens=2), timeout=60))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a readable image" in e.value.details()
+
+
+def test_requests_with_images_batched_together(engine, hf):
+    """Three requests in flight at once (one image, two images, text only): their prefill chunks share
+    steps, so image rows sit at offsets past other requests' rows; each gets its own greedy tokens."""
+    from gpu_service.runtime.sampling import SamplingParams
+
+    a, b = load_image(IMG_A), load_image(IMG_B)
+    cases = [([a], prompt(engine.cfg, [a])[:-1] + [77]), ([b, a], prompt(engine.cfg, [b, a])), ([], [5, 6, 7, 8, 9])]
+    hs = [engine.submit(ids, SamplingParams(temperature=0.0), max_tokens=N_NEW, ignore_eos=True, images=imgs or None)
+          for imgs, ids in cases]
+    for (imgs, ids), h in zip(cases, hs):
+        toks, _, _ = h.result(timeout=600)
+        if imgs:
+            assert toks == reference(hf, ids, imgs)
+        else:
+            with torch.no_grad():
+                ref = hf.generate(torch.tensor([ids]), max_new_tokens=N_NEW, do_sample=False)[0, len(ids):].tolist()
+            assert toks == ref
+    assert engine.counters["peak_running"] >= 2
+
+
+def test_vision_param_count_matches_the_module():
+    """The plan's count (checkpoint.kimi_k25, from the weight table) == the tower's parameters."""
+    import json
+    import os
+
+    from checkpoint import kimi_k25
+    from gpu_service.model.vision import param_count
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "gpu_service", "plan", "presets", "kimi-k2.5.json")) as f:
+        d = json.load(f)
+    vc, h = d["vision_config"], d["text_config"]["hidden_size"]
+    assert param_count(vc, h) == kimi_k25.vision_param_count(vc, h) == 471_143_920
