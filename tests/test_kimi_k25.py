@@ -1,7 +1,8 @@
 """Kimi-K2.5 / K2.6 (`KimiK25ForConditionalGeneration`): the nested config, the `language_model.`
 prefix read by the one reader (GPU side and expert shards), the plan presets, `make-tiny --arch
 kimi_k25`, greedy text generation equal to transformers' Kimi_K25ForConditionalGeneration, and
-image content parts refused with a 400 that names the part (the vision tower is not served yet)."""
+image content parts refused with a 400 that names the part where no image policy is given (a chat
+plan without images: tests/test_kimi_k25_images.py serves them)."""
 import json
 import os
 import subprocess
