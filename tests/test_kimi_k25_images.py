@@ -368,3 +368,15 @@ def test_vision_param_count_matches_the_module():
         d = json.load(f)
     vc, h = d["vision_config"], d["text_config"]["hidden_size"]
     assert param_count(vc, h) == kimi_k25.vision_param_count(vc, h) == 471_143_920
+
+
+def test_n_choices_fork_a_prompt_with_an_image(engine, hf):
+    """OpenAI's n: the choices share the first one's prompt KV (image rows included) and each gives
+    the greedy tokens."""
+    from gpu_service.runtime.sampling import SamplingParams
+
+    a = load_image(IMG_A)
+    ids = prompt(engine.cfg, [a])[:-1] + [91]
+    hs = engine.submit_n(ids, [SamplingParams(temperature=0.0)] * 2, max_tokens=N_NEW, ignore_eos=True, images=[a])
+    ref = reference(hf, ids, [a])
+    assert [h.result(timeout=600)[0] for h in hs] == [ref, ref]
