@@ -380,3 +380,43 @@ def test_n_choices_fork_a_prompt_with_an_image(engine, hf):
     hs = engine.submit_n(ids, [SamplingParams(temperature=0.0)] * 2, max_tokens=N_NEW, ignore_eos=True, images=[a])
     ref = reference(hf, ids, [a])
     assert [h.result(timeout=600)[0] for h in hs] == [ref, ref]
+
+
+def test_preempted_requests_with_images_recompute_them(tiny, hf):
+    """A KV pool too small for three image requests at once: the newest are preempted (pages freed)
+    and prefilled again later, image rows included, with the same greedy tokens."""
+    from gpu_service.entrypoints.serving import build_runner
+    from gpu_service.local.stack import start_shards
+    from gpu_service.runtime.engine import Engine
+    from gpu_service.runtime.sampling import SamplingParams
+
+    shards = start_shards(tiny, 2, split="experts", backend="auto")
+    try:
+        runner, client, tok = build_runner(tiny, shards.addresses, "cpu", "float32", kv_tokens=128, page_size=16,
+                                           prefix_cache=False)
+        eng = Engine(runner, tok, max_batch=3, chunk_tokens=64, check_pool=True).start()
+        try:
+            imgs = [load_image(IMG_A), load_image(IMG_C), load_image(IMG_A)]
+            cases = [([img], prompt(eng.cfg, [img])[:-1] + [100 + k]) for k, img in enumerate(imgs)]
+            hs = [eng.submit(ids, SamplingParams(temperature=0.0), max_tokens=N_NEW, ignore_eos=True, images=im)
+                  for im, ids in cases]
+            for (im, ids), h in zip(cases, hs):
+                assert h.result(timeout=600)[0] == reference(hf, ids, im)
+            assert eng.counters["preempted"] >= 1
+        finally:
+            eng.stop()
+            client.close()
+    finally:
+        shards.stop()
+
+
+def test_a_20mb_data_url_is_refused_before_decoding():
+    """With a body cap that lets it through, the image cap answers from the data URL's length."""
+    from gpu_service.api.errors import APIError
+    from gpu_service.api.image_parts import ImagePolicy, image_of_part
+
+    url = data_url(np.random.default_rng(1).bytes(20 << 20))
+    t0 = time.perf_counter()
+    with pytest.raises(APIError) as e:
+        image_of_part(image_part(url), "messages[0].content[0]", ImagePolicy())
+    assert e.value.status == 413 and "--max-image-bytes" in e.value.message and time.perf_counter() - t0 < 0.05
