@@ -135,7 +135,7 @@ class ModelConfig:
     index_topk: int = 0
     quantization: QuantConfig | None = None
     # Kimi-K2.5 / K2.6 (checkpoint.kimi_k25): the stored names' prefix of the language model
-    # ("language_model."), and the wrapper's vision side kept as data (not served yet)
+    # ("language_model."), and the wrapper's vision side kept as data (gpu_service.model.vision builds the tower from it)
     weight_prefix: str = ""
     multimodal: dict | None = field(default=None, compare=False, hash=False)
 

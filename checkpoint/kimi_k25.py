@@ -8,7 +8,7 @@ the vision tower under `vision_tower.*` and its projector under `mm_projector.*`
 `unwrap(d)` turns such a config.json dict into the text model's dict (top-level quantization,
 eos/bos and tie_word_embeddings carried over where the text config lacks them) plus the
 vision-side data; `logical_name(stored)` maps a stored name to the text model's logical name, or
-None for a vision tensor (the reader records those as not served). `vision_shapes` lists the
+None for a vision tensor (the reader lists those apart, in `.not_served`, for the vision tower). `vision_shapes` lists the
 vision tower's and projector's tensors (real names, from the stored Kimi-K2.5 weight table) so the
 plan can count their bytes and make-tiny can write them. numpy-free, import-free.
 """
@@ -18,7 +18,7 @@ ARCHITECTURE = "KimiK25ForConditionalGeneration"
 MODEL_TYPE = "kimi_k25"
 LANGUAGE_PREFIX = "language_model."
 VISION_PREFIXES = ("vision_tower.", "mm_projector.")
-NOT_SERVED = "vision tower / projector: not served yet (the text path runs without it)"
+NOT_SERVED = "vision tower / projector: not part of the text model (gpu_service.model.vision loads them)"
 # top-level fields a text_config may lack (K2.6's text_config has no eos/bos)
 _CARRIED = ("quantization_config", "eos_token_id", "bos_token_id", "pad_token_id", "tie_word_embeddings")
 # the image placeholder tokens of the chat format (transformers' Kimi_K25Config defaults)

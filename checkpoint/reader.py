@@ -21,7 +21,8 @@ Kimi-K2.5 / K2.6 checkpoints (config `KimiK25ForConditionalGeneration`, `cfg.wei
 "language_model."): `language_model.model.X` reads as logical `model.X` and
 `language_model.lm_head.weight` as `lm_head.weight`, so every caller (GPU model, expert shards,
 converters) uses the plain DeepSeek-V3 names; the `vision_tower.*` / `mm_projector.*` tensors are
-left out of the logical names and listed in `.not_served` (stored name -> reason).
+left out of the logical names and listed in `.not_served` (stored name -> reason): the vision
+tower (gpu_service.model.vision) reads them with `get_raw`.
 """
 from __future__ import annotations
 

@@ -186,6 +186,10 @@ def actual_bytes(runner, placement=None) -> dict[tuple[str, str], int]:
     for name, g, b in placed_bytes(runner.model, placement, runner.pool):
         k = (name if name in ("kv_cache", "index_keys") else category_of(name, mods), device_label(g))
         out[k] = out.get(k, 0) + b
+    images = getattr(runner, "images", None)
+    if images is not None:  # the vision tower (first GPU) and its cached embeddings
+        k = ("vision", device_label(0))
+        out[k] = sum(t.numel() * t.element_size() for t in images.tower.parameters()) + images.stats["cached_bytes"]
     return out
 
 
@@ -273,6 +277,15 @@ class _ScrapeCollector:
             c.add_metric([], s[key])
             yield c
         yield from _prefix_cache_families(s, getattr(self.engine, "prefix", None))
+        if "image_hits" in s:  # a vision tower (gpu_service.runtime.images.ImageEmbeddings)
+            c = CounterMetricFamily(p + "image_embedding_cache", "Images looked up in the image-embedding cache, "
+                                    "by result (hit: the vision tower did not run).", labels=["result"])
+            c.add_metric(["hit"], s["image_hits"])
+            c.add_metric(["miss"], s["image_misses"])
+            yield c
+            g = GaugeMetricFamily(p + "image_embedding_cache_bytes", "Bytes of image embeddings cached.")
+            g.add_metric([], s["image_cached_bytes"])
+            yield g
         if self.health_fn is not None:
             g = GaugeMetricFamily(p + "expert_shard_up", "1 when the shard's gRPC health check says SERVING.",
                                   labels=["shard"])

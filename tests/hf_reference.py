@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 import torch
@@ -79,11 +80,44 @@ def load_reference_pretrained(model_dir: str):
     return model.eval()
 
 
+def kimi_k25_vision_state_dict(reader: CheckpointReader, hf_config) -> dict[str, torch.Tensor]:
+    """The checkpoint's `vision_tower.*` / `mm_projector.*` tensors (float32) under transformers'
+    `Kimi_K25Model` names, converted as its conversion_mapping "kimi_k25" does: norm0/norm1 ->
+    norm1/norm2, fc0/fc1 -> fc1/fc2, wo -> attn.proj, wqkv chunked into q/k/v with transformers' own
+    PermuteForRope on q and k (interleaved pairs -> split halves)."""
+    from transformers.core_model_loading import PermuteForRope
+
+    permute = PermuteForRope(subconfig_key="vision_config", permute_layer_names=["q_proj", "k_proj"])
+    renames = [(r"^vision_tower\.encoder\.blocks\.(\d+)\.norm0", r"vision_tower.layers.\1.norm1"),
+               (r"^vision_tower\.encoder\.blocks\.(\d+)\.norm1", r"vision_tower.layers.\1.norm2"),
+               (r"^vision_tower\.encoder\.blocks\.(\d+)\.mlp\.fc0", r"vision_tower.layers.\1.mlp.fc1"),
+               (r"^vision_tower\.encoder\.blocks\.(\d+)\.mlp\.fc1", r"vision_tower.layers.\1.mlp.fc2"),
+               (r"^vision_tower\.encoder\.blocks\.(\d+)\.wo", r"vision_tower.layers.\1.attn.proj"),
+               (r"^vision_tower\.encoder\.final_layernorm", "vision_tower.final_layernorm"),
+               (r"^vision_tower\.patch_embed\.pos_emb\.weight$", "vision_tower.patch_embed.pos_emb.position_embeddings"),
+               (r"^mm_projector\.proj\.0", "mm_projector.in_proj"), (r"^mm_projector\.proj\.2", "mm_projector.out_proj")]
+    out: dict[str, torch.Tensor] = {}
+    for stored in sorted(reader.not_served):
+        t = torch.from_numpy(np.asarray(reader.get_raw(stored), dtype=np.float32))
+        m = re.match(r"^vision_tower\.encoder\.blocks\.(\d+)\.wqkv\.(weight|bias)$", stored)
+        if m:
+            for part, x in zip(("q_proj", "k_proj", "v_proj"), t.chunk(3, dim=0)):
+                if part != "v_proj":
+                    x = permute._permute_for_rope(x, hf_config)
+                out[f"model.vision_tower.layers.{m.group(1)}.attn.{part}.{m.group(2)}"] = x.contiguous()
+            continue
+        name = stored
+        for pat, rep in renames:
+            name = re.sub(pat, rep, name)
+        out["model." + name] = t
+    return out
+
+
 def load_reference_kimi_k25(model_dir: str):
     """fp32 eval-mode transformers `Kimi_K25ForConditionalGeneration` of a Kimi-K2.5-layout
     checkpoint: its language model and lm_head hold the checkpoint's dequantised weights (read
-    through the reader's `language_model.` mapping; full coverage asserted); the vision tower and
-    projector keep transformers' initialisation (text-only inputs never run them)."""
+    through the reader's `language_model.` mapping), its vision tower and projector the
+    checkpoint's (kimi_k25_vision_state_dict); full coverage asserted."""
     import transformers
 
     from gpu_service.local.tiny import _hf_config as to_hf
@@ -100,11 +134,18 @@ def load_reference_kimi_k25(model_dir: str):
                                       projection_hidden_size=v["mm_hidden_size"], tie_word_embeddings=False,
                                       image_token_id=d["media_placeholder_token_id"])
     model = transformers.Kimi_K25ForConditionalGeneration(cfg).float()
-    sd = reference_state_dict(CheckpointReader(model_dir))
+    reader = CheckpointReader(model_dir)
+    sd = reference_state_dict(reader)
     lm = {k[len("model."):]: v for k, v in sd.items() if k.startswith("model.")}
     extra = sorted(k for k in sd if not k.startswith("model.") and k != "lm_head.weight")
     if extra:
         raise AssertionError(f"reference: checkpoint tensors outside the language model: {extra[:8]}")
     model.model.language_model.load_state_dict(lm, strict=True)
     model.lm_head.load_state_dict({"weight": sd["lm_head.weight"]}, strict=True)
+    vis = kimi_k25_vision_state_dict(reader, cfg)
+    want = {k for k in model.state_dict() if k.startswith(("model.vision_tower.", "model.mm_projector."))}
+    missing, unexpected = sorted(want - set(vis)), sorted(set(vis) - want)
+    if missing or unexpected:
+        raise AssertionError(f"reference vision state dict: missing {missing[:8]}, unexpected {unexpected[:8]}")
+    model.load_state_dict(vis, strict=False)
     return model.eval()

@@ -1,7 +1,8 @@
 """Kimi-K2.5 / K2.6 (`KimiK25ForConditionalGeneration`): the nested config, the `language_model.`
 prefix read by the one reader (GPU side and expert shards), the plan presets, `make-tiny --arch
 kimi_k25`, greedy text generation equal to transformers' Kimi_K25ForConditionalGeneration, and
-image content parts refused with a 400 that names the part (the vision tower is not served yet)."""
+image content parts refused with a 400 that names the part where no image policy is given (a chat
+plan without images: tests/test_kimi_k25_images.py serves them)."""
 import json
 import os
 import subprocess
@@ -142,18 +143,23 @@ def test_convert_packs_the_nested_checkpoint(tiny, tmp_path):
     np.testing.assert_allclose(packed.forward(layer, x, ids, w), want, rtol=1e-5, atol=1e-6)
 
 
-def test_plan_presets_list_the_vision_tower_as_not_planned():
+def test_plan_presets_count_the_vision_tower_on_the_first_gpu():
     out = subprocess.run([sys.executable, "-m", "moesplit", "plan", "--model", "kimi-k2.5", "--gpu", "24GiB",
                           "--json"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode in (0, 3), out.stderr
     plan = json.loads(out.stdout)
     d = _real("kimi-k2.5")
-    (vt,) = plan["not_planned"]
-    assert vt["params"] == kimi_k25.vision_param_count(d["vision_config"], 7168) and vt["bytes"] == 2 * vt["params"]
-    assert "not served" in vt["status"]
-    table = subprocess.run([sys.executable, "-m", "moesplit", "plan", "--model", "kimi-k2.6", "--gpu", "24GiB"],
-                           capture_output=True, text=True, cwd=ROOT, timeout=120).stdout
-    assert "vision tower + projector" in table and "NOT PLANNED" in table
+    vb = plan["vision"]
+    assert vb["params"] == kimi_k25.vision_param_count(d["vision_config"], 7168) and vb["weights"] == 2 * vb["params"]
+    assert vb["patches"] >= 16384 and vb["workspace"] > 16384 * 1152 * 2 * 6  # the largest image's activations
+    assert plan["gpus"][0]["items"]["vision"] == vb["weights"] + vb["workspace"] + vb["cache"]
+    out = subprocess.run([sys.executable, "-m", "moesplit", "plan", "--model", "kimi-k2.6", "--gpu", "24GiB",
+                          "--host-ram", "768GiB", "--json"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    k26 = json.loads(out.stdout)
+    assert out.returncode == 0 and k26["fits"] and k26["kv_tokens"] >= 32768, out.stdout[-2000:]
+    table = subprocess.run([sys.executable, "-m", "moesplit", "plan", "--model", "kimi-k2.6", "--gpu", "24GiB",
+                            "--host-ram", "768GiB"], capture_output=True, text=True, cwd=ROOT, timeout=120).stdout
+    assert "vision tower + projector on cuda:0" in table and "FITS" in table
 
 
 PROMPT = [512] + [(i * 37 + 11) % 500 + 2 for i in range(20)]

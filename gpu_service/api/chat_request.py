@@ -65,6 +65,7 @@ class ChatPlan:
     tool_choice: str | dict
     grammar: object = None  # GrammarSpec forcing the call (tool_choice required / named), else None
     metadata: dict | None = None  # the request's `metadata`, returned on the chat.completion object
+    images: list | None = None  # the ImageInputs of the prompt's image placeholder runs, in order
 
     def stream(self) -> ChatStream:
         return ChatStream(self.parser)
@@ -73,21 +74,29 @@ class ChatPlan:
 MEDIA_PARTS = ("image_url", "image", "input_image", "video_url", "video", "input_audio")
 
 
-def _media_part_error(p: dict, where: str, vision: str | None) -> APIError:
-    """The 400 for an image / video / audio content part, which moesplit does not serve yet."""
+def _media_part_error(p: dict, where: str, vision: str | None, images_on: bool = False) -> APIError:
+    """The 400 for a media content part this path does not take (`images_on`: image_url parts are
+    served here, so the part is a video / audio / other-shaped image part)."""
     kind = p.get("type")
-    if vision:
-        why = (f"this model ({vision}) has a vision tower, but moesplit does not serve it yet (its language "
-               "model serves text-only requests)")
+    if kind in ("video_url", "video"):
+        why = ("moesplit serves images only, not Kimi-K2.5's video input; send frames as image_url parts"
+               if vision else "this model takes text only")
+    elif kind == "input_audio":
+        why = "no served model takes audio"
+    elif images_on:
+        why = "images are sent as {\"type\": \"image_url\", \"image_url\": {\"url\": \"data:image/...;base64,...\"}}"
+    elif vision:
+        why = (f"this model ({vision}) has a vision tower, but this server does not serve it (its checkpoint "
+               "has no vision_tower.* tensors, or gRPC Generate, which takes text only)")
     else:
         why = "this model takes text only"
-    return APIError(400, f"{where}: {kind!r} content parts are not served: {why}; send only "
-                         f"{{\"type\": \"text\"}} parts", param=where)
+    return APIError(400, f"{where}: {kind!r} content parts are not served: {why}", param=where)
 
 
-def _text(content, where: str, allow_none: bool = False, vision: str | None = None) -> str:
+def _text(content, where: str, allow_none: bool = False, vision: str | None = None, image_fn=None) -> str:
     """A message's content as text: a string, or an array of text parts (media parts are a 400
-    naming the part; `vision`: the model's multimodal architecture, when it has one)."""
+    naming the part; `vision`: the model's multimodal architecture, when it has one; `image_fn(part,
+    where) -> text`: takes an image_url part, returning the text standing for it)."""
     if content is None:
         if allow_none:
             return ""
@@ -97,8 +106,11 @@ def _text(content, where: str, allow_none: bool = False, vision: str | None = No
     if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
         parts = []
         for j, p in enumerate(content):
+            if isinstance(p, dict) and p.get("type") == "image_url" and image_fn is not None:
+                parts.append(image_fn(p, f"{where}[{j}]"))
+                continue
             if isinstance(p, dict) and p.get("type") in MEDIA_PARTS:
-                raise _media_part_error(p, f"{where}[{j}]", vision)
+                raise _media_part_error(p, f"{where}[{j}]", vision, image_fn is not None)
             if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
                 raise APIError(400, f"{where}: only text parts are supported", param=where)
             parts.append(p["text"])
@@ -126,9 +138,10 @@ def _tool_calls(calls, i: int) -> list[dict]:
     return out
 
 
-def normalize_messages(messages, keep_developer: bool = False, vision: str | None = None) -> list[dict]:
+def normalize_messages(messages, keep_developer: bool = False, vision: str | None = None, image_fn=None) -> list[dict]:
     """OpenAI messages -> the plain dicts templates read (content as text, tool fields kept).
-    `vision`: the model's multimodal architecture (its image parts are refused naming it)."""
+    `vision`: the model's multimodal architecture (its image parts are refused naming it unless
+    `image_fn` takes them: see _text)."""
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' must be a non-empty array of {role, content} objects", param="messages")
     out = []
@@ -140,7 +153,8 @@ def normalize_messages(messages, keep_developer: bool = False, vision: str | Non
             raise APIError(400, f"messages[{i}].role {role!r} is not one of {', '.join(ROLES)}", param="messages")
         msg: dict = {"role": "system" if role == "developer" and not keep_developer else role}
         msg["content"] = _text(m.get("content"), f"messages[{i}].content",
-                               allow_none=role == "assistant" or role == "system", vision=vision)
+                               allow_none=role == "assistant" or role == "system", vision=vision,
+                               image_fn=image_fn)
         if isinstance(m.get("name"), str) and m["name"]:
             msg["name"] = m["name"]
         if role == "assistant":
@@ -275,9 +289,11 @@ def reasoning_kwargs(effort: str | None, fmt, kwargs: dict) -> dict:
                         "(allowed: null)", param="reasoning_effort")
 
 
-def chat_plan(body: dict, tokenizer, settings: ChatSettings, max_chars: int | None = None) -> ChatPlan:
+def chat_plan(body: dict, tokenizer, settings: ChatSettings, max_chars: int | None = None,
+              images=None) -> ChatPlan:
     """Validate the chat fields of `body`, render the prompt and set up its output parsers; a
-    conversation over `max_chars` characters is refused before the template runs."""
+    conversation over `max_chars` characters is refused before the template runs. `images`: the
+    server's ImagePolicy when it serves image_url parts (gpu_service.api.image_parts), else None."""
     if settings.refused:
         raise APIError(400, settings.refused, param="messages")
     if tokenizer is None:
@@ -294,8 +310,10 @@ def chat_plan(body: dict, tokenizer, settings: ChatSettings, max_chars: int | No
         log.info("chat request metadata %s", json.dumps(metadata, ensure_ascii=False))
     fmt = tokenizer.chat_format
     family = getattr(fmt, "family", None)
+    taken: list = []  # ImageInputs, in prompt order
     messages = normalize_messages(body.get("messages"), keep_developer=family == "deepseek_v32",
-                                  vision=getattr(tokenizer, "vision_wrapper", None))
+                                  vision=getattr(tokenizer, "vision_wrapper", None),
+                                  image_fn=_image_taker(images, taken) if images is not None else None)
     check_prompt_chars(sum(len(m.get("content") or "") for m in messages), max_chars, "messages")
     tools = validate_tools(body["tools"]) if body.get("tools") is not None else []
     choice = validate_tool_choice(body.get("tool_choice"), tools)
@@ -330,5 +348,24 @@ def chat_plan(body: dict, tokenizer, settings: ChatSettings, max_chars: int | No
         prompt += prefix
         grammar = tool_call_grammar(tparser.name, tools, choice, tokenizer, tparser.call_index)
     ids = tokenizer.encode(prompt, add_bos=False)
+    if taken:
+        from gpu_service.api.image_parts import expand_placeholders
+
+        ids = expand_placeholders(ids, tokenizer.encode("<|media_pad|>", add_bos=False)[0], taken)
     max_calls = 1 if (not parallel or isinstance(choice, dict)) else None
-    return ChatPlan(ids, prompt, OutputParser(rparser, tparser, prefix, max_calls), choice, grammar, metadata)
+    return ChatPlan(ids, prompt, OutputParser(rparser, tparser, prefix, max_calls), choice, grammar, metadata,
+                    images=taken or None)
+
+
+def _image_taker(policy, taken: list):
+    """image_fn for normalize_messages: each image_url part decoded into `taken` (at most
+    policy.limits.max_images: a 400 naming --max-images), standing in the text as K2.5's marker."""
+    from gpu_service.api.image_parts import IMAGE_MARKER, image_of_part
+
+    def take(part: dict, where: str) -> str:
+        if len(taken) >= policy.limits.max_images:
+            raise APIError(400, f"{where}: more than {policy.limits.max_images} images in one request "
+                                "(--max-images)", param=where, code="too_many_images")
+        taken.append(image_of_part(part, where, policy))
+        return IMAGE_MARKER
+    return take

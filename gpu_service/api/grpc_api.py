@@ -9,6 +9,7 @@ client certificates.
 """
 from __future__ import annotations
 
+import base64
 import json
 import logging
 from concurrent import futures
@@ -55,20 +56,43 @@ class AuthInterceptor(grpc.ServerInterceptor):
         return self._deny if handler is None or handler.response_streaming else self._deny_unary
 
 
+def _content(m, i: int, context):
+    """A ChatMessage's content: `content`, or its `parts` as the HTTP API's content parts (an image
+    as a data: URL of its bytes, so both APIs check it the same way)."""
+    if not m.parts:
+        return m.content
+    if m.content:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"messages[{i}]: give content or parts, not both")
+    out = []
+    for j, p in enumerate(m.parts):
+        if p.WhichOneof("part") == "text":
+            out.append({"type": "text", "text": p.text})
+        elif p.WhichOneof("part") == "image":
+            if not p.image.mime_type.startswith("image/"):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"messages[{i}].parts[{j}].image.mime_type must be "
+                                                                f"image/..., got {p.image.mime_type!r}")
+            url = f"data:{p.image.mime_type};base64," + base64.b64encode(p.image.data).decode()
+            out.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"messages[{i}].parts[{j}] is empty: set text or image")
+    return out
+
+
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     def __init__(self, engine: Engine, tokenizer=None, max_prompt_chars: int | None = None,
-                 chat_settings: ChatSettings | None = None):
+                 chat_settings: ChatSettings | None = None, image_policy=None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.max_prompt_chars = max_prompt_chars
         self.chat_settings = chat_settings or ChatSettings()
+        self.image_policy = image_policy  # gpu_service.api.image_parts.ImagePolicy when images are served
 
     def _chat(self, req: generate_pb2.GenerateRequest, context) -> ChatPlan:
         """`messages` (+ tools, tool_choice, ...) through the HTTP API's chat plan: the model's own
         format, its reasoning and tool-call parsers, the forced-call grammar."""
         msgs = []
-        for m in req.messages:
-            d = {"role": m.role, "content": m.content}
+        for i, m in enumerate(req.messages):
+            d = {"role": m.role, "content": _content(m, i, context)}
             if m.reasoning_content:
                 d["reasoning_content"] = m.reasoning_content
             if m.tool_calls:
@@ -95,7 +119,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         if req.HasField("parallel_tool_calls"):
             body["parallel_tool_calls"] = req.parallel_tool_calls
         try:
-            return chat_plan(body, self.tokenizer, self.chat_settings, self.max_prompt_chars)
+            return chat_plan(body, self.tokenizer, self.chat_settings, self.max_prompt_chars, self.image_policy)
         except APIError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e.param}: {e.message}" if e.param else e.message)
 
@@ -168,7 +192,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 logprobs=request.logprobs if request.HasField("logprobs") else None)
             h = self.engine.submit(ids, params, request.max_tokens if request.HasField("max_tokens") else None,
                                    stop=list(request.stop), ignore_eos=request.ignore_eos,
-                                   grammar=grammar, cache_salt=request.cache_salt or None)
+                                   grammar=grammar, cache_salt=request.cache_salt or None,
+                                   images=plan.images if plan is not None else None)
         except QueueFull as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except (RequestError, ValueError) as e:  # GrammarError is a ValueError
@@ -213,14 +238,15 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 def create_server(engine: Engine, tokenizer=None, host: str = "127.0.0.1", port: int = 50050,
                   max_workers: int = 64, api_key: str | None = None, tls=None,
                   max_prompt_chars: int | None = None, chat_settings: ChatSettings | None = None,
-                  options: list | None = None) -> tuple[grpc.Server, int]:
+                  options: list | None = None, image_policy=None) -> tuple[grpc.Server, int]:
     """Build and start the gRPC server; returns (server, bound port). More than `max_workers` RPCs at
     once: RESOURCE_EXHAUSTED, not a queue."""
     interceptors = [AuthInterceptor(api_key)] if api_key is not None else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="moesplit-grpc"),
                          interceptors=interceptors, maximum_concurrent_rpcs=max_workers,
                          options=options or [])
-    generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(engine, tokenizer, max_prompt_chars, chat_settings),
+    generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(engine, tokenizer, max_prompt_chars, chat_settings,
+                                                                             image_policy),
                                                             server)
     hs = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)

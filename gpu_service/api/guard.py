@@ -42,10 +42,17 @@ class ServerLimits:
     grpc_max_streams_per_connection: int = DEFAULT_GRPC_STREAMS_PER_CONNECTION
     grpc_min_ping_interval_s: float = DEFAULT_GRPC_MIN_PING_INTERVAL_S
     grpc_max_connection_idle_s: float = DEFAULT_GRPC_MAX_CONNECTION_IDLE_S
+    # image content parts (models with a vision tower: gpu_service.api.image_parts)
+    max_images: int = 8
+    max_image_bytes: int = 10 << 20
+    max_image_pixels: int = 64 << 20
+    allow_image_urls: bool = False
+    image_fetch_timeout_s: float = 10.0
 
     def __post_init__(self):
         """Refuse impossible values, naming the flag."""
-        for name in ("max_body_bytes", "body_min_rate", "max_connections", "grpc_max_streams_per_connection"):
+        for name in ("max_body_bytes", "body_min_rate", "max_connections", "grpc_max_streams_per_connection",
+                     "max_images", "max_image_bytes", "max_image_pixels"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("header_timeout_s", "body_timeout_s", "grpc_min_ping_interval_s", "grpc_max_connection_idle_s"):
@@ -60,6 +67,14 @@ class ServerLimits:
                              f"got {self.probe_connections}")
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
             raise ValueError(f"--max-prompt-chars must be >= 1, got {self.max_prompt_chars}")
+
+    def image_policy(self):
+        """The gpu_service.api.image_parts.ImagePolicy of these limits."""
+        from gpu_service.api.image_parts import ImagePolicy
+        from gpu_service.model.image_inputs import ImageLimits
+
+        return ImagePolicy(ImageLimits(self.max_images, self.max_image_bytes, self.max_image_pixels),
+                           self.allow_image_urls, self.image_fetch_timeout_s)
 
     def prompt_chars_for(self, max_request_tokens: int) -> int:
         return self.max_prompt_chars if self.max_prompt_chars is not None else 16 * max_request_tokens

@@ -66,6 +66,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
     app = FastAPI(title="moesplit", docs_url=None, redoc_url=None)
     limits = limits or ServerLimits()
     ctx = ApiContext(engine, tokenizer, model_name, chat_settings, limits.prompt_chars_for(engine.max_request_tokens))
+    if getattr(engine.runner, "images", None) is not None:  # a vision tower: image_url parts are served
+        ctx.image_policy = limits.image_policy()
     for exc in (APIError, RequestError, RequestValidationError, StarletteHTTPException, BodyTooLarge, Exception):
         app.add_exception_handler(exc, _error)
     # auth + body cap: pure ASGI (a BaseHTTPMiddleware would hide client disconnects from `collect`)

@@ -53,6 +53,15 @@ def add_serving_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"largest HTTP request body; larger: 413 before reading it (default {DEFAULT_MAX_BODY_BYTES})")
     p.add_argument("--max-prompt-chars", type=int, default=None,
                    help="longest text prompt, checked before tokenizing (default: 16 x the tokens a request may hold)")
+    p.add_argument("--allow-image-urls", action="store_true",
+                   help="fetch http(s) image_url parts (default: only data: URLs; a URL is a 400 naming this flag)")
+    p.add_argument("--max-images", type=int, default=8, help="most images in one request (default 8)")
+    p.add_argument("--max-image-bytes", type=int, default=10 << 20,
+                   help="largest encoded image (default 10 MiB; the body cap --max-body-bytes applies first)")
+    p.add_argument("--max-image-pixels", type=int, default=64 << 20,
+                   help="most decoded pixels (width x height, read from the header) of one image (default 64Mi)")
+    p.add_argument("--image-fetch-timeout", type=float, default=10.0,
+                   help="seconds to fetch one image URL with --allow-image-urls (default 10)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="most requests queued for admission; beyond: HTTP 429 / gRPC RESOURCE_EXHAUSTED (default 256)")
     p.add_argument("--max-new-tokens", type=int, default=8192,
@@ -116,7 +125,11 @@ def server_limits(args: argparse.Namespace) -> ServerLimits:
         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout, body_min_rate=args.body_min_rate,
         max_connections=args.max_connections, max_connections_per_client=args.max_connections_per_client,
         probe_connections=args.probe_connections, grpc_max_streams_per_connection=args.grpc_max_streams_per_connection,
-        grpc_min_ping_interval_s=args.grpc_min_ping_interval, grpc_max_connection_idle_s=args.grpc_max_connection_idle)
+        grpc_min_ping_interval_s=args.grpc_min_ping_interval, grpc_max_connection_idle_s=args.grpc_max_connection_idle,
+        max_images=getattr(args, "max_images", 8), max_image_bytes=getattr(args, "max_image_bytes", 10 << 20),
+        max_image_pixels=getattr(args, "max_image_pixels", 64 << 20),
+        allow_image_urls=getattr(args, "allow_image_urls", False),
+        image_fetch_timeout_s=getattr(args, "image_fetch_timeout", 10.0))
 
 
 def plan_or_exit(args: argparse.Namespace):
@@ -290,7 +303,8 @@ class ServingStack:
             self.grpc_server, self.grpc_port = create_grpc_server(
                 self.engine, self.tokenizer, self.host, self.grpc_port, api_key=self.api_key, tls=self.grpc_tls,
                 max_prompt_chars=self.limits.prompt_chars_for(self.engine.max_request_tokens),
-                chat_settings=self.chat_settings, options=grpc_server_options(self.limits))
+                chat_settings=self.chat_settings, options=grpc_server_options(self.limits),
+                image_policy=self.limits.image_policy() if getattr(self.engine.runner, "images", None) else None)
         except BaseException:
             self.stop()
             raise

@@ -6,7 +6,7 @@ the K2-Thinking compressed-tensors quantization_config at the top level and in t
 language model's tensors are stored as `language_model.model.*` / `language_model.lm_head.weight`
 with INT4 routed experts (or bf16 / fp8 with --format); the vision tower and projector tensors
 carry the real names and shapes of a small MoonViT (`checkpoint.kimi_k25.vision_shapes`), bf16,
-seeded random (no model runs them yet); the tokenizer is Kimi's tiktoken one with K2.5's media
+seeded random (gpu_service.model.vision runs them; tests compare with transformers); the tokenizer is Kimi's tiktoken one with K2.5's media
 tokens (`tiny_tokenizers` kind "kimi-k2.5"). `gpu_service.local.tiny.make_tiny` writes it: the
 language model's weights come from `tiny.language_model_tensors`, the same path as `--arch
 deepseek_v3`; this module holds the wrapper config and the vision tensors.

@@ -7,6 +7,11 @@
   section syntax, a call without an id numbered `functions.{name}:{counter}`. Thinking adds the
   default system prompt when there is none, and `<think>` blocks: empty for assistant messages up
   to the last one without tool calls, `<think>{reasoning_content}</think>` after it.
+- `KIMI_K25` / `KIMI_K26` (formats-v4.md, Kimi section): K2-Thinking's layout; `tool_declare`
+  holds `tools_ts_str` (TypeScript, gpu_service.api.chat_formats.tools_ts) or the JSON; content
+  may be parts (text; `image` / `image_url` as `<|media_begin|>image<|media_content|><|media_pad|>
+  <|media_end|>`); the generation prompt ends `<think>` (`thinking` false: `<think></think>`); K2.6's
+  `preserve_thinking` keeps the reasoning of every assistant turn.
 - `DEEPSEEK_V3` / `DEEPSEEK_R1`: BOS, system text (with a `## Tools` part listing the schemas),
   `<｜User｜>`, `<｜Assistant｜>` ... `<｜end▁of▁sentence｜>`, V3 tool calls and tool outputs; R1
   opens `<think>\\n` in the generation prompt and drops the reasoning of earlier answers.
@@ -59,6 +64,53 @@ def _kimi(thinking: bool) -> str:
 
 KIMI_K2 = _kimi(False)
 KIMI_K2_THINKING = _kimi(True)
+
+_KIMI25_CONTENT = (  # a string, or parts: text as is, an image as K2.5's media marker
+    "{%- macro content(c) -%}{%- if c is string -%}{{ c }}{%- elif c -%}{%- for part in c -%}"
+    "{%- if part.type == 'text' -%}{{ part.text }}"
+    "{%- elif part.type in ('image', 'image_url') -%}<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}{%- endmacro -%}"
+)
+
+
+def _kimi25(k26: bool) -> str:
+    """K2.5 (k26: K2.6): K2-Thinking's layout with TypeScript tool declarations (`tools_ts_str`,
+    the JSON without it), content parts (images as media markers), `thinking` (default on: the
+    generation prompt opens `<think>`, off: `<think></think>`) and, K2.6, `preserve_thinking`."""
+    keep = "(preserve_thinking is defined and preserve_thinking) or " if k26 else ""
+    return "".join([
+        _KIMI25_CONTENT,
+        "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>"
+        "{%- if tools_ts_str is defined and tools_ts_str -%}{{ tools_ts_str }}"
+        "{%- else -%}{{ tools | tojson(separators=(',', ':')) }}{%- endif -%}<|im_end|>{%- endif -%}",
+        "{%- set ns = namespace(calls=0, split=-1) -%}",
+        "{%- for message in messages -%}"
+        "{%- if message.role == 'assistant' and not message.tool_calls -%}{%- set ns.split = loop.index0 -%}"
+        "{%- endif -%}{%- endfor -%}"
+        "{%- if not messages or messages[0].role != 'system' -%}"
+        "<|im_system|>system<|im_middle|>" + KIMI_DEFAULT_SYSTEM + "<|im_end|>{%- endif -%}",
+        "{%- for message in messages -%}"
+        "{%- set header = 'tool' if message.role == 'tool' else (message.name or message.role) -%}"
+        "{%- if message.role == 'user' -%}<|im_user|>"
+        "{%- elif message.role == 'assistant' -%}<|im_assistant|>"
+        "{%- else -%}<|im_system|>{%- endif -%}"
+        "{{ header }}<|im_middle|>"
+        "{%- if message.role == 'assistant' -%}"
+        "{%- if " + keep + "loop.index0 > ns.split -%}<think>{{ message.reasoning_content or '' }}</think>"
+        "{%- else -%}<think></think>{%- endif -%}"
+        "{{ content(message.content) }}" + _KIMI_CALLS +
+        "{%- elif message.role == 'tool' -%}## Return of {{ message.tool_call_id }}{{ '\\n' }}"
+        "{{ content(message.content) }}"
+        "{%- else -%}{{ content(message.content) }}{%- endif -%}"
+        "<|im_end|>"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
+        "{%- if thinking is defined and not thinking -%}<think></think>{%- else -%}<think>{%- endif -%}"
+        "{%- endif -%}"])
+
+
+KIMI_K25 = _kimi25(False)
+KIMI_K26 = _kimi25(True)
 
 
 def _deepseek(r1: bool) -> str:

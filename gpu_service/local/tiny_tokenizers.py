@@ -4,9 +4,9 @@
                                 Kimi's pre-tokenization pattern) + tokenizer_config.json whose
                                 added_tokens_decoder names the 256 slots after the ranks at Kimi's
                                 offsets ([BOS] +0, [EOS] +1, <|im_end|> +2, ...) + chat_template.jinja
-    kimi-k2.5                   the same files with K2-Thinking's <think> slots and K2.5's media
+    kimi-k2.5, kimi-k2.6        the same files with K2-Thinking's <think> slots and K2.5's media
                                 tokens (<|media_begin|> +18 ... <|media_pad|> +21); the chat template is
-                                K2-Thinking's (K2.5's own template is not written yet)
+                                K2.5's / K2.6's (tiny_templates.KIMI_K25 / KIMI_K26)
     deepseek-v3, deepseek-r1    tokenizer.json (byte-level BPE) with DeepSeek's special-token strings,
                                 tokenizer_config.json with a Jinja chat_template
     deepseek-v32                the same tokenizer.json and no template (the built-in format serves it)
@@ -23,7 +23,7 @@ import os
 
 from gpu_service.local import tiny_templates as T
 
-KINDS = ("kimi-k2", "kimi-k2-thinking", "kimi-k2.5", "deepseek-v3", "deepseek-r1", "deepseek-v32")
+KINDS = ("kimi-k2", "kimi-k2-thinking", "kimi-k2.5", "kimi-k2.6", "deepseek-v3", "deepseek-r1", "deepseek-v32")
 KIMI_RANKS = 512  # 256 bytes + 256 merges
 KIMI_SPECIAL = {  # offset after the ranks -> (name, special)
     0: ("[BOS]", True), 1: ("[EOS]", True), 2: ("<|im_end|>", True), 3: ("<|im_user|>", True),
@@ -84,9 +84,9 @@ def _write_json(path: str, obj: dict) -> None:
         json.dump(obj, f, indent=2, ensure_ascii=False)
 
 
-def write_kimi(out_dir: str, thinking: bool, text: str, media: bool = False) -> dict:
+def write_kimi(out_dir: str, thinking: bool, text: str, media: bool = False, template: str | None = None) -> dict:
     """tiktoken.model + tokenizer_config.json + chat_template.jinja + generation_config.json of a
-    tiny Kimi tokenizer; `media` adds K2.5's image placeholder tokens."""
+    tiny Kimi tokenizer; `media` adds K2.5's image placeholder tokens; `template` replaces K2's."""
     from gpu_service.api.tiktoken_tokenizer import KIMI_PATTERN
 
     ranks = train_ranks(text * 4, KIMI_RANKS, KIMI_PATTERN)
@@ -103,7 +103,7 @@ def write_kimi(out_dir: str, thinking: bool, text: str, media: bool = False) -> 
         "tokenizer_class": "TikTokenTokenizer", "model_max_length": 1024,
         "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}})
     with open(os.path.join(out_dir, "chat_template.jinja"), "w", encoding="utf-8") as f:
-        f.write(T.KIMI_K2_THINKING if thinking else T.KIMI_K2)
+        f.write(template or (T.KIMI_K2_THINKING if thinking else T.KIMI_K2))
     _write_json(os.path.join(out_dir, "generation_config.json"),
                 {"bos_token_id": n, "eos_token_id": n + 2, "max_length": 1024})  # <|im_end|> ends a turn
     return {"vocab_size": n + 256, "bos_token_id": n, "eos_token_id": n + 1}
@@ -151,5 +151,6 @@ def write(kind: str, out_dir: str, text: str, special_tokens: list[str]) -> dict
     vocab_size(kind)  # validates the name
     text = text + "你好，世界！我们今天学习。Don't stop; it's 2024. 😀 {\"city\": \"Paris\", \"days\": 3}\n"
     if kind.startswith("kimi"):
-        return write_kimi(out_dir, kind != "kimi-k2", text, media=kind == "kimi-k2.5")
+        k25 = {"kimi-k2.5": T.KIMI_K25, "kimi-k2.6": T.KIMI_K26}.get(kind)
+        return write_kimi(out_dir, kind != "kimi-k2", text, media=k25 is not None, template=k25)
     return write_deepseek(out_dir, kind, text, special_tokens)

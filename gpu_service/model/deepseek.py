@@ -250,11 +250,15 @@ class DeepseekV3(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, chunks: list[Chunk], pool: KVPool, experts: ExpertsFn,
-                all_logits: bool = False, graphs=None) -> torch.Tensor:
+                all_logits: bool = False, graphs=None, embeds=None) -> torch.Tensor:
         """input_ids [T] (chunks concatenated) -> logits [len(chunks), V] of each chunk's last token
-        ([T, V] with all_logits); writes the chunks' KV. graphs: the runner's cuda_graphs.Graphs or None."""
+        ([T, V] with all_logits); writes the chunks' KV. graphs: the runner's cuda_graphs.Graphs or None;
+        embeds: (rows, [tensors]) whose concatenation replaces the embeddings of those rows (images)."""
         emb_dev = self.model.embed_tokens.weight.device
         x = self.model.embed_tokens(input_ids.to(emb_dev))  # [T, H]
+        if embeds is not None:
+            rows, vals = embeds
+            x[torch.tensor(rows, device=emb_dev)] = torch.cat(vals).to(device=emb_dev, dtype=x.dtype)
         all_decode = all(c.n == 1 for c in chunks)
         positions = (torch.tensor([c.start for c in chunks]) if all_decode  # decode: one op
                      else torch.cat([torch.arange(c.start, c.start + c.n) for c in chunks]))

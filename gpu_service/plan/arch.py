@@ -17,7 +17,7 @@ V3_LABELS = {"attention": "attention (MLA)", "indexer": "indexer (V3.2)", "kv_ca
              "index_keys": "indexer keys"}
 LABELS = {"embeddings": "embeddings", "dense_mlp": "dense MLP", "shared_experts": "shared experts",
           "routers": "routers", "norms": "norms", "lm_head": "lm_head", "gpu_experts": "hot experts",
-          "workspace": "workspace", "reserve": "CUDA ctx + reserve"}
+          "workspace": "workspace", "reserve": "CUDA ctx + reserve", "vision": "vision tower"}
 
 
 @dataclass(frozen=True)
@@ -58,11 +58,12 @@ def _v3_native(cfg) -> str | None:
 
 def _v3_categories(cfg) -> tuple[str, ...]:
     drop = {"compressor", "mhc", "kv_window"} | (set() if cfg.is_v32 else {"indexer", "index_keys"})
+    drop |= set() if getattr(cfg, "multimodal", None) else {"vision"}
     return tuple(c for c in B.CATEGORIES if c not in drop)
 
 
 def _v4_categories(cfg) -> tuple[str, ...]:
-    drop = {"dense_mlp"} | (set() if B4.CSA_RATIO in cfg.compress_ratios else {"indexer", "index_keys"})
+    drop = {"dense_mlp", "vision"} | (set() if B4.CSA_RATIO in cfg.compress_ratios else {"indexer", "index_keys"})
     return tuple(c for c in B.CATEGORIES if c not in drop)
 
 

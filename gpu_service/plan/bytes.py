@@ -48,7 +48,7 @@ def dtype_bytes(dtype: str) -> int:
 PRESETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
 
 # GPU item categories, in table order
-CATEGORIES = ("embeddings", "attention", "indexer", "compressor", "mhc", "dense_mlp", "shared_experts", "routers",
+CATEGORIES = ("embeddings", "vision", "attention", "indexer", "compressor", "mhc", "dense_mlp", "shared_experts", "routers",
               "norms", "lm_head", "kv_cache", "index_keys", "kv_window", "gpu_experts", "workspace", "reserve")
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 import json
 import os
 
-from checkpoint import kimi_k25
 from checkpoint.config import ConfigError, ModelConfig
 from checkpoint.config_v4 import V4Config, config_from_dict, load_any_config
 from gpu_service.plan.arch import arch_bytes, kv_bytes_per_token, param_counts
 from gpu_service.plan.bytes import CATEGORIES, fmt_gib, PRESETS_DIR
+from gpu_service.plan.vision import vision_bytes
 
 
 def render_table(p: "Plan") -> str:  # a gpu_service.plan.search.Plan
@@ -21,10 +21,11 @@ def render_table(p: "Plan") -> str:  # a gpu_service.plan.search.Plan
              f"options: attention-weights {o.attention_weights}, embeddings {o.embeddings}, expert-format "
              f"{o.expert_format}, gpu-experts {o.gpu_experts}/layer, kv-tokens {o.kv_tokens}, "
              f"chunk-tokens {o.chunk_tokens}, max-batch {o.max_batch}, dtype {o.dtype}"]
-    vt = not_planned(cfg)
-    if vt:
-        lines.append(f"vision tower + projector: {vt['params']:,} parameters, {fmt_gib(vt['bytes'])} bf16: "
-                     f"{vt['status']}")
+    vb = vision_bytes(cfg, o.eb) if not cfg.is_v4 else None
+    if vb:
+        lines.append(f"vision tower + projector on cuda:0: {vb['params']:,} parameters = {fmt_gib(vb['weights'])}, "
+                     f"workspace {fmt_gib(vb['workspace'])} (largest image: {vb['patches']:,} patches), "
+                     f"embedding cache {fmt_gib(vb['cache'])}")
     lines.append("")
     w0 = 22
     cats = [k for k in CATEGORIES if any(k in g.items for g in p.gpus)]
@@ -79,18 +80,6 @@ def render_table(p: "Plan") -> str:  # a gpu_service.plan.search.Plan
         else:
             lines.append("no single option change fits; add GPU memory or host RAM")
     return "\n".join(lines)
-
-
-def not_planned(cfg) -> dict | None:
-    """The parts of the model the plan leaves out, with their bytes: a Kimi-K2.5 / K2.6 vision
-    tower and projector (bf16 in the checkpoint), which the runtime does not serve yet."""
-    mm = getattr(cfg, "multimodal", None)
-    if not mm:
-        return None
-    n = kimi_k25.vision_param_count(mm.get("vision_config") or {}, cfg.hidden_size)
-    return {"part": "vision_tower+mm_projector", "params": n, "bytes": 2 * n,
-            "status": "NOT PLANNED: the vision tower is not served yet (text-only requests); these bytes are "
-                      "not counted on the GPU"}
 
 
 # ------------------------------------------------------------------------------ model input

@@ -36,7 +36,8 @@ from gpu_service.plan.bytes import (
     checkpoint_format, qlinear_scratch_bytes,
 )
 from gpu_service.plan.host_tier import host_kv_fields
-from gpu_service.plan.report import not_planned, render_table
+from gpu_service.plan.report import render_table
+from gpu_service.plan.vision import vision_bytes
 
 
 @dataclass
@@ -124,9 +125,9 @@ class Plan:
             "kv_bytes_per_token": kv_bytes_per_token(self.cfg, self.options.eb),
             "fingerprint": self.cfg.fingerprint(),
         }
-        vt = not_planned(self.cfg)
-        if vt:
-            d["not_planned"] = [vt]
+        vb = vision_bytes(self.cfg, self.options.eb) if not self.cfg.is_v4 else None
+        if vb:
+            d["vision"] = vb
         if not self.fits:
             d["missing_bytes"] = self.missing_bytes
             d["suggestions"] = list(self.suggestions)
@@ -178,6 +179,8 @@ class _Layout:
             moe_w = max(moe_w, cfg.moe_intermediate_size)
         self.moe_width = moe_w
         self.emb = self.fixed["embeddings"] if o.embeddings == "gpu" else 0
+        vb = vision_bytes(cfg, o.eb) if not cfg.is_v4 else None
+        self.vision = vb["total"] if vb else 0  # Kimi-K2.5's vision tower, on the first GPU
         self.tail = self.fixed["norms"] + self.fixed["lm_head"]
         self.ws_cache: dict[tuple, int] = {}
 
@@ -198,7 +201,7 @@ class _Layout:
         G = len(self.caps)
         u = self.prefix[b] - self.prefix[a] + self.workspace(g, a, b) + gpu_reserve(self.caps[g])
         if g == 0:
-            u += self.emb
+            u += self.emb + self.vision
         if g == G - 1:
             u += self.tail
         return u
@@ -247,6 +250,8 @@ class _Layout:
                     items[k] += v
             if g == 0:
                 items["embeddings"] = self.emb
+                if "vision" in items:
+                    items["vision"] = self.vision
             if g == G - 1:
                 items["lm_head"] = self.fixed["lm_head"]
                 items["norms"] += self.fixed["norms"]

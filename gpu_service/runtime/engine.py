@@ -32,6 +32,7 @@ import traceback
 from gpu_service.model.kv import Chunk, PoolExhausted
 from gpu_service.model.prefix_cache import check_pool
 from gpu_service.runtime.grammar import compiler_for
+from gpu_service.runtime.images import prompt_images
 from gpu_service.runtime.logits import choose_tokens, grammar_reason, prompt_logprobs, RowFailed, TokenLogprob
 from gpu_service.runtime.requests import (
     _Request, check_request, EngineStopped, MAX_N, Output, QueueFull, RequestError, RequestHandle,
@@ -121,13 +122,14 @@ class Engine:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, max_tokens: int | None = None,
                stop: list[str] | tuple[str, ...] = (), ignore_eos: bool = False, grammar=None,
-               prompt_logprobs: int | None = None, cache_salt: str | None = None) -> RequestHandle:
+               prompt_logprobs: int | None = None, cache_salt: str | None = None, images=None) -> RequestHandle:
         """Queue a request (`max_tokens=None`: up to `max_new_tokens`). `grammar`: a CompiledGrammar
         the output must match (compiled off this thread); `prompt_logprobs=k`: the prompt's logprobs
-        in the first Output (then `max_tokens=0` scores the prompt only). RequestError / QueueFull /
-        EngineStopped when it cannot be queued."""
+        in the first Output (then `max_tokens=0` scores the prompt only); `images`: ImageInputs, one
+        per run of image placeholder tokens in the prompt (gpu_service.runtime.images). RequestError /
+        QueueFull / EngineStopped when it cannot be queued."""
         return self._enqueue([self._make(prompt_ids, params, max_tokens, stop, ignore_eos, grammar,
-                                         prompt_logprobs, cache_salt)])[0]
+                                         prompt_logprobs, cache_salt, images)])[0]
 
     def submit_n(self, prompt_ids: list[int], params: list[SamplingParams], **kw) -> list[RequestHandle]:
         """len(params) requests on one prompt (OpenAI's `n`), queued and admitted as one unit. The
@@ -144,7 +146,7 @@ class Engine:
 
     def _make(self, prompt_ids: list[int], params: SamplingParams | None, max_tokens: int | None = None,
               stop=(), ignore_eos: bool = False, grammar=None, prompt_logprobs: int | None = None,
-              cache_salt: str | None = None) -> _Request:
+              cache_salt: str | None = None, images=None) -> _Request:
         """A validated request record (not queued yet); RequestError naming the field otherwise."""
         if self._thread is not None and not self._thread.is_alive() and self.last_error is not None:
             raise EngineStopped(f"the engine has stopped ({self.last_error}); the server is restarting")
@@ -163,11 +165,12 @@ class Engine:
         if grammar is not None and getattr(grammar, "vocab_key", None) is None:
             raise RequestError("grammar must be a CompiledGrammar (GrammarCompiler.compile(spec).result())",
                                "response_format")
+        mm = prompt_images(self.runner, prompt_ids, images) if images else None
         handle = RequestHandle(f"req-{next(self._ids)}", n, max_tokens, self._wake_ev.set)
         return _Request(
             handle, n, prompt_ids, params, params.generator(), max_tokens, stop, ignore_eos, self.runner.new_seq(),
             grammar.matcher() if grammar is not None else None, tuple(sorted(self.eos | set(params.stop_token_ids))),
-            prompt_logprobs, salt=cache_salt or None)
+            prompt_logprobs, salt=cache_salt or None, images=mm)
 
     def _queued(self) -> int:
         """Requests waiting for admission, every choice of an `n` unit counted."""
@@ -204,7 +207,7 @@ class Engine:
                 if len(self.running) >= self.max_batch or n < 1:
                     raise PoolExhausted("batch full")
                 if self.prefix is not None:  # share r's full pages (committed by now), copy the rest
-                    self.prefix.attach(f.seq, f.tokens, f.salt)
+                    self.prefix.attach(f.seq, f.cache_tokens(), f.salt)
                 f.seq.reserve(r.prompt_len + 1)
             except PoolExhausted:
                 f.seq.free()
@@ -233,6 +236,8 @@ class Engine:
             "pool_pages_cached": p.cached_pages,
             **self.counters,
             **({"prefix_" + k: v for k, v in self.prefix.stats.items()} if self.prefix is not None else {}),
+            **({"image_" + k: v for k, v in images.stats.items()} if (images := getattr(self.runner, "images", None))
+               else {}),
         }
 
     # ---- scheduler ----------------------------------------------------------------------------
@@ -350,7 +355,7 @@ class Engine:
                 break  # an n unit is admitted with room for all its choices (FIFO: no overtaking)
             try:
                 # (a request that reports prompt logprobs computes its whole prompt)
-                hit = self.prefix.attach(r.seq, r.tokens, r.salt) if self.prefix is not None \
+                hit = self.prefix.attach(r.seq, r.cache_tokens(), r.salt) if self.prefix is not None \
                     and r.prompt_lp is None else (0, 0)
                 r.seq.reserve(len(r.tokens) + 1)
             except PoolExhausted:
@@ -375,16 +380,25 @@ class Engine:
         return batch
 
     def _run(self, batch: list[tuple[_Request, int, int]]) -> None:
+        batch = [b for b in batch if self._images_ready(b[0], b[1])]  # a failed image fails its request alone
+        if not batch:
+            return
         ids: list[int] = []
         chunks: list[Chunk] = []
+        rows, vals = [], []  # image embeddings replacing placeholder rows
         for r, start, n in batch:
+            if r.images is not None and start < r.prompt_len:
+                rr, vv = r.images.chunk_rows(start, n)
+                rows += [len(ids) + j for j in rr]
+                vals += vv
             ids += r.tokens[start:start + n]
             chunks.append(Chunk(r.seq, start, n))
             if start < r.prompt_len:
                 self.counters["prefill_tokens_computed"] += min(n, r.prompt_len - start)
         every = any(r.prompt_lp is not None and start < r.prompt_len for r, start, _ in batch)
         try:
-            logits = self.runner.step(ids, chunks, all_logits=every)  # [len(chunks), V] ([len(ids), V] with every)
+            # [len(chunks), V] ([len(ids), V] with every); image rows passed only when there are any
+            logits = self.runner.step(ids, chunks, all_logits=every, **({"embeds": (rows, vals)} if rows else {}))
         except Exception as e:  # noqa: BLE001 - fail this batch's requests, keep serving
             unavailable = bool(getattr(e, "unavailable", False))  # e.g. ShardError: no replica of a shard left
             msg = f"model step failed: {type(e).__name__}: {e}"
@@ -403,7 +417,7 @@ class Engine:
         self.counters["step_tokens"] += len(ids)
         if self.prefix is not None:
             for r, _, _ in batch:
-                self._guarded(r, "prefix-cache commit", self.prefix.commit, r.seq, r.tokens)  # pages this step filled
+                self._guarded(r, "prefix-cache commit", self.prefix.commit, r.seq, r.cache_tokens())  # pages this step filled
         if every:  # rows of every token: keep the prompt logprobs asked for, then the chunks' last rows
             ends = list(itertools.accumulate(n for _, _, n in batch))
             for (r, start, n), end in zip(batch, ends):
@@ -431,6 +445,12 @@ class Engine:
             if self.observer is not None:
                 self.observer.token(r.handle)
             self._guarded(r, "output", self._emit, r, tok, lp)
+
+    def _images_ready(self, r: _Request, start: int) -> bool:
+        """A prefill chunk of a request with images: its embeddings computed (once); False if that failed."""
+        if r.images is None or r.images.embeds is not None or start >= r.prompt_len:
+            return True
+        return self._guarded(r, "image embedding", self.runner.images.fill, r.images)
 
     def _prompt_lps(self, r: _Request, logits, start: int, n: int, end: int) -> None:
         """Add the prompt logprobs of chunk [start, start + n) of `r` (rows end - n .. end of `logits`)."""

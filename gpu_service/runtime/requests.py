@@ -216,6 +216,7 @@ class _Request:
     followers: list = field(default_factory=list)  # choices 2..n of the same prompt: fork off this one's KV
     salt: str | None = None  # cache_salt: prefixes are shared only between equal salts
     looked_up: bool = False  # the prefix-cache lookup has been counted
+    images: object | None = None  # gpu_service.runtime.images.PromptImages of a prompt with images
     # incremental detokenisation (prefix/read offsets into the generated ids) and stop handling
     prefix_offset: int = 0
     read_offset: int = 0
@@ -225,6 +226,10 @@ class _Request:
     @property
     def out(self) -> list[int]:
         return self.tokens[self.prompt_len:]
+
+    def cache_tokens(self) -> list[int]:
+        """What the prefix cache keys on: the tokens, image placeholders keyed by their image."""
+        return self.tokens if self.images is None else self.images.key_tokens(self.tokens)
 
     @property
     def remaining(self) -> int:

@@ -16,6 +16,7 @@ from gpu_service.model.kv import Chunk, KVPool, SeqKV
 from gpu_service.model.deepseek import build_model, DeepseekV3
 from gpu_service.model.prefix_cache import make_prefix_cache
 from gpu_service.model.placement import Placement
+from gpu_service.runtime.images import vision_embeddings
 from gpu_service.runtime.sampling import sample, SamplingParams
 
 
@@ -64,6 +65,7 @@ class ModelRunner:
                            self.placement.layer_devices)
         # prefix sharing (the engine looks prompts up and inserts pages); host_kv_bytes: its host tier
         self.prefix_cache = make_prefix_cache(self.pool, host_kv_bytes) if prefix_cache else None
+        self.images = vision_embeddings(reader, self.device, self.dtype)  # Kimi-K2.5's vision tower, or None
         self.set_cuda_graphs(cuda_graphs and os.environ.get("MOESPLIT_CUDA_GRAPHS", "1") != "0", graph_buckets)
 
     @property
@@ -94,9 +96,11 @@ class ModelRunner:
             t.index_copy_(0, d.to(t.device), t.index_select(0, s.to(t.device)))
         dst.length = n
 
-    def step(self, input_ids: list[int], chunks: list[Chunk], all_logits: bool = False) -> torch.Tensor:
+    def step(self, input_ids: list[int], chunks: list[Chunk], all_logits: bool = False, embeds=None) -> torch.Tensor:
+        """embeds: (rows, [tensors]) replacing the embeddings of those rows of input_ids (images), or None."""
         ids = torch.tensor(input_ids, dtype=torch.long)
-        return self.model(ids, chunks, self.pool, self.experts, all_logits=all_logits, graphs=self.graphs)
+        return self.model(ids, chunks, self.pool, self.experts, all_logits=all_logits, graphs=self.graphs,
+                          embeds=embeds)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
                  stop_ids: tuple[int, ...] = (), chunk_tokens: int | None = None) -> GenerationResult:

@@ -5,7 +5,9 @@ The same environment: sandboxed, `trim_blocks` + `lstrip_blocks`, the `loopcontr
 `raise_exception`, `strftime_now`; the same variables: `messages`, `tools`, `documents`,
 `add_generation_prompt`, the special tokens (`bos_token`, `eos_token`, ...) and the request's
 `chat_template_kwargs`; reasoning copied under `reasoning_content` and `thinking` as transformers
-does. `{% generation %}` blocks (assistant-mask markers) render their body.
+does. `{% generation %}` blocks (assistant-mask markers) render their body. A template reading
+`tools_ts_str` (Kimi-K2.5 / K2.6) gets the tools deep-sorted and as TypeScript (chat_formats.tools_ts),
+as their tokenizer's apply_chat_template passes them.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from gpu_service.api.chat_formats.common import ChatTemplateError
+from gpu_service.api.chat_formats.tools_ts import deep_sort, tools_typescript
 
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
@@ -81,6 +84,9 @@ class JinjaFormat:
 
     def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
                **kwargs) -> str:
+        if tools and "tools_ts_str" in self.template_text and "tools_ts_str" not in kwargs:
+            tools = deep_sort(tools)  # Kimi-K2.5 / K2.6: as their tokenizer, sorted, with the TypeScript text
+            kwargs = {**kwargs, "tools_ts_str": tools_typescript(tools)}
         variables = {**self.special_tokens, **kwargs}
         try:
             return self.template.render(messages=alias_reasoning(messages), tools=tools, documents=None,

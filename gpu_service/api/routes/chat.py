@@ -28,7 +28,8 @@ def router(ctx: ApiContext) -> APIRouter:
         body = await ctx.body(request)
         if "messages" not in body:
             raise APIError(400, "'messages' is required", param="messages")
-        plan = await asyncio.to_thread(chat_plan, body, ctx.tokenizer, ctx.chat_settings, ctx.max_chars)  # off the loop
+        plan = await asyncio.to_thread(chat_plan, body, ctx.tokenizer, ctx.chat_settings, ctx.max_chars,  # off the loop
+                                       ctx.image_policy)
         stream = field(body, "stream", bool, False)
         with_usage = include_usage(body) if stream else False
         want_ids = field(body, "return_token_ids", bool, False)
@@ -38,7 +39,7 @@ def router(ctx: ApiContext) -> APIRouter:
                 raise APIError(400, "tool_choice 'required' or a named function cannot be combined with "
                                     "response_format / structured outputs: drop one", param="tool_choice")
             grammar = await ctx.compile(plan.grammar, "tool_choice")
-        hs = ctx.submit([plan.ids], body, True, grammar)
+        hs = ctx.submit([plan.ids], body, True, grammar, images=plan.images)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         now = int(time.time())
         parsed = [plan.stream() for _ in hs]  # one parse per choice

@@ -32,6 +32,7 @@ class ApiContext:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.chat_settings, self.max_chars = chat_settings, max_chars
         self.created = int(time.time())
+        self.image_policy = None  # gpu_service.api.image_parts.ImagePolicy when images are served
         self.text_of = OP.TokenText(tokenizer, engine.grammars.vocab if engine.grammars is not None else None)
 
     async def body(self, request: Request) -> dict:
@@ -76,8 +77,9 @@ class ApiContext:
             raise APIError(400, f"{key}: the grammar engine cannot compile this: {grammar_reason(str(e))}",
                            param=key, code="invalid_grammar") from None
 
-    def submit(self, prompts: list[list[int]], body: dict, chat: bool, grammar=None, prompt_lp=None):
-        """One handle per choice: prompt p's choice i is handle p * n + i, seeded with seed + i.
+    def submit(self, prompts: list[list[int]], body: dict, chat: bool, grammar=None, prompt_lp=None, images=None):
+        """One handle per choice: prompt p's choice i is handle p * n + i, seeded with seed + i;
+        `images`: the ImageInputs of a chat prompt's placeholders (one prompt).
         A full queue is 429 with Retry-After, a stopped engine 503; nothing stays submitted on an error."""
         engine = self.engine
         OP.check_fields(body, OP.CHAT_FIELDS if chat else OP.COMPLETION_FIELDS,
@@ -96,7 +98,7 @@ class ApiContext:
                       for i in range(n)]
                 hs += engine.submit_n(ids, ps, max_tokens=limit, stop=stop, ignore_eos=ignore_eos,
                                       grammar=grammar, prompt_logprobs=prompt_lp,
-                                      cache_salt=field(body, "cache_salt", str))
+                                      cache_salt=field(body, "cache_salt", str), images=images)
         except QueueFull as e:
             for h in hs:
                 h.cancel()

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/moesplit/v1/generate.proto\x12\x0bmoesplit.v1\"\x96\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x19\n\x11reasoning_content\x18\x03 \x01(\t\x12)\n\ntool_calls\x18\x04 \x03(\x0b\x32\x15.moesplit.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\x12\x0c\n\x04name\x18\x06 \x01(\t\"F\n\x08ToolCall\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xe0\x06\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12*\n\x08messages\x18\x03 \x03(\x0b\x32\x18.moesplit.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x01\x88\x01\x01\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x07 \x01(\x05\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x04\x88\x01\x01\x12?\n\nlogit_bias\x18\x0e \x03(\x0b\x32+.moesplit.v1.GenerateRequest.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0f \x01(\r\x12\x16\n\x0estop_token_ids\x18\x10 \x03(\x05\x12\x15\n\x08logprobs\x18\x11 \x01(\rH\x05\x88\x01\x01\x12\x12\n\ncache_salt\x18\x12 \x01(\t\x12\x15\n\x0bjson_schema\x18\x14 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x15 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x16 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x17 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x18 \x01(\x0b\x32\x14.moesplit.v1.ChoicesH\x00\x12\x12\n\ntools_json\x18\x19 \x01(\t\x12\x18\n\x10tool_choice_json\x18\x1a \x01(\t\x12 \n\x13parallel_tool_calls\x18\x1b \x01(\x08H\x06\x88\x01\x01\x12!\n\x19\x63hat_template_kwargs_json\x18\x1c \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x16\n\x14_parallel_tool_calls\"\x1a\n\x07\x43hoices\x12\x0f\n\x07options\x18\x01 \x03(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.moesplit.v1.TopLogprob\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"\xd8\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.moesplit.v1.Usage\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.moesplit.v1.TokenLogprob\x12\x11\n\treasoning\x18\x06 \x01(\t\x12)\n\ntool_calls\x18\x07 \x03(\x0b\x32\x15.moesplit.v1.ToolCall2\\\n\x0fGenerateService\x12I\n\x08Generate\x12\x1c.moesplit.v1.GenerateRequest\x1a\x1d.moesplit.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/moesplit/v1/generate.proto\x12\x0bmoesplit.v1\"\xbf\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x19\n\x11reasoning_content\x18\x03 \x01(\t\x12)\n\ntool_calls\x18\x04 \x03(\x0b\x32\x15.moesplit.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\x12\x0c\n\x04name\x18\x06 \x01(\t\x12\'\n\x05parts\x18\x07 \x03(\x0b\x32\x18.moesplit.v1.ContentPart\"J\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12#\n\x05image\x18\x02 \x01(\x0b\x32\x12.moesplit.v1.ImageH\x00\x42\x06\n\x04part\"(\n\x05Image\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x11\n\tmime_type\x18\x02 \x01(\t\"F\n\x08ToolCall\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xe0\x06\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12*\n\x08messages\x18\x03 \x03(\x0b\x32\x18.moesplit.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x01\x88\x01\x01\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x07 \x01(\x05\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x04\x88\x01\x01\x12?\n\nlogit_bias\x18\x0e \x03(\x0b\x32+.moesplit.v1.GenerateRequest.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0f \x01(\r\x12\x16\n\x0estop_token_ids\x18\x10 \x03(\x05\x12\x15\n\x08logprobs\x18\x11 \x01(\rH\x05\x88\x01\x01\x12\x12\n\ncache_salt\x18\x12 \x01(\t\x12\x15\n\x0bjson_schema\x18\x14 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x15 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x16 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x17 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x18 \x01(\x0b\x32\x14.moesplit.v1.ChoicesH\x00\x12\x12\n\ntools_json\x18\x19 \x01(\t\x12\x18\n\x10tool_choice_json\x18\x1a \x01(\t\x12 \n\x13parallel_tool_calls\x18\x1b \x01(\x08H\x06\x88\x01\x01\x12!\n\x19\x63hat_template_kwargs_json\x18\x1c \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x16\n\x14_parallel_tool_calls\"\x1a\n\x07\x43hoices\x12\x0f\n\x07options\x18\x01 \x03(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.moesplit.v1.TopLogprob\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"\xd8\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.moesplit.v1.Usage\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.moesplit.v1.TokenLogprob\x12\x11\n\treasoning\x18\x06 \x01(\t\x12)\n\ntool_calls\x18\x07 \x03(\x0b\x32\x15.moesplit.v1.ToolCall2\\\n\x0fGenerateService\x12I\n\x08Generate\x12\x1c.moesplit.v1.GenerateRequest\x1a\x1d.moesplit.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,23 +34,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_CHATMESSAGE']._serialized_start=51
-  _globals['_CHATMESSAGE']._serialized_end=201
-  _globals['_TOOLCALL']._serialized_start=203
-  _globals['_TOOLCALL']._serialized_end=273
-  _globals['_GENERATEREQUEST']._serialized_start=276
-  _globals['_GENERATEREQUEST']._serialized_end=1140
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=984
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=1032
-  _globals['_CHOICES']._serialized_start=1142
-  _globals['_CHOICES']._serialized_end=1168
-  _globals['_TOPLOGPROB']._serialized_start=1170
-  _globals['_TOPLOGPROB']._serialized_end=1217
-  _globals['_TOKENLOGPROB']._serialized_start=1219
-  _globals['_TOKENLOGPROB']._serialized_end=1306
-  _globals['_USAGE']._serialized_start=1308
-  _globals['_USAGE']._serialized_end=1410
-  _globals['_GENERATERESPONSE']._serialized_start=1413
-  _globals['_GENERATERESPONSE']._serialized_end=1629
-  _globals['_GENERATESERVICE']._serialized_start=1631
-  _globals['_GENERATESERVICE']._serialized_end=1723
+  _globals['_CHATMESSAGE']._serialized_end=242
+  _globals['_CONTENTPART']._serialized_start=244
+  _globals['_CONTENTPART']._serialized_end=318
+  _globals['_IMAGE']._serialized_start=320
+  _globals['_IMAGE']._serialized_end=360
+  _globals['_TOOLCALL']._serialized_start=362
+  _globals['_TOOLCALL']._serialized_end=432
+  _globals['_GENERATEREQUEST']._serialized_start=435
+  _globals['_GENERATEREQUEST']._serialized_end=1299
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=1143
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=1191
+  _globals['_CHOICES']._serialized_start=1301
+  _globals['_CHOICES']._serialized_end=1327
+  _globals['_TOPLOGPROB']._serialized_start=1329
+  _globals['_TOPLOGPROB']._serialized_end=1376
+  _globals['_TOKENLOGPROB']._serialized_start=1378
+  _globals['_TOKENLOGPROB']._serialized_end=1465
+  _globals['_USAGE']._serialized_start=1467
+  _globals['_USAGE']._serialized_end=1569
+  _globals['_GENERATERESPONSE']._serialized_start=1572
+  _globals['_GENERATERESPONSE']._serialized_end=1788
+  _globals['_GENERATESERVICE']._serialized_start=1790
+  _globals['_GENERATESERVICE']._serialized_end=1882
 # @@protoc_insertion_point(module_scope)
