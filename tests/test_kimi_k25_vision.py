@@ -87,8 +87,9 @@ print(json.dumps(out))
 
 
 def test_preprocessing_equals_transformers_processor(tmp_path):
-    """transformers' processor needs torchvision: run in a subprocess (MOESPLIT_TORCHVISION_PATH is
-    added to its path when set), skipped where torchvision is not installed."""
+    """transformers' processor needs torchvision: run in a subprocess with PyPI's torchvision wheel
+    unpacked on its path (tests/wheels.py; MOESPLIT_TORCHVISION_PATH overrides), as installing that
+    CUDA build beside the CPU torch would break transformers' imports. Fails if it cannot be had."""
     import json
 
     cases = {"rgb": png(60, 90, 1), "rgba": png(45, 30, 2, "RGBA"), "tall": png(1000, 37, 3),
@@ -99,14 +100,12 @@ def test_preprocessing_equals_transformers_processor(tmp_path):
         p.write_bytes(data)
         paths.append(str(p))
     env = dict(os.environ)
-    extra = os.environ.get("MOESPLIT_TORCHVISION_PATH")
-    if extra:
-        env["PYTHONPATH"] = extra + os.pathsep + env.get("PYTHONPATH", "")
+    extra = os.environ.get("MOESPLIT_TORCHVISION_PATH") or str(unpacked_wheel("torchvision", TORCHVISION))
+    env["PYTHONPATH"] = extra + os.pathsep + env.get("PYTHONPATH", "")
     r = subprocess.run([sys.executable, "-c", _REF_SCRIPT, *paths], capture_output=True, text=True, env=env,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    if "NO_TORCHVISION" in r.stdout:
-        pytest.skip("transformers' Kimi_K25ImageProcessor needs torchvision (set MOESPLIT_TORCHVISION_PATH)")
+    assert "NO_TORCHVISION" not in r.stdout, f"torchvision not importable from {extra}"
     grids = json.loads(r.stdout.strip().splitlines()[-1])
     for path, data in zip(paths, cases.values()):
         img = load_image(data, ImageLimits(max_bytes=len(data)))
