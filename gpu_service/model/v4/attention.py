@@ -44,6 +44,13 @@ class AttnState:
                 setattr(getattr(self, name), k, _clone(v))
 
 
+def _rows(t, a: int, b: int):
+    """Rows a:b of every tensor in a (nested) tuple of row-wise projections; None stays None."""
+    if t is None:
+        return None
+    return tuple(_rows(x, a, b) for x in t) if isinstance(t, tuple) else t[a:b]
+
+
 def _clone(v):
     """A tensor's copy (other values as they are)."""
     return v.clone() if isinstance(v, torch.Tensor) else v
@@ -92,22 +99,26 @@ class Attention(nn.Module):
         qr = self.q_norm.norm(self.wq_a(x))  # [T, q_lora]
         q = rope_tail(rms_unit(self.wq_b(qr).view(T, self.H, self.D), self.eps), cos, sin)  # [T, H, D]
         kv = rope_tail(self.kv_norm.norm(self.wkv(x)), cos, sin)  # [T, D]
-        o = [self._attend(x[a:b], qr[a:b], q[a:b], kv[a:b], p, st) for (a, b, p), st in zip(segs, states)]
+        cp = self.compressor.projections(x) if self.compressor is not None else None
+        ip = self.indexer.projections(x, qr) if self.indexer is not None else None
+        o = [self._attend(x[a:b], qr[a:b], q[a:b], kv[a:b], p, st, _rows(cp, a, b), _rows(ip, a, b))
+             for (a, b, p), st in zip(segs, states)]
         o = rope_tail(o[0] if len(o) == 1 else torch.cat(o), cos, -sin)
         return self.wo_b(grouped_out(o.reshape(T, -1), self.wo_a.weight, self.groups))
 
     def _attend(self, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor,
-                st: AttnState) -> torch.Tensor:
-        """One sequence's chunk: its window keys and compressed entries (`st` extended by the chunk)
-        -> the attention output [n, H, D] (before the inverse RoPE)."""
+                st: AttnState, cp=None, ip=None) -> torch.Tensor:
+        """One sequence's chunk: its window keys and compressed entries (`st` extended by the chunk;
+        cp / ip: the compressor's / indexer's projections of its rows) -> the attention output
+        [n, H, D] (before the inverse RoPE)."""
         n, dt = x.shape[0], x.dtype
         keys = kv if st.keys is None else torch.cat([st.keys, kv])
         k_pos = torch.arange(st.length + n - keys.shape[0], st.length + n, device=x.device)
         bias = window_bias(pos, k_pos, self.window, dt)  # [n, S]
         st.keys, st.length = keys[-(self.window - 1):] if self.window > 1 else keys[:0], st.length + n
         if self.compressor is not None:
-            entries = self.compressor.extend(x, st.comp)  # [W, D]
-            picks = self.indexer.pick(x, qr, pos, st.index) if self.indexer is not None else None
+            entries = self.compressor.extend(x, st.comp, cp)  # [W, D]
+            picks = self.indexer.pick(x, qr, pos, st.index, ip) if self.indexer is not None else None
             keys = torch.cat([keys, entries])
             bias = torch.cat([bias, compressed_bias(pos, entries.shape[0], self.ratio, dt, picks)], dim=-1)
         return sink_attention(q, keys, bias, self.attn_sink, self.D ** -0.5)  # [n, H, D]

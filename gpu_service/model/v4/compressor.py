@@ -83,10 +83,15 @@ class Compressor(nn.Module):
         st.prev_kv, st.prev_gate = kv[-1, :, :d].clone(), gate[-1, :, :d].clone()
         return new_kv, new_gate
 
-    def extend(self, x: torch.Tensor, st: CompressorState) -> torch.Tensor:
-        """Feed the chunk's hidden states x [n, hidden] (the tokens after those already fed);
-        returns all entries so far [W, d] (W = complete windows)."""
-        kv, gate = self.wkv(x), self.wgate(x)
+    def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The row-wise projections (kv, score before ape) of hidden states x [T, hidden]."""
+        return self.wkv(x), self.wgate(x)
+
+    def extend(self, x: torch.Tensor, st: CompressorState, proj=None) -> torch.Tensor:
+        """Feed the chunk's hidden states x [n, hidden] (the tokens after those already fed; `proj`:
+        their `projections` when already computed over a batch's rows); returns all entries so far
+        [W, d] (W = complete windows)."""
+        kv, gate = proj if proj is not None else self.projections(x)
         if st.buf_kv is not None and st.buf_kv.shape[0]:
             kv, gate = torch.cat([st.buf_kv, kv]), torch.cat([st.buf_gate, gate])
         usable = kv.shape[0] // self.ratio * self.ratio
@@ -119,25 +124,33 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(cfg.hidden_size, self.heads, bias=False)
         self.compressor = Compressor(cfg.hidden_size, self.d, ratio, True, cfg.rms_norm_eps, rope)
 
-    def score(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, st: CompressorState) \
+    def projections(self, x: torch.Tensor, qr: torch.Tensor) -> tuple:
+        """The row-wise projections of rows x [T, hidden], qr [T, q_lora]: (its compressor's, the
+        queries before RoPE, the head weights)."""
+        return self.compressor.projections(x), self.wq_b(qr), self.weights_proj(x)
+
+    def score(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, st: CompressorState, proj=None) \
             -> tuple[torch.Tensor, torch.Tensor]:
-        """x [n, hidden], qr [n, q_lora] (the query's normed low-rank), pos [n] -> (scores [n, W]
-        float32 of every entry so far, -inf for those not complete at the query; complete entries
-        per query [n]). The indexer's keys now hold the chunk's complete windows too."""
-        keys = self.compressor.extend(x, st)  # [W, d]
+        """x [n, hidden], qr [n, q_lora] (the query's normed low-rank), pos [n] (`proj`: their
+        `projections` when already computed) -> (scores [n, W] float32 of every entry so far, -inf for
+        those not complete at the query; complete entries per query [n]). The indexer's keys now
+        hold the chunk's complete windows too."""
+        comp, qb, wp = proj if proj is not None else self.projections(x, qr)
+        keys = self.compressor.extend(x, st, comp)  # [W, d]
         W = keys.shape[0]
         cos, sin = self.rope.cos_sin(pos, torch.float32)
-        q = rope_tail(self.wq_b(qr).view(-1, self.heads, self.d), cos.to(x.dtype), sin.to(x.dtype))  # [n, h, d]
+        q = rope_tail(qb.view(-1, self.heads, self.d), cos.to(x.dtype), sin.to(x.dtype))  # [n, h, d]
         scores = torch.relu(torch.matmul(q.float(), keys.t().float())) * self.d ** -0.5  # [n, h, W]
-        w = self.weights_proj(x).float() * self.heads ** -0.5  # [n, h]
+        w = wp.float() * self.heads ** -0.5  # [n, h]
         scores = (scores * w.unsqueeze(-1)).sum(dim=1)  # [n, W]
         ready = complete_entries(pos, self.ratio)  # [n]
         return scores.masked_fill(torch.arange(W, device=x.device)[None, :] >= ready[:, None], float("-inf")), ready
 
-    def pick(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, st: CompressorState) -> torch.Tensor:
-        """x [n, hidden], qr [n, q_lora], pos [n] -> picks [n, k]: each query's top entries by
-        `score` among the complete ones, -1 where fewer are complete."""
-        scores, ready = self.score(x, qr, pos, st)
+    def pick(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, st: CompressorState,
+             proj=None) -> torch.Tensor:
+        """x [n, hidden], qr [n, q_lora], pos [n] (`proj` as for `score`) -> picks [n, k]: each
+        query's top entries by `score` among the complete ones, -1 where fewer are complete."""
+        scores, ready = self.score(x, qr, pos, st, proj)
         W = scores.shape[1]
         if W == 0:
             return torch.empty((x.shape[0], 0), dtype=torch.long, device=x.device)
