@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from gpu_service.model.image_inputs import ImageError, ImageLimits, load_image, navit_size, preprocess, token_count
+from tests.wheels import unpacked_wheel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,6 +61,8 @@ def test_tower_equals_transformers_for_two_image_sizes(tiny, tower):
         print(f"{h}x{w} -> grid {img.grid_h}x{img.grid_w}, {img.tokens} tokens: max|diff| {diff:.2e}")
         assert ref[0].abs().max() > 0.1 and diff < 1e-5
 
+
+TORCHVISION = "0.28.0"  # the torchvision release built against torch 2.13 (the CPU torch of the venv)
 
 _REF_SCRIPT = r"""
 import io, json, sys, types
