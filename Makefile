@@ -35,7 +35,7 @@ soak: setup
 
 # Experts on other hosts: GPU service and 2 shard replicas in their own network namespaces (root), with faults.
 nethosts: setup
-	$(PY) -m pytest -q -s tests/test_nethosts_faults.py tests/test_nethosts.py
+	$(PY) -m pytest -q -s tests/test_nethosts_faults.py tests/test_nethosts.py tests/test_nethosts_acceptance.py
 
 demo: setup
 	$(PY) -m gpu_service.entrypoints.demo
