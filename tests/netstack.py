@@ -151,3 +151,20 @@ def stream_in_ns(url: str, prompt: list[int], n: int, on_chunk=None, timeout: fl
 def stream(net, url: str, prompt: list[int], n: int, on_chunk=None, timeout: float = 60) -> tuple[list[int], str]:
     """stream_in_ns from a thread inside the GPU namespace."""
     return net.call_in("gpu", lambda: stream_in_ns(url, prompt, n, on_chunk, timeout), timeout=timeout + 5)
+
+
+def metrics(net, url: str) -> dict[tuple[str, frozenset], float]:
+    """The GPU service's /metrics (from its namespace) as {(name, {label: value} items): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(get(net, url, "/metrics").text):
+        for s in fam.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def sample(m: dict, name: str, **labels) -> float:
+    """The sum of the samples of `name` whose labels include `labels` (0.0 when none)."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in m.items() if n == name and want <= ls)

@@ -19,11 +19,12 @@ import time
 import pytest
 
 from nethosts import FaultProxy, NetHosts, skip_reason
-from netstack import (DATA_PORT, GRPC_PORT, MODEL, ROOT, all_serving, complete, restart, shard_status, start_gpu,
-                      start_shard, stream, wait)
+from netstack import (DATA_PORT, GRPC_PORT, MODEL, ROOT, all_serving, complete, metrics, restart, sample, shard_status,
+                      start_gpu, start_shard, stream, wait)
 
 N_TOK = 16
 TIMEOUT_S = 3.0  # --expert-timeout of the GPU service
+MAX_BATCH, MAX_WAITING = 4, 4  # the GPU service's running batch and queue bound
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -83,7 +84,8 @@ def hosts(model_dir, tmp_path_factory):
                    for port in (GRPC_PORT, DATA_PORT)]
         try:
             net.gpu = start_gpu(net, work, model_dir, [f"{net.addr['r0']}:{GRPC_PORT}", f"{gpu}:{GRPC_PORT}"],
-                                ["--kv-tokens", "1024", "--max-batch", "4", "--expert-timeout", str(TIMEOUT_S)])
+                                ["--kv-tokens", "1024", "--max-batch", str(MAX_BATCH), "--max-waiting", str(MAX_WAITING),
+                                 "--expert-timeout", str(TIMEOUT_S)])
             net.url, net.proxies, net.logs = net.gpu.url, proxies, {"gpu": net.gpu.log}
             yield net
         finally:
@@ -244,3 +246,65 @@ def test_half_open_link_found_by_deadline(hosts, loopback):
     print(f"\nhalf-open: r1 reported down {noticed:.2f}s after its link stopped forwarding; "
           f"a request during the hang took {took:.2f}s")
     wait(lambda: _replicas_healthy(hosts), 30, "r1 back once the link forwards again")
+
+
+def _burst(net, n: int) -> list[tuple[int, float, str]]:
+    """n completions of prompt 0 sent at once from the GPU namespace: (status, seconds, Retry-After)."""
+    import httpx
+
+    def one():
+        t0 = time.monotonic()
+        r = httpx.post(net.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": _prompt(0), "max_tokens": N_TOK, "temperature": 0, "ignore_eos": True})
+        return r.status_code, time.monotonic() - t0, r.headers.get("retry-after", "")
+
+    def all_at_once():
+        from concurrent.futures import ThreadPoolExecutor  # its threads are started here: in the namespace
+
+        with ThreadPoolExecutor(n) as ex:
+            return list(ex.map(lambda _: one(), range(n)))
+
+    return net.call_in("gpu", all_at_once, timeout=90)
+
+
+def test_slow_replica_metrics_and_back_pressure(hosts, loopback):
+    """20 ms + 5 ms jitter on r1's link: moesplit_expert_call_seconds names r1 by its shard id and
+    the host the GPU service dials (the proxy's) and shows its calls slower than r0's; a burst of
+    MAX_BATCH + MAX_WAITING + 4 requests while the steps wait for r1: those over the queue bound get
+    429 with Retry-After at once (the queue does not grow with the slow shard), the others complete."""
+    wait(lambda: _replicas_healthy(hosts), 30, "both replicas healthy")
+    before = metrics(hosts, hosts.url)
+    ups = {dict(ls)["replica"]: (dict(ls)["host"], v) for (n, ls), v in before.items() if n == "moesplit_expert_shard_up"}
+    assert ups == {"r0": (hosts.addr["r0"], 1.0), "r1": (hosts.addr["gpu"], 1.0)}, ups  # r1: through the proxy
+    for px in hosts.proxies:
+        px.latency_s, px.jitter_s = 0.020, 0.005
+    try:
+        t0 = time.monotonic()
+        assert _complete(hosts, 0) == loopback[0]
+        slow = time.monotonic() - t0
+        after = metrics(hosts, hosts.url)
+        burst = _burst(hosts, MAX_BATCH + MAX_WAITING + 4)
+    finally:
+        for px in hosts.proxies:
+            px.latency_s = px.jitter_s = 0.0
+    t0 = time.monotonic()
+    assert _complete(hosts, 0) == loopback[0]
+    fast = time.monotonic() - t0
+    mean = {}
+    for h, host in (("r0", hosts.addr["r0"]), ("r1", hosts.addr["gpu"])):
+        n = (sample(after, "moesplit_expert_call_seconds_count", host=host, replica=h)
+             - sample(before, "moesplit_expert_call_seconds_count", host=host, replica=h))
+        assert n > 0, h  # both replicas of the group take calls (round-robin)
+        mean[h] = (sample(after, "moesplit_expert_call_seconds_sum", host=host, replica=h)
+                   - sample(before, "moesplit_expert_call_seconds_sum", host=host, replica=h)) / n
+    assert mean["r1"] >= 0.040 > 0.010 > mean["r0"], mean  # 20 ms each way through the proxy
+    codes = sorted(c for c, _, _ in burst)
+    refused = [(t, ra) for c, t, ra in burst if c == 429]
+    # at most MAX_WAITING wait; those the engine admitted to the running batch meanwhile (up to MAX_BATCH) are
+    # not counted, so MAX_WAITING to MAX_BATCH + MAX_WAITING are served, the rest refused
+    assert MAX_WAITING <= codes.count(200) <= MAX_BATCH + MAX_WAITING and set(codes) <= {200, 429}, codes
+    assert refused and all(ra.isdigit() and t < 1.0 for t, ra in refused), refused
+    served = sorted(t for c, t, _ in burst if c == 200)
+    print(f"\nslow replica: mean call r1 {mean['r1'] * 1e3:.1f} ms, r0 {mean['r0'] * 1e3:.1f} ms; "
+          f"{N_TOK} tokens {slow:.2f}s (link healed: {fast:.2f}s); burst of {len(burst)}: {codes.count(200)} served "
+          f"in {served[0]:.2f}-{served[-1]:.2f}s, {len(refused)} refused (429) in <= {max(t for t, _ in refused):.3f}s")

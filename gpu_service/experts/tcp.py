@@ -21,6 +21,7 @@ import numpy as np
 from gpu_service.experts.path import WATCH_S, FastResponse, _Path, shard_error
 from wire import shm as P
 from wire import tcp as T
+from wire.channel import host_of
 from protos.moesplit.v1 import experts_pb2, experts_pb2_grpc
 
 
@@ -141,7 +142,7 @@ def negotiate_tcp(channel: grpc.Channel, address: str, hidden_size: int, wire_dt
         return None, f"AttachTcp failed: {e.code().name}: {e.details()}"
     if not resp.accepted:
         return None, f"shard refused: {resp.reason}"
-    host = address.rsplit(":", 1)[0].strip("[]")
+    host = host_of(address)
     try:
         sock = socket.create_connection((host, resp.port), timeout=timeout_s)
     except OSError as e:
