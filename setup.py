@@ -12,7 +12,7 @@ import numpy
 from setuptools import Extension, setup
 
 KDIR = "cpu_expert_service/kernels"
-ISA_FILES = ["moe_core.c", "moe_avx2.c", "moe_avx512.c", "moe_amx.c", "moe_shm.c"]
+ISA_FILES = ["moe_core.c", "moe_avx2.c", "moe_avx512.c", "moe_amx.c", "moe_shm.c", "moe_tcp.c"]
 
 ext_modules = []
 if platform.machine().lower() in ("x86_64", "amd64"):
