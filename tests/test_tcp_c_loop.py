@@ -1,8 +1,14 @@
-"""The shard's TCP data path loop in C (cpu_expert_service/kernels/moe_tcp.c) against the Python one
-(tcp_transport._serve, MOESPLIT_TCP_LOOP=python): the same frames get byte-identical answers (float32
-and bfloat16, refused calls' messages included), over the kernels backend and the numpy reference;
-a frame whose rest stalls is closed after the frame deadline; a bad header is answered, then closed;
-a TLS connection is served by the Python loop (the C loop has no TLS) and says so."""
+"""The TCP data path in C on both ends.
+
+The shard's loop (cpu_expert_service/kernels/moe_tcp.c) against the Python one (tcp_transport._serve,
+MOESPLIT_TCP_LOOP=python): the same frames get byte-identical answers (float32 and bfloat16, refused
+calls' messages included), over the kernels backend and the numpy reference; a frame whose rest
+stalls is closed after the frame deadline; a bad header is answered, then closed; a TLS connection
+is served by the Python loop (the C loop has no TLS) and says so.
+
+The GPU side's client (gpu_service/experts/tcp_client.c) against a raw socket: its request frame is
+wire.tcp's byte for byte; nothing by the deadline, a stalled answer, and a header no request can
+have end in bounded time without reading an untrusted body."""
 from __future__ import annotations
 
 import logging
@@ -175,3 +181,97 @@ def test_tls_connection_stays_tls_on_the_python_loop(model_dir, pki, monkeypatch
         srv.stop(0)
     logs = [r.getMessage() for r in caplog.records if "tcp data path from" in r.getMessage()]
     assert logs and all("TLS: the Python loop" in m for m in logs), logs
+
+
+def _pair(H=8, wire=1, max_tokens=4):
+    """The GPU side's C client on one end of a socket pair, the raw other end (as a shard)."""
+    from gpu_service.experts import _tcp_client
+
+    a, b = socket.socketpair()
+    return _tcp_client.Client(a.fileno(), H, wire, max_tokens), a, b
+
+
+def test_c_client_frames():
+    """The C client's request is wire.tcp's frame byte for byte (float32 cast to bfloat16 as numpy
+    casts); an answer's rows come back as float32; a refusal's message is kept."""
+    import ml_dtypes
+
+    c, a, b = _pair()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 8), dtype=np.float32)
+    ids = rng.integers(0, 16, (3, 2)).astype(np.int64)
+    w = rng.random((3, 2), dtype=np.float32)
+    c.send(9, 1, x, ids, w, 1000)
+    want = TT.REQUEST.pack(9, 1, 3, 2, 1, 1) + x.astype(ml_dtypes.bfloat16).tobytes() + ids.tobytes() + w.tobytes()
+    b.settimeout(5)
+    got = b""
+    while len(got) < len(want):
+        got += b.recv(65536)
+    assert got == want
+    y = rng.standard_normal((3, 8), dtype=np.float32).astype(ml_dtypes.bfloat16)
+    b.sendall(TT.RESPONSE.pack(9, 0, 5, 6, 0, 3) + y.tobytes())
+    assert c.wait(0, time.monotonic_ns() + 5 * 10**9, 10**9) == (9, 0, 5, 6, 0, 3)
+    np.testing.assert_array_equal(c.read(3), y.astype(np.float32))
+    b.sendall(TT.RESPONSE.pack(10, TT.INVALID_ARGUMENT, 0, 0, 5, 3) + b"nope!")
+    assert c.wait(0, time.monotonic_ns() + 5 * 10**9, 10**9)[1] == TT.INVALID_ARGUMENT and c.message(5) == b"nope!"
+    assert (c.sent, c.answered) == (1, 2)
+    a.close(), b.close()
+
+
+@pytest.mark.parametrize("case", ["nothing", "stalled", "status", "rows", "message", "closed"])
+def test_c_client_refuses_what_no_request_can_get(case):
+    """Nothing by the deadline: None; a frame that began and stopped: an error after frame_ns, not
+    a hang; a status, row count or message length no request can have: an error before any body is
+    read; the shard gone: an error."""
+    c, a, b = _pair()
+    send = {"nothing": b"", "stalled": TT.RESPONSE.pack(1, 0, 0, 0, 0, 2)[:20],
+            "status": TT.RESPONSE.pack(1, 7, 0, 0, 0, 2), "rows": TT.RESPONSE.pack(1, 0, 0, 0, 0, 5),
+            "message": TT.RESPONSE.pack(1, TT.INTERNAL, 0, 0, TT.MAX_MESSAGE + 1, 2)}.get(case, b"")
+    b.sendall(send)
+    if case == "closed":
+        b.close()
+    t0 = time.monotonic()
+    if case == "nothing":
+        assert c.wait(0, time.monotonic_ns() + 300_000_000, 10**9) is None
+    else:
+        with pytest.raises(ConnectionError, match={"stalled": "in time", "closed": "closed"}.get(case, "bad response")):
+            c.wait(0, time.monotonic_ns() + 5 * 10**9, 300_000_000)
+    took = time.monotonic() - t0
+    assert took < (0.25 if case not in ("nothing", "stalled") else 1.5), took
+    if case in ("nothing", "stalled"):
+        assert took >= 0.25, took
+    a.close()
+    if case != "closed":
+        b.close()
+
+
+def test_a_path_given_up_closes_its_connection(model_dir, monkeypatch):
+    """The C client holds its own descriptor of the connection: when the GPU side gives the path up
+    (a break, the client closed), the shard must still see the end and free the connection's slot."""
+    from cpu_expert_service.tcp_transport import DataServer
+    from gpu_service.experts.client import ExpertsClient
+
+    made, init = [], DataServer.__init__
+
+    def record(self, *a, **kw):
+        init(self, *a, **kw)
+        made.append(self)
+
+    monkeypatch.setattr(DataServer, "__init__", record)
+    cfg = load_config(model_dir)
+    srv, addr = _server(model_dir, "auto", monkeypatch, "c")
+    ds = made[0]
+    x, ids, w = _frames(cfg)[1][2:5]
+    try:
+        with ExpertsClient([addr], cfg, transport="tcp") as c:
+            fp = c.fast.paths[addr][0]
+            assert fp.c is not None
+            c.forward(cfg.moe_layers[0], x.astype(np.float32), ids, w)
+            assert ds.slots._value == ds.max_connections - 1  # one connection served
+            fp._break("given up by the test")
+            end = time.monotonic() + 5
+            while ds.slots._value != ds.max_connections and time.monotonic() < end:
+                time.sleep(0.02)
+            assert ds.slots._value == ds.max_connections  # the shard saw the end
+    finally:
+        srv.stop(0)

@@ -49,6 +49,8 @@ def test_tcp_path_matches_grpc(model_dir, shards, cfg, wire):
             assert runs[0].token_ids == runs[1].token_ids
             torch.testing.assert_close(runs[0].last_logits, runs[1].last_logits, atol=1e-5, rtol=0)
         assert all(p.calls > 0 and p.kind == "tcp" for p, _ in t.fast.paths.values())
+        # plaintext: every frame sent and every answer received by the C client
+        assert all(p.c.sent == p.calls == p.c.answered and "C client" in p.describe() for p, _ in t.fast.paths.values())
 
 
 def test_auto_prefers_shared_memory_on_one_host(shards, cfg):

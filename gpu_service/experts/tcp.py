@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import ssl
 import threading
 import time
 from concurrent.futures import Future
@@ -23,6 +24,13 @@ from wire import shm as P
 from wire import tcp as T
 from wire.channel import host_of
 from protos.moesplit.v1 import experts_pb2, experts_pb2_grpc
+
+try:
+    from gpu_service.experts import _tcp_client as _C
+except ImportError:  # not built: plaintext connections use the Python client, and describe() says so
+    _C = None
+NOT_BUILT = "the C client gpu_service.experts._tcp_client is not built (make build)"
+FRAME_MIN_S = 1.0  # an answer that began gets at least this long for its rest
 
 
 class TcpPath(_Path):
@@ -38,10 +46,16 @@ class TcpPath(_Path):
         self.tx = threading.Lock()  # one frame at a time on the connection
         self.head = bytearray(T.RESPONSE.size)
         self.body = bytearray(0)
+        # plaintext: frames sent and received by the C client (the GIL released); TLS: Python's ssl here
+        self.c = None if isinstance(sock, ssl.SSLSocket) or _C is None else _C.Client(sock.fileno(), hidden_size,
+                                                                                      self.hc, max_tokens)
+        self.spin_ns = int(self.spin_s * 1e9)
 
     def describe(self) -> str:
         host, port = self.sock.getpeername()[:2]
-        return f"TCP data path ({host}:{port})"
+        how = "C client" if self.c is not None else ("TLS, Python client" if _C is not None else
+                                                     f"Python client: {NOT_BUILT}")
+        return f"TCP data path ({host}:{port}, {how})"
 
     def send(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray, timeout_s: float,
              fallback, hold=None):
@@ -64,7 +78,10 @@ class TcpPath(_Path):
                 seq = next(self.seq)
                 self.pending[seq] = (None, fut, time.monotonic() + timeout_s, n, fallback)
             try:
-                T.send_parts(self.sock, [T.REQUEST.pack(seq, layer, n, k, self.hc, self.hc), xw, iw, ww])
+                if self.c is not None:
+                    self.c.send(seq, layer, xw, iw, ww, max(1, int(timeout_s * 1000)))
+                else:
+                    T.send_parts(self.sock, [T.REQUEST.pack(seq, layer, n, k, self.hc, self.hc), xw, iw, ww])
             except OSError as e:
                 self._send_failed(seq, f"send failed: {e}")
                 return None
@@ -72,6 +89,8 @@ class TcpPath(_Path):
         return fut
 
     def _receive(self) -> tuple | None:
+        if self.c is not None:
+            return self._receive_c()
         try:
             if not self._wait_readable():
                 self.expire(time.monotonic())
@@ -104,6 +123,45 @@ class TcpPath(_Path):
             return fut, None, shard_error(self.address, status, bytes(self.body[:mlen]).decode(errors="replace"))
         out = np.frombuffer(self.body, self.wire, n * self.H).reshape(n, self.H).astype(np.float32)  # [T, H]
         return fut, FastResponse(out, compute_us, server_us), None
+
+    def _receive_c(self) -> tuple | None:
+        """_receive through the C client: one answer by the oldest pending call's deadline."""
+        with self.lock:
+            if not self.pending:
+                return None
+            deadline = next(iter(self.pending.values()))[2]  # the oldest call's: deadlines grow with seq
+        frame_s = max(FRAME_MIN_S, deadline - time.monotonic())  # an answer that began: the rest of the deadline
+        try:
+            head = self.c.wait(self.spin_ns, int(deadline * 1e9), int(frame_s * 1e9))
+        except OSError as e:  # closed, failed, a stalled frame or a header no request can have
+            self._break(f"data connection failed: {e}")
+            return None
+        if head is None:  # nothing by the deadline (or a signal, handled)
+            self.expire(time.monotonic())
+            return None
+        seq, status, compute_us, server_us, mlen, n = head
+        with self.lock:
+            entry = self.pending.get(seq)
+        if entry is not None and status == P.OK and n != entry[3]:  # not an answer to our request
+            self._break(f"the shard sent a bad response header ({n} rows for a call of {entry[3]})")
+            return None
+        with self.lock:
+            entry = self.pending.pop(seq, None)
+        if entry is None:
+            return None  # a late answer to a call already failed or re-sent
+        fut = entry[1]
+        if status != P.OK:
+            return fut, None, shard_error(self.address, status, self.c.message(mlen).decode(errors="replace"))
+        return fut, FastResponse(self.c.read(n), compute_us, server_us), None
+
+    def _close(self) -> None:
+        """Shut the connection down first: the C client holds its own descriptor of it, which would
+        keep it open (the shard never seeing the end) until that object goes, and a wait in C wakes."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        super()._close()
 
     def _wait_readable(self) -> bool:
         """Poll the connection for up to spin_s (yielding the CPU), then wait up to WATCH_S."""
