@@ -8,6 +8,7 @@ backend), all started by this script:
   tcp_c      on host "shard", --shm-dir '': the TCP data path in C on both ends (the GPU side's C client,
              gpu_service/experts/tcp_client.c; the shard's C loop, kernels/moe_tcp.c);
   tcp_pyclient  the same shard, the GPU side's Python code for the frames (TcpPath without its C client);
+  tcp_c_raw  tcp_c's C client alone (send, wait, read; no futures, no routing): the protocol's floor;
   tcp_py     on host "shard", MOESPLIT_TCP_LOOP=python, the GPU side's Python code: the TCP data path
              as it was in Python on both ends;
   tcp_c_1ms  tcp_c through the fault proxy (tests/nethosts.FaultProxy, user-space threads on the GPU
@@ -25,6 +26,7 @@ batch 1 and 8 for each variant. Needs root and iproute2. Prints JSON; --out FILE
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -32,12 +34,15 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 LAYERS_BOUND = 58  # MoE layers of DeepSeek-V3 / Kimi-K2: the per-token bound a link's round trip implies
+RAW_SEQ = itertools.count()
 SHARDS = {"tcp_c": (50051, {}), "tcp_py": (50052, {"MOESPLIT_TCP_LOOP": "python"})}
 
 
@@ -70,7 +75,8 @@ def client(args) -> dict:
             elif transport == "tcp":
                 assert c.fast.paths[addr][0].c is not None, f"{v}: the C client is not built"
             clients[v], experts[v] = c, RemoteExperts(c)
-        times = {(v, B): [] for v in targets for B in BATCHES}
+        times = {(v, B): [] for v in (*targets, "tcp_c_raw") for B in BATCHES}
+        raw = clients["tcp_c"].fast.paths[targets["tcp_c"][0]][0]  # tcp_c's own connection, idle between calls
         for B in BATCHES:  # warm-up
             h, ids, w = inputs(cfg, B, B)
             for e in experts.values():
@@ -82,6 +88,7 @@ def client(args) -> dict:
                 order = list(experts) if r % 2 == 0 else list(experts)[::-1]
                 for v in order:
                     times[(v, B)] += time_remote(experts[v], layer, h, ids, w, per)
+                times[("tcp_c_raw", B)] += time_c_raw(raw, layer, h, ids, w, per)
         if proxy is not None:  # 0.5 ms each way on the proxied link
             for px in proxy:
                 px.latency_s = 0.0005
@@ -98,6 +105,25 @@ def client(args) -> dict:
     out = {}
     for (v, B), xs in times.items():
         out.setdefault(v, {})[f"b{B}"] = stats(xs)
+    return out
+
+
+def time_c_raw(fp, layer, h, ids, w, n: int) -> list[float]:
+    """Round trips through the C client alone (send, wait, read on tcp_c's idle connection; sequence
+    numbers apart from its own): the protocol's floor from this side."""
+    from gpu_service.experts.handoff import _numpy
+
+    x, i, ww = _numpy(h.contiguous()), ids.numpy().astype(np.int64), w.numpy().astype(np.float32)
+    assert not fp.pending, "the data connection has calls in flight"
+    out, clock = [], time.perf_counter_ns
+    for s in range(n):
+        seq = (1 << 40) + next(RAW_SEQ)
+        t0 = clock()
+        fp.c.send(seq, layer, x, i, ww, 10_000)
+        head = fp.c.wait(fp.spin_ns, time.monotonic_ns() + 10_000_000_000, 10**9)
+        y = fp.c.read(x.shape[0])
+        out.append((clock() - t0) / 1e3)
+        assert head is not None and head[0] == seq and head[1] == 0 and y.shape == x.shape, head
     return out
 
 

@@ -275,3 +275,33 @@ def test_a_path_given_up_closes_its_connection(model_dir, monkeypatch):
             assert ds.slots._value == ds.max_connections  # the shard saw the end
     finally:
         srv.stop(0)
+
+
+def test_direct_calls_over_tcp_and_a_break_under_them(model_dir, monkeypatch):
+    """Decode calls go straight from the tensors onto the C client (handoff.DirectHandle, as over shared
+    memory) with gRPC's bits; one whose connection breaks before its answer is read is re-sent with
+    the inputs kept at send time and gets the same bits."""
+    import torch
+
+    from gpu_service.experts.client import ExpertsClient
+    from gpu_service.experts.handoff import DirectHandle, RemoteExperts
+
+    cfg = load_config(model_dir)
+    srv, addr = _server(model_dir, "auto", monkeypatch, "c")
+    layer = cfg.moe_layers[0]
+    try:
+        with ExpertsClient([addr], cfg, transport="tcp") as c, ExpertsClient([addr], cfg, transport="grpc") as g:
+            ex = RemoteExperts(c)
+            for seed in range(3):
+                x, ids, w = (torch.from_numpy(np.ascontiguousarray(a)) for a in _frames(cfg)[0][2:5])
+                x = x + seed  # [1, H] float32
+                want = g.forward(layer, x.numpy(), ids.numpy(), w.numpy())
+                handle = ex(layer, x, ids, w)
+                assert isinstance(handle, DirectHandle)
+                if seed == 2:  # the connection dies after the send, before the answer is read
+                    fp = c.fast.paths[addr][0]
+                    fp.sock.shutdown(socket.SHUT_RDWR)
+                np.testing.assert_array_equal(handle.wait().numpy(), want)
+            assert not fp.usable and c.fast.paths[addr][0].calls >= 3
+    finally:
+        srv.stop(0)

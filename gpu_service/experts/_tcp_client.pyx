@@ -33,6 +33,13 @@ cdef extern from "tcp_client.h" nogil:
     void tc_read(const TcpClient *c, int T, float *out)
     int sc_has_f16()
     int64_t shm_now_ns()
+    void sc_put_rows(void *dst, int wire, const float *x, size_t n)
+    void sc_get_rows(float *y, const void *src, int wire, size_t n, int add)
+
+from libc.string cimport memcpy
+
+cdef extern from "shm_client.h" nogil:
+    int SC_OUT_WIRE, SC_OUT_F32, SC_OUT_ADD_F32
 
 MAX_MESSAGE = TC_MAX_MESSAGE
 
@@ -127,6 +134,35 @@ cdef class Client:
         cdef cnp.ndarray out = np.empty((T, self.c.H), dtype=np.float32)
         tc_read(&self.c, T, <float *>cnp.PyArray_DATA(out))
         return out
+
+    def read_into(self, int T, size_t out, int mode):
+        """The last answer's T rows into out ([T, H] at that address): as they are (SC_OUT_WIRE, the
+        wire dtype), as float32 (SC_OUT_F32) or added into float32 (SC_OUT_ADD_F32)."""
+        if not 0 <= T <= self.c.max_tokens:
+            raise ValueError(f"{T} rows outside [0, {self.c.max_tokens}]")
+        cdef size_t n = <size_t>T * self.c.H
+        if mode == SC_OUT_WIRE:
+            memcpy(<void *>out, self.c.body, n * (4 if self.c.wire == 0 else 2))
+        else:
+            sc_get_rows(<float *>out, self.c.body, self.c.wire, n, mode == SC_OUT_ADD_F32)
+
+    def inputs(self, size_t h, bint h_wire, size_t ids, size_t w, int T, int k):
+        """Copies of a call given by raw addresses (h [T, H] float32, or the wire dtype with h_wire;
+        ids [T, k] int64; w [T, k] float32, C-contiguous): hidden [T, H] in the wire dtype (cast as
+        numpy casts), ids, weights: the frame's contents, kept for a re-send."""
+        if not 0 <= T <= self.c.max_tokens or k < 0:
+            raise ValueError(f"{T} rows x top-{k} outside the connection's bounds")
+        cdef cnp.ndarray x = np.empty((T, self.c.H), dtype=np.uint16 if self.c.wire else np.float32)
+        cdef cnp.ndarray i = np.empty((T, k), dtype=np.int64)
+        cdef cnp.ndarray ww = np.empty((T, k), dtype=np.float32)
+        cdef size_t n = <size_t>T * self.c.H
+        if h_wire or self.c.wire == 0:
+            memcpy(cnp.PyArray_DATA(x), <const void *>h, n * (4 if self.c.wire == 0 else 2))
+        else:
+            sc_put_rows(cnp.PyArray_DATA(x), self.c.wire, <const float *>h, n)
+        memcpy(cnp.PyArray_DATA(i), <const void *>ids, <size_t>T * k * 8)
+        memcpy(cnp.PyArray_DATA(ww), <const void *>w, <size_t>T * k * 4)
+        return x, i, ww
 
     def message(self, uint32_t n):
         """The last answer's message (a refusal), n bytes."""

@@ -432,8 +432,9 @@ class ExpertsClient:
             pass
 
     def direct_route(self, row: list | None) -> list | None:
-        """The (group, replica, shared-memory fast path) of each part of a call whose parts all take
-        every row, in group order: every group holds all experts (`whole`: any T, row unused), or
+        """The (group, replica, direct fast path: shared memory, or TCP through its C client) of each
+        part of a call whose parts all take every row, in group order: every group holds all experts
+        (`whole`: any T, row unused), or
         `row` (T == 1: its expert ids) picks the groups holding one of them. None: the call goes
         through forward_async (a group without a usable fast path, rows split between groups,
         nothing routed)."""
@@ -448,7 +449,7 @@ class ExpertsClient:
                     continue
             r = self._pick(g, [], peek=True)  # a call that does not go this way must not take the turn
             entry = None if r is None else self.fast.paths.get(r.address)
-            if entry is None or entry[0] is None or entry[0].kind != "shm" or not entry[0].usable \
+            if entry is None or entry[0] is None or not entry[0].direct or not entry[0].usable \
                     or entry[1] is not r.stream:
                 return None
             out.append((g, r, entry[0]))

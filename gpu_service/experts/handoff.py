@@ -147,7 +147,8 @@ class RemoteExperts:
     def _direct(self, layer: int, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, device, dtype):
         """The call sent straight from the CPU tensors' memory (h [T, H] float32 or the wire dtype,
         ids [T, k] int64, w [T, k] float32, contiguous) when every part of it can go onto a shared-memory
-        fast path whole (ExpertsClient.direct_route): a DirectHandle, else None (forward_async)."""
+        fast path whole (ExpertsClient.direct_route: shared memory, or the TCP data path's C client): a
+        DirectHandle, else None (forward_async)."""
         hs, shape = h.shape, ids.shape
         if self._route is None or len(hs) != 2 or len(shape) != 2 or w.shape != shape or shape[0] != hs[0] \
                 or hs[0] == 0 or hs[1] != self.client.cfg.hidden_size:

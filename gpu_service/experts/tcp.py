@@ -124,8 +124,67 @@ class TcpPath(_Path):
         out = np.frombuffer(self.body, self.wire, n * self.H).reshape(n, self.H).astype(np.float32)  # [T, H]
         return fut, FastResponse(out, compute_us, server_us), None
 
-    def _receive_c(self) -> tuple | None:
-        """_receive through the C client: one answer by the oldest pending call's deadline."""
+    @property
+    def direct(self) -> bool:
+        """Whether calls may be sent from raw addresses (send_at / finish: the C client's)."""
+        return self.c is not None
+
+    def send_at(self, layer: int, T: int, k: int, h: int, h_wire: bool, ids: int, w: int, timeout_s: float,
+                hold) -> int | None:
+        """A call from raw addresses (gpu_service.experts.handoff's direct calls, which checked the
+        tensors behind them: h [T, H] float32 or the wire dtype, ids [T, k] int64, w [T, k] float32,
+        C-contiguous), `hold` resolved in its place: 0, or None (not taken). The frame's contents are
+        kept as hold.inputs for a re-send (no shared slot holds them)."""
+        if self.c is None or not self.usable or T > self.max_tokens:
+            return None
+        x, i, ww = self.c.inputs(h, h_wire, ids, w, T, k)
+        hold.inputs = (x.view(self.wire), i, ww)
+        with self.tx:
+            with self.lock:
+                if not self.usable:
+                    return None
+                hold.seq = seq = next(self.seq)
+                self.pending[seq] = (None, hold, time.monotonic() + timeout_s, T, None)
+            try:
+                self.c.send(seq, layer, *hold.inputs, max(1, int(timeout_s * 1000)))
+            except OSError as e:
+                self._send_failed(seq, f"send failed: {e}")
+                return None
+        self.calls += 1
+        return 0
+
+    def inputs(self, slot: int, T: int, k: int) -> tuple:
+        """(never needed: send_at keeps each call's inputs in its hold)"""
+        raise RuntimeError("TcpPath keeps a direct call's inputs in its hold")
+
+    def finish(self, hold, T: int, out: int, mode: int) -> bool:
+        """Wait for a send_at call's answer, receiving any other call's on the way: True when its T rows
+        are in out (an address; mode: _shm_client's OUT_*), False when it failed (hold.err)."""
+        while not hold.fin:
+            if not self.rx.acquire(blocking=False):  # another thread receives: it resolves ours too
+                time.sleep(0.0001)
+                continue
+            try:
+                entry = self.pending.get(hold.seq) if self.usable and not hold.fin else None
+                head = self._wait_c() if entry is not None else None
+                if head and head[0] == hold.seq and head[1] == P.OK and head[5] == T:
+                    self.c.read_into(T, out, mode)
+                    with self.lock:
+                        self.pending.pop(hold.seq, None)
+                    return True
+                done = self._settle_c(head) if head else None
+            finally:
+                self.rx.release()
+            if done is not None:
+                fut, res, err = done
+                fut.set_result(res) if err is None else fut.set_exception(err)
+            elif entry is None:
+                time.sleep(0)
+        return False
+
+    def _wait_c(self) -> tuple | None:
+        """One answer's header through the C client by the oldest pending call's deadline (the receive
+        lock held); None: none came (expired, broken, or a signal)."""
         with self.lock:
             if not self.pending:
                 return None
@@ -138,7 +197,16 @@ class TcpPath(_Path):
             return None
         if head is None:  # nothing by the deadline (or a signal, handled)
             self.expire(time.monotonic())
-            return None
+        return head
+
+    def _receive_c(self) -> tuple | None:
+        """_receive through the C client: one answer by the oldest pending call's deadline."""
+        head = self._wait_c()
+        return self._settle_c(head) if head is not None else None
+
+    def _settle_c(self, head: tuple) -> tuple | None:
+        """The pending call an answer (its header; the body in the C client) belongs to: (future,
+        response, None) or (future, None, error); None when it is no pending call's."""
         seq, status, compute_us, server_us, mlen, n = head
         with self.lock:
             entry = self.pending.get(seq)
