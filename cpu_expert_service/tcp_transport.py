@@ -50,6 +50,7 @@ class DataServer:
         self.pending: collections.OrderedDict[int, socket.socket] = collections.OrderedDict()  # in their hello
         self.evicted = 0
         self.frame_timeout_s = frame_timeout_s()
+        self.loop = loop_kind()  # a bad MOESPLIT_TCP_LOOP stops the shard at start, naming it
         threading.Thread(target=self._accept, name=f"tcp-data-{self.port}", daemon=True).start()
 
     def offer(self) -> tuple[int, bytes]:
@@ -126,7 +127,7 @@ class DataServer:
         loop, why = None, ""
         if self.ctx is not None:
             why = "TLS: the Python loop (the C loop serves plaintext connections only)"
-        elif loop_kind() == "python":
+        elif self.loop == "python":
             why = f"the Python loop ({LOOP_ENV}=python)"
         else:
             try:
