@@ -79,7 +79,8 @@ class DirectHandle:
                     client.report(self.layer, r.address, t_send, self.sent, 0, False)
                 inputs = hold.inputs if hold.inputs is not None else \
                     tuple(a.copy() for a in fp.inputs(hold.slot, T, self.k))
-                y = torch.from_numpy(client.fail_over(self.layer, g, r, hold, inputs))  # [T, H] float32
+                y = client.fail_over(self.layer, g, r, hold, inputs)  # [T, H] float32 (gRPC's: read-only)
+                y = torch.from_numpy(y if y.flags.writeable else y.copy())
             out.add_(y) if mode == OUT_ADD_F32 else out.copy_(y)  # (to the wire dtype: torch's cast, as .to)
         if out.dtype is not self.dtype:
             out = out.to(self.dtype)
