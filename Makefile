@@ -5,7 +5,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-test protos build test soak nethosts demo bench bench-decode bench-doctor bench-grammar bench-kernels bench-prefix gpu-check gpu-check-dry-run chart-check images image-test clean
+.PHONY: setup setup-test protos build test soak nethosts demo bench bench-tcp-hosts bench-decode bench-doctor bench-grammar bench-kernels bench-prefix gpu-check gpu-check-dry-run chart-check images image-test clean
 
 setup: $(STAMP)
 
@@ -35,7 +35,7 @@ soak: setup
 
 # Experts on other hosts: GPU service and 2 shard replicas in their own network namespaces (root), with faults.
 nethosts: setup
-	$(PY) -m pytest -q -s tests/test_nethosts_faults.py tests/test_nethosts.py
+	$(PY) -m pytest -q -s tests/test_nethosts_faults.py tests/test_nethosts.py tests/test_nethosts_acceptance.py
 
 demo: setup
 	$(PY) -m gpu_service.entrypoints.demo
@@ -51,6 +51,11 @@ bench: setup
 	$(PY) bench/bench_pipeline.py
 	$(PY) bench/bench_decode.py
 	$(PY) bench/bench_grammar.py
+	$(PY) bench/bench_tcp_hosts.py --out bench/results/tcp_hosts.json
+
+# one MoE layer's expert call across two network namespaces (TCP data path, C / Python ends) vs shared memory
+bench-tcp-hosts: build
+	$(PY) bench/bench_tcp_hosts.py --out bench/results/tcp_hosts.json
 
 # structured outputs: a 30-property schema's compile time, the sampler's masking overhead at batch 1 and 16
 bench-grammar: setup

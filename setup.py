@@ -3,8 +3,8 @@
 cpu_expert_service.kernels._moe is one extension built from the Cython binding and one C file per
 ISA. No -march flag: every ISA file selects its own target with `#pragma GCC target`, so the .so
 loads on any x86-64 and the dispatcher (moe_cpu_has, decided once per backend) picks what runs.
-gpu_service.experts._shm_client is the GPU side's shared-memory client (shm_client.c), plain C for
-any Linux machine.
+gpu_service.experts._shm_client is the GPU side's shared-memory client (shm_client.c) and
+gpu_service.experts._tcp_client its TCP data path client (tcp_client.c), plain C for any Linux machine.
 Built by `pip install -e .` (make setup) and `setup.py build_ext --inplace` (make build)."""
 import platform
 
@@ -12,7 +12,7 @@ import numpy
 from setuptools import Extension, setup
 
 KDIR = "cpu_expert_service/kernels"
-ISA_FILES = ["moe_core.c", "moe_avx2.c", "moe_avx512.c", "moe_amx.c", "moe_shm.c"]
+ISA_FILES = ["moe_core.c", "moe_avx2.c", "moe_avx512.c", "moe_amx.c", "moe_shm.c", "moe_tcp.c"]
 
 ext_modules = []
 if platform.machine().lower() in ("x86_64", "amd64"):
@@ -31,6 +31,15 @@ ext_modules.append(Extension(
     sources=[f"{EDIR}/_shm_client.pyx", f"{EDIR}/shm_client.c"],
     include_dirs=[EDIR, "wire", numpy.get_include()],
     depends=[f"{EDIR}/shm_client.h", "wire/shm_wire.h"],
+    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    extra_compile_args=["-O2", "-std=gnu11", "-Wno-unused-function"],
+))
+
+ext_modules.append(Extension(  # the TCP data path's client (plaintext connections), sharing shm_client.c's casts
+    "gpu_service.experts._tcp_client",
+    sources=[f"{EDIR}/_tcp_client.pyx", f"{EDIR}/tcp_client.c", f"{EDIR}/shm_client.c"],
+    include_dirs=[EDIR, "wire", numpy.get_include()],
+    depends=[f"{EDIR}/tcp_client.h", f"{EDIR}/shm_client.h", "wire/shm_wire.h"],
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     extra_compile_args=["-O2", "-std=gnu11", "-Wno-unused-function"],
 ))

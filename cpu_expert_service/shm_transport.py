@@ -109,10 +109,22 @@ RING = 1 << 16  # metric records between two drains (cpu_expert_service.metrics 
 
 
 def shard_loop(servicer, mm, lay: Layout, sock: socket.socket):
-    """The C doorbell loop (kernels/moe_shm.c, the shard's only shared-memory loop) for this client:
-    all in C over the kernels backend's packed experts (metered or not), else calling the backend's
-    own forward for the compute only. Returns (loop, the mapping's array it keeps alive, metrics or
-    None); raises Refused where the kernels extension is not built."""
+    """The C doorbell loop (kernels/moe_shm.c, the shard's only shared-memory loop) for this client.
+    Returns (loop, the mapping's array it keeps alive, metrics or None); raises Refused where the
+    kernels extension is not built."""
+    whole = np.frombuffer(mm, dtype=np.uint8)  # the mapping's address; kept alive with the loop
+    layout = (lay.n_slots, lay.max_tokens, lay.max_k, HEADER_BYTES, lay.slot_bytes, lay.hidden_off, lay.ids_off,
+              lay.w_off, lay.out_off)
+    loop, metrics = native_loop(servicer, whole.ctypes.data, layout, sock.fileno())
+    return loop, whole, metrics
+
+
+def native_loop(servicer, base: int, layout: tuple, fd: int):
+    """A C serving loop over fd (`_moe.ShmServe`: the shared-memory doorbells, or the TCP data path's
+    frames with serve_tcp): all in C over the kernels backend's packed experts (metered or not), else
+    calling the backend's own forward for the compute only. base/layout: the slots' memory as
+    ShmServe takes it. Returns (loop, metrics or None); raises Refused where the kernels extension
+    is not built."""
     from checkpoint.names import compact_ranges
     from cpu_expert_service.metrics import MeteredBackend
     try:
@@ -126,19 +138,16 @@ def shard_loop(servicer, mm, lay: Layout, sock: socket.socket):
         be, metrics = be._backend, be._metrics
     kernels = type(be) is KernelExperts and "forward" not in vars(be)
     compute = dict(eng=be._engine) if kernels else dict(forward=be.forward)
-    whole = np.frombuffer(mm, dtype=np.uint8)  # the mapping's address; kept alive with the loop
-    layout = (lay.n_slots, lay.max_tokens, lay.max_k, HEADER_BYTES, lay.slot_bytes, lay.hidden_off, lay.ids_off,
-              lay.w_off, lay.out_off)
     cfg = servicer.cfg
     tokens, acts, held = (metrics.counts.native_arrays(max(servicer.layers, default=0) + 1) if metrics is not None
                           else (None, None, None))
-    loop = _moe.ShmServe(whole.ctypes.data, sock.fileno(), layout, cfg.hidden_size, cfg.n_routed_experts,
+    loop = _moe.ShmServe(base, fd, layout, cfg.hidden_size, cfg.n_routed_experts,
                          servicer.max_tokens, servicer.layers, spin_seconds(), str(servicer.shard_id),
                          compact_ranges(servicer.layers) or "none", **compute, tokens=tokens, acts=acts, held=held,
                          ring=RING if metrics is not None else 0)
     if metrics is not None:
         metrics.attach_native(loop)
-    return loop, whole, metrics
+    return loop, metrics
 
 
 def _serve(servicer, loop, whole, metrics, mm, sock: socket.socket) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import secrets
 import socket
 import sys
@@ -49,6 +50,7 @@ class DataServer:
         self.pending: collections.OrderedDict[int, socket.socket] = collections.OrderedDict()  # in their hello
         self.evicted = 0
         self.frame_timeout_s = frame_timeout_s()
+        self.loop = loop_kind()  # a bad MOESPLIT_TCP_LOOP stops the shard at start, naming it
         threading.Thread(target=self._accept, name=f"tcp-data-{self.port}", daemon=True).start()
 
     def offer(self) -> tuple[int, bytes]:
@@ -120,15 +122,77 @@ class DataServer:
             self.slots.release()
 
     def _log_and_serve(self, conn: socket.socket, peer) -> None:
-        log.info("shard %s: tcp data path from %s:%s%s", self.servicer.shard_id, peer[0], peer[1],
-                 " (TLS)" if self.ctx is not None else "")
-        _serve(self.servicer, conn, self.frame_timeout_s)
+        """Serve one connection: the C loop (moe_tcp.c) for plaintext, the Python loop for TLS (the C loop
+        has no TLS: such a connection stays TLS, served here) or where MOESPLIT_TCP_LOOP=python."""
+        loop, why = None, ""
+        if self.ctx is not None:
+            why = "TLS: the Python loop (the C loop serves plaintext connections only)"
+        elif self.loop == "python":
+            why = f"the Python loop ({LOOP_ENV}=python)"
+        else:
+            try:
+                loop = _c_loop(self.servicer, conn.fileno())
+            except Exception as e:  # noqa: BLE001 - shm_transport.Refused (not built) or a bad backend: say so
+                why = f"the Python loop ({e})"
+        log.info("shard %s: tcp data path from %s:%s, %s", self.servicer.shard_id, peer[0], peer[1],
+                 why or "the C loop")
+        if loop is None:
+            _serve(self.servicer, conn, self.frame_timeout_s)
+        else:
+            _serve_c(self.servicer, conn, self.frame_timeout_s, *loop)
 
     def close(self) -> None:
         try:
             self.sock.close()
         except OSError:
             pass
+
+
+LOOP_ENV = "MOESPLIT_TCP_LOOP"  # "c" (default): the C loop for plaintext connections; "python": the Python loop
+
+
+def loop_kind() -> str:
+    """Which loop serves a plaintext data connection: "c" or "python" (MOESPLIT_TCP_LOOP)."""
+    raw = os.environ.get(LOOP_ENV, "c").strip().lower() or "c"
+    if raw not in ("c", "python"):
+        raise ValueError(f"{LOOP_ENV}={raw!r}: expected c or python")
+    return raw
+
+
+def _c_loop(servicer, fd: int) -> tuple:
+    """(ShmServe, request buffer, output buffer, metrics) for one connection's C loop. The buffers hold the
+    largest frame this shard takes (--max-tokens rows of top-k) and commit memory only as bytes land."""
+    from cpu_expert_service.shm_transport import native_loop
+
+    cfg = servicer.cfg
+    T, H, K = servicer.max_tokens, cfg.hidden_size, cfg.num_experts_per_tok
+    req = np.empty(T * (H * 4 + K * 12), np.uint8)  # hidden [T, H] (f32 at most), ids int64 + weights f32 [T, K]
+    out = np.empty(T * H * 4, np.uint8)  # the answer [T, H] in the output dtype
+    return (*native_loop(servicer, req.ctypes.data, (1, T, K, 0, req.nbytes, 0, 0, 0, 0), fd), req, out)
+
+
+def _serve_c(servicer, conn: socket.socket, frame_timeout_s: float, loop, metrics, req, out) -> None:
+    """One connection served by the C loop (kernels/moe_tcp.c, the GIL released): it answers every call
+    itself, refused ones included; returns here after a call answered INTERNAL (logged, then it serves
+    on), a bad frame header (answered, then closed), a stalled frame or the client going."""
+    from cpu_expert_service.kernels import _moe
+
+    K = servicer.cfg.num_experts_per_tok
+    try:
+        while (rc := loop.serve_tcp(req.ctypes.data, req.nbytes, out.ctypes.data, K, frame_timeout_s)) \
+                == _moe.SHM_INTERNAL:
+            _, seq, msg = loop.last
+            e = loop.error  # the backend's exception (None: the kernels failed)
+            log.error("shard %s: tcp seq %d failed: %s", servicer.shard_id, seq, msg,
+                      exc_info=(type(e), e, e.__traceback__) if e is not None else None)
+        if rc in (_moe.TCP_BAD_FRAME, _moe.TCP_STALLED):
+            client_errors.warning(rc, "shard %s: tcp data path: %s; closed", servicer.shard_id,
+                                  loop.last[2] if rc == _moe.TCP_BAD_FRAME else
+                                  f"the rest of a frame did not come within {frame_timeout_s}s")
+    finally:
+        if metrics is not None:
+            metrics.detach_native(loop)
+        conn.close()
 
 
 def _serve(servicer, conn: socket.socket, frame_timeout_s: float = 10.0) -> None:

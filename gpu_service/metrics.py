@@ -7,7 +7,8 @@ several stacks can live in one process (tests). Three kinds of sources:
 - engine events (`EngineObserver`, set as `engine.observer`): time to first token, inter-token
   and end-to-end latency, queue time, finished requests by reason;
 - the experts client's per-call observer (`ExpertsObserver`, set as `client.observer`): round-trip
-  time per layer and per shard, bytes sent and received per shard;
+  time per layer, per shard and per host + replica (`moesplit_expert_call_seconds`), bytes sent and
+  received per shard;
 - read at scrape time (`_ScrapeCollector`): running/waiting requests, KV pool pages, token
   counters (the engine's own counters), shard health, and GPU memory per plan category and
   device, planned vs actual (parameter/buffer bytes by placement + KV pool) and, on CUDA,
@@ -27,6 +28,8 @@ from typing import Callable
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from wire.channel import host_of
 
 log = logging.getLogger("moesplit.metrics")
 
@@ -110,12 +113,23 @@ class EngineObserver:
         pass
 
 
+def _address_labels(address: str) -> tuple[str, str]:
+    """(host, replica) of an address when no experts client names the replica: the address itself."""
+    return host_of(address), address
+
+
 class ExpertsObserver:
     """`ExpertsClient.observer`: called once per shard call with (layer, shard address, rtt
-    seconds, bytes sent, bytes received, ok)."""
+    seconds, bytes sent, bytes received, ok). `labels_of(address)` -> (host, replica) names the
+    replica in `moesplit_expert_call_seconds` (the client's `replica_labels`: the shard's own id)."""
 
     def __init__(self, registry: CollectorRegistry):
         p = PREFIX
+        self.labels_of: Callable[[str], tuple[str, str]] = _address_labels
+        self.call = Histogram(p + "expert_call_seconds",
+                              "Round trip of one layer call to one replica (send to answer, failed calls included), "
+                              "by the host dialled and the replica's shard id.",
+                              ["host", "replica"], buckets=RTT_BUCKETS, registry=registry)
         self.layer_rtt = Histogram(p + "expert_layer_rtt_seconds",
                                    "Round trip of one shard call of a MoE layer (send to answer), by layer.",
                                    ["layer"], buckets=RTT_BUCKETS, registry=registry)
@@ -137,7 +151,7 @@ class ExpertsObserver:
         if c is None:
             c = self._shard[shard] = (self.shard_rtt.labels(shard), self.sent.labels(shard),
                                       self.received.labels(shard), self.calls.labels(shard, "ok"),
-                                      self.calls.labels(shard, "error"))
+                                      self.calls.labels(shard, "error"), self.call.labels(*self.labels_of(shard)))
         return c
 
     def __call__(self, layer: int, shard: str, rtt_s: float, sent: int, received: int, ok: bool) -> None:
@@ -145,8 +159,9 @@ class ExpertsObserver:
         if c is None:
             c = self._layer[layer] = self.layer_rtt.labels(str(layer))
         c.observe(rtt_s)
-        rtt, snt, rcv, n_ok, n_err = self._children(shard)
+        rtt, snt, rcv, n_ok, n_err, call = self._children(shard)
         rtt.observe(rtt_s)
+        call.observe(rtt_s)
         snt.inc(sent)
         if ok:
             rcv.inc(received)
@@ -237,6 +252,7 @@ class _ScrapeCollector:
 
     def __init__(self, engine, runner=None, health_fn=None, plan=None):
         self.engine, self.runner, self.health_fn, self.plan = engine, runner, health_fn, plan
+        self.labels_of: Callable[[str], tuple[str, str]] = _address_labels  # shard address -> (host, replica)
         self._planned: dict | None = None
         self._actual: dict | None = None
 
@@ -287,15 +303,16 @@ class _ScrapeCollector:
             g.add_metric([], s["image_cached_bytes"])
             yield g
         if self.health_fn is not None:
-            g = GaugeMetricFamily(p + "expert_shard_up", "1 when the shard's gRPC health check says SERVING.",
-                                  labels=["shard"])
+            g = GaugeMetricFamily(p + "expert_shard_up", "1 when the shard's gRPC health check says SERVING and "
+                                  "the experts client uses it (0: down, failed over, reconnecting).",
+                                  labels=["shard", "host", "replica"])
             try:
                 _, shards = self.health_fn()
             except Exception:  # noqa: BLE001 - a failing check must not break the scrape
                 log.exception("shard health check failed")
                 shards = {}
             for addr, status in shards.items():
-                g.add_metric([addr], 1.0 if status == "SERVING" else 0.0)
+                g.add_metric([addr, *self.labels_of(addr)], 1.0 if status == "SERVING" else 0.0)
             yield g
         if self.runner is not None:
             yield from self._memory()
@@ -371,7 +388,8 @@ class GpuMetrics:
         self.experts_observer = ExpertsObserver(self.registry)
         if plan is None:  # a runner built from a memory plan may carry it (runner.plan)
             plan = getattr(runner, "plan", None)
-        self.registry.register(_ScrapeCollector(engine, runner, health_fn, plan))
+        scrape = _ScrapeCollector(engine, runner, health_fn, plan)
+        self.registry.register(scrape)
         ProcessCollector(registry=self.registry)
         engine.observer = self.engine_observer
         self.grammar_compile = Histogram(PREFIX + "grammar_compile_seconds",
@@ -383,6 +401,7 @@ class GpuMetrics:
             client = getattr(getattr(runner, "experts", None), "client", None)
         if client is not None:
             client.observer = self.experts_observer
+            self.experts_observer.labels_of = scrape.labels_of = client.replica_labels
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -305,6 +305,14 @@ def test_counters_match_the_traffic(stack, prometheus, traffic):
     assert scalar(prometheus, "sum(moesplit_expert_tokens_total)", at) > 0
     ups = query(prometheus, "moesplit_expert_shard_up", at)
     assert {s["metric"]["shard"]: float(s["value"][1]) for s in ups} == {a: 1.0 for a in stack.shard_addrs}
+    names = {s["metric"]["shard"]: (s["metric"]["host"], s["metric"]["replica"]) for s in ups}
+    assert {h for h, _ in names.values()} == {"127.0.0.1"}
+    assert len({r for _, r in names.values()}) == len(stack.shard_addrs) and not set(names.values()) & \
+        {("127.0.0.1", a) for a in stack.shard_addrs}  # replicas named by their shard id, not the address
+    calls = query(prometheus, "sum by (host, replica) (moesplit_expert_call_seconds_count)", at)
+    assert {(s["metric"]["host"], s["metric"]["replica"]) for s in calls} == set(names.values())
+    assert scalar(prometheus, "sum(moesplit_expert_call_seconds_count)", at) == \
+        scalar(prometheus, "sum(moesplit_expert_requests_total)", at) > 0
     sent = query(prometheus, "moesplit_expert_sent_bytes_total", at)
     assert {s["metric"]["shard"] for s in sent} == set(stack.shard_addrs)
 

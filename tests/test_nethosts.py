@@ -16,17 +16,15 @@ import subprocess
 import sys
 import time
 
-import httpx
 import pytest
 
 from nethosts import FaultProxy, NetHosts, skip_reason
+from netstack import (DATA_PORT, GRPC_PORT, MODEL, ROOT, all_serving, complete, metrics, restart, sample, shard_status,
+                      start_gpu, start_shard, stream, wait)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL = "tiny-net"
 N_TOK = 16
 TIMEOUT_S = 3.0  # --expert-timeout of the GPU service
-GRPC_PORT, DATA_PORT, HTTP_PORT = 50051, 50061, 8000
-
+MAX_BATCH, MAX_WAITING = 4, 4  # the GPU service's running batch and queue bound
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -73,110 +71,46 @@ def loopback(model_dir):
     return out
 
 
-def _wait(pred, timeout, what, procs=()):
-    """Poll pred() until true; fails naming `what`, or with the log of a process in procs that died."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for p, log in procs:
-            if p.poll() is not None:
-                with open(log, errors="replace") as f:
-                    raise AssertionError(f"{what}: process exited {p.returncode}:\n{f.read()[-3000:]}")
-        try:
-            if pred():
-                return
-        except (OSError, httpx.TransportError):  # not listening yet
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
 @pytest.fixture(scope="module")
 def hosts(model_dir, tmp_path_factory):
     """gpu (10.77.0.1), r0 (.2), r1 (.3); the GPU service's shards: r0 direct, r1 via the proxy."""
     work = tmp_path_factory.mktemp("nethosts")
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with NetHosts(["gpu", "r0", "r1"]) as net:
-        watched = []
-        for h in ("r0", "r1"):
-            log = str(work / f"{h}.log")
-            with open(log, "wb") as err:
-                p = net.popen(h, [sys.executable, "-m", "moesplit", "expert-server", "--model", model_dir,
-                                  "--host", net.addr[h], "--port", str(GRPC_PORT), "--data-port", str(DATA_PORT),
-                                  "--port-file", str(work / f"{h}.port"), "--shard-id", h, "--backend", "auto",
-                                  "--shm-dir", ""], stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=ROOT)
-            watched.append((p, log))
-            net.shards = getattr(net, "shards", {})
-            net.shards[h] = (p, p.args[4:], log, work / f"{h}.port", env)  # args after `ip netns exec NS`
-        _wait(lambda: all((work / f"{h}.port").exists() for h in ("r0", "r1")), 120, "the shards", watched)
+        net.shards = {h: start_shard(net, h, work, model_dir) for h in ("r0", "r1")}
+        wait(lambda: all(os.path.exists(s.port_file) for s in net.shards.values()), 120, "the shards",
+             net.shards.values())
         gpu = net.addr["gpu"]
         proxies = [FaultProxy(net.ns["gpu"], (gpu, port), (net.addr["r1"], port), seed=port).start()
                    for port in (GRPC_PORT, DATA_PORT)]
         try:
-            log = str(work / "gpu.log")
-            with open(log, "wb") as err:
-                p = net.popen("gpu", [sys.executable, "-m", "moesplit", "gpu-server", "--model", model_dir,
-                                      "--shards-addresses", f"{net.addr['r0']}:{GRPC_PORT},{gpu}:{GRPC_PORT}",
-                                      "--host", gpu, "--port", str(HTTP_PORT), "--grpc-port", "50050",
-                                      "--device", "cpu", "--dtype", "float32", "--kv-tokens", "1024",
-                                      "--page-size", "16", "--max-batch", "4", "--chunk-tokens", "256",
-                                      "--expert-timeout", str(TIMEOUT_S), "--served-model-name", MODEL],
-                              stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=ROOT)
-            watched.append((p, log))
-            net.url = f"http://{gpu}:{HTTP_PORT}"
-            net.proxies, net.logs = proxies, {"gpu": log}
-            _wait(lambda: _get(net, "/health").status_code == 200, 120, "the GPU service", watched)
+            net.gpu = start_gpu(net, work, model_dir, [f"{net.addr['r0']}:{GRPC_PORT}", f"{gpu}:{GRPC_PORT}"],
+                                ["--kv-tokens", "1024", "--max-batch", str(MAX_BATCH), "--max-waiting", str(MAX_WAITING),
+                                 "--expert-timeout", str(TIMEOUT_S)])
+            net.url, net.proxies, net.logs = net.gpu.url, proxies, {"gpu": net.gpu.log}
             yield net
         finally:
             for px in proxies:
                 px.close()
 
 
-def _get(net, path):
-    """GET path of the GPU service, from inside its namespace."""
-    return net.call_in("gpu", lambda: httpx.get(net.url + path, timeout=5), timeout=10)
-
-
 def _complete(net, i, timeout=60):
     """Greedy completion of prompt i from inside the GPU namespace; its token ids."""
-    def go():
-        return httpx.post(net.url + "/v1/completions", timeout=timeout, json={
-            "model": MODEL, "prompt": _prompt(i), "max_tokens": N_TOK, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True})
-
-    r = net.call_in("gpu", go, timeout=timeout + 5)
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["token_ids"]
+    return complete(net, net.url, _prompt(i), N_TOK, timeout)
 
 
 def _stream(net, i, on_chunk, timeout=60):
     """Streamed completion of prompt i; on_chunk(k) after the k-th chunk. Its token ids."""
-    def go():
-        ids, k = [], 0
-        with httpx.stream("POST", net.url + "/v1/completions", timeout=timeout, json={
-                "model": MODEL, "prompt": _prompt(i), "max_tokens": N_TOK, "temperature": 0, "ignore_eos": True,
-                "stream": True, "return_token_ids": True}) as resp:
-            assert resp.status_code == 200
-            for ln in resp.iter_lines():
-                if not ln.startswith("data: ") or ln == "data: [DONE]":
-                    continue
-                ch = json.loads(ln[len("data: "):])
-                assert "error" not in ch, ch
-                ids += ch["choices"][0].get("token_ids") or []
-                k += 1
-                on_chunk(k)
-        return ids
-
-    return net.call_in("gpu", go, timeout=timeout + 5)
+    return stream(net, net.url, _prompt(i), N_TOK, on_chunk, timeout)[0]
 
 
 def _shard_status(net) -> dict:
-    """{address: status} of the GPU service's /health (its experts client's view of each replica)."""
-    return _get(net, "/health").json()["shards"]
+    """{address: status} of the GPU service's /health."""
+    return shard_status(net, net.url)
 
 
 def _replicas_healthy(net):
     """Every replica SERVING in the GPU service's view."""
-    return set(_shard_status(net).values()) == {"SERVING"}
+    return all_serving(net, net.url)
 
 
 def test_fault_free_equals_loopback(hosts, loopback):
@@ -193,7 +127,7 @@ def test_fault_free_equals_loopback(hosts, loopback):
 def test_partition_mid_stream(hosts, loopback):
     """r0's veth taken down after the first streamed chunk (r1's link slowed by 20 ms so the stream
     is still decoding): the stream completes with the loopback tokens; r0 is reported down."""
-    _wait(lambda: _replicas_healthy(hosts), 30, "both replicas healthy")
+    wait(lambda: _replicas_healthy(hosts), 30, "both replicas healthy")
     r0 = f"{hosts.addr['r0']}:{GRPC_PORT}"
     t, seen = {}, []
 
@@ -208,7 +142,7 @@ def test_partition_mid_stream(hosts, loopback):
     try:
         got = _stream(hosts, 1, cut)
         took = time.monotonic() - t["cut"]
-        _wait(lambda: _shard_status(hosts)[r0] != "SERVING", 2 * TIMEOUT_S + 2, "r0 reported down")
+        wait(lambda: _shard_status(hosts)[r0] != "SERVING", 2 * TIMEOUT_S + 2, "r0 reported down")
     finally:
         for px in hosts.proxies:
             px.latency_s = 0.0
@@ -217,7 +151,7 @@ def test_partition_mid_stream(hosts, loopback):
     assert len(seen) > 2  # chunks kept coming after the partition
     assert took < 3 * TIMEOUT_S + 5, took  # one deadline to notice, then the other replica
     print(f"\npartition: stream completed {took:.2f}s after r0's link went down")
-    _wait(lambda: _replicas_healthy(hosts), 30, "r0 back after healing")
+    wait(lambda: _replicas_healthy(hosts), 30, "r0 back after healing")
     assert _complete(hosts, 0) == loopback[0]
 
 
@@ -259,8 +193,9 @@ def test_bandwidth_cap_and_reset(hosts, loopback):
 def test_replica_killed_and_restarted(hosts, loopback):
     """kill -9 of r0 after the first streamed chunk: same tokens; r0 started again on its host and
     port (a new process) rejoins without a restart of the GPU service."""
-    _wait(lambda: _replicas_healthy(hosts), 30, "both replicas healthy")
-    p, cmd, log, port_file, env = hosts.shards["r0"]
+    wait(lambda: _replicas_healthy(hosts), 30, "both replicas healthy")
+    r0p = hosts.shards["r0"]
+    p = r0p.p
     r0 = f"{hosts.addr['r0']}:{GRPC_PORT}"
 
     def kill(k):
@@ -270,14 +205,11 @@ def test_replica_killed_and_restarted(hosts, loopback):
 
     got = _stream(hosts, 1, kill)
     assert got == loopback[1] and p.returncode is not None
-    _wait(lambda: _shard_status(hosts)[r0] != "SERVING", TIMEOUT_S + 2, "r0 reported down")
-    os.remove(port_file)
-    t0 = time.monotonic()
-    with open(log, "ab") as err:
-        q = hosts.popen("r0", cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=ROOT)
-    hosts.shards["r0"] = (q, cmd, log, port_file, env)
-    _wait(lambda: port_file.exists(), 60, "r0 restarted", [(q, log)])
-    _wait(lambda: _replicas_healthy(hosts), 30, "r0 to rejoin")
+    wait(lambda: _shard_status(hosts)[r0] != "SERVING", TIMEOUT_S + 2, "r0 reported down")
+    restart(hosts, r0p)
+    t0 = r0p.restarts[-1]
+    wait(lambda: os.path.exists(r0p.port_file), 60, "r0 restarted", [r0p])
+    wait(lambda: _replicas_healthy(hosts), 30, "r0 to rejoin")
     rejoined = time.monotonic() - t0
     assert _complete(hosts, 0) == loopback[0]
     print(f"\nrestart: r0 serving again and used {rejoined:.2f}s after its new process started")
@@ -287,7 +219,7 @@ def test_half_open_link_found_by_deadline(hosts, loopback):
     """r1's link holds every byte and closes nothing (from the first streamed chunk on): the stream
     completes with the loopback tokens, r1 is reported down within the expert deadline (not TCP
     keep-alive, minutes), and a request sent while the link hangs completes in bounded time."""
-    _wait(lambda: _replicas_healthy(hosts), 30, "both replicas healthy")
+    wait(lambda: _replicas_healthy(hosts), 30, "both replicas healthy")
     r1 = f"{hosts.addr['gpu']}:{GRPC_PORT}"  # r1 as the GPU service knows it: the proxy
     t = {}
 
@@ -299,7 +231,7 @@ def test_half_open_link_found_by_deadline(hosts, loopback):
 
     try:
         got = _stream(hosts, 0, hang)
-        _wait(lambda: _shard_status(hosts)[r1] != "SERVING", TIMEOUT_S + 2, "r1 reported down")
+        wait(lambda: _shard_status(hosts)[r1] != "SERVING", TIMEOUT_S + 2, "r1 reported down")
         noticed = time.monotonic() - t["hang"]
         t0 = time.monotonic()
         again = _complete(hosts, 1, timeout=30)
@@ -313,4 +245,66 @@ def test_half_open_link_found_by_deadline(hosts, loopback):
     assert took < TIMEOUT_S + 10, took
     print(f"\nhalf-open: r1 reported down {noticed:.2f}s after its link stopped forwarding; "
           f"a request during the hang took {took:.2f}s")
-    _wait(lambda: _replicas_healthy(hosts), 30, "r1 back once the link forwards again")
+    wait(lambda: _replicas_healthy(hosts), 30, "r1 back once the link forwards again")
+
+
+def _burst(net, n: int) -> list[tuple[int, float, str]]:
+    """n completions of prompt 0 sent at once from the GPU namespace: (status, seconds, Retry-After)."""
+    import httpx
+
+    def one():
+        t0 = time.monotonic()
+        r = httpx.post(net.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": _prompt(0), "max_tokens": N_TOK, "temperature": 0, "ignore_eos": True})
+        return r.status_code, time.monotonic() - t0, r.headers.get("retry-after", "")
+
+    def all_at_once():
+        from concurrent.futures import ThreadPoolExecutor  # its threads are started here: in the namespace
+
+        with ThreadPoolExecutor(n) as ex:
+            return list(ex.map(lambda _: one(), range(n)))
+
+    return net.call_in("gpu", all_at_once, timeout=90)
+
+
+def test_slow_replica_metrics_and_back_pressure(hosts, loopback):
+    """20 ms + 5 ms jitter on r1's link: moesplit_expert_call_seconds names r1 by its shard id and
+    the host the GPU service dials (the proxy's) and shows its calls slower than r0's; a burst of
+    MAX_BATCH + MAX_WAITING + 4 requests while the steps wait for r1: those over the queue bound get
+    429 with Retry-After at once (the queue does not grow with the slow shard), the others complete."""
+    wait(lambda: _replicas_healthy(hosts), 30, "both replicas healthy")
+    before = metrics(hosts, hosts.url)
+    ups = {dict(ls)["replica"]: (dict(ls)["host"], v) for (n, ls), v in before.items() if n == "moesplit_expert_shard_up"}
+    assert ups == {"r0": (hosts.addr["r0"], 1.0), "r1": (hosts.addr["gpu"], 1.0)}, ups  # r1: through the proxy
+    for px in hosts.proxies:
+        px.latency_s, px.jitter_s = 0.020, 0.005
+    try:
+        t0 = time.monotonic()
+        assert _complete(hosts, 0) == loopback[0]
+        slow = time.monotonic() - t0
+        after = metrics(hosts, hosts.url)
+        burst = _burst(hosts, MAX_BATCH + MAX_WAITING + 4)
+    finally:
+        for px in hosts.proxies:
+            px.latency_s = px.jitter_s = 0.0
+    t0 = time.monotonic()
+    assert _complete(hosts, 0) == loopback[0]
+    fast = time.monotonic() - t0
+    mean = {}
+    for h, host in (("r0", hosts.addr["r0"]), ("r1", hosts.addr["gpu"])):
+        n = (sample(after, "moesplit_expert_call_seconds_count", host=host, replica=h)
+             - sample(before, "moesplit_expert_call_seconds_count", host=host, replica=h))
+        assert n > 0, h  # both replicas of the group take calls (round-robin)
+        mean[h] = (sample(after, "moesplit_expert_call_seconds_sum", host=host, replica=h)
+                   - sample(before, "moesplit_expert_call_seconds_sum", host=host, replica=h)) / n
+    assert mean["r1"] >= 0.040 > 0.010 > mean["r0"], mean  # 20 ms each way through the proxy
+    codes = sorted(c for c, _, _ in burst)
+    refused = [(t, ra) for c, t, ra in burst if c == 429]
+    # at most MAX_WAITING wait; those the engine admitted to the running batch meanwhile (up to MAX_BATCH) are
+    # not counted, so MAX_WAITING to MAX_BATCH + MAX_WAITING are served, the rest refused
+    assert MAX_WAITING <= codes.count(200) <= MAX_BATCH + MAX_WAITING and set(codes) <= {200, 429}, codes
+    assert refused and all(ra.isdigit() and t < 1.0 for t, ra in refused), refused
+    served = sorted(t for c, t, _ in burst if c == 200)
+    print(f"\nslow replica: mean call r1 {mean['r1'] * 1e3:.1f} ms, r0 {mean['r0'] * 1e3:.1f} ms; "
+          f"{N_TOK} tokens {slow:.2f}s (link healed: {fast:.2f}s); burst of {len(burst)}: {codes.count(200)} served "
+          f"in {served[0]:.2f}-{served[-1]:.2f}s, {len(refused)} refused (429) in <= {max(t for t, _ in refused):.3f}s")

@@ -6,6 +6,8 @@ over it is refused like gRPC's INVALID_ARGUMENT and the shard keeps serving.
 """
 from __future__ import annotations
 
+import time
+
 import grpc
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from checkpoint.reader import CheckpointReader
 from wire import shm as P
 from gpu_service.experts.client import ExpertsClient
 from gpu_service.experts.errors import ExpertsClientError, ShardError
+from gpu_service.experts.fast import RETRY_MIN_S
 from gpu_service.local.stack import start_shards
 from gpu_service.experts.handoff import RemoteExperts
 from gpu_service.runtime.runner import ModelRunner
@@ -108,8 +111,15 @@ def test_fallback_when_the_fast_path_breaks(shards, cfg):
         fp = c.fast.paths[shards.addresses[0]][0]
         fp.sock.shutdown(2)  # the doorbell dies under the client
         np.testing.assert_array_equal(c.forward(layer, *args), want)  # re-sent / sent over gRPC
-        assert c.fast.transport_of(shards.addresses[0]) == "grpc"
+        assert not fp.usable  # that fast path is never used again
         assert c.fast.transport_of(shards.addresses[1]) == "shm"
+        np.testing.assert_array_equal(c.forward(layer, *args), want)
+        # the replica's gRPC channel never failed: a fresh fast path is negotiated after a back-off
+        deadline = time.monotonic() + RETRY_MIN_S + 5
+        while c.fast.transport_of(shards.addresses[0]) != "shm" and time.monotonic() < deadline:
+            np.testing.assert_array_equal(c.forward(layer, *args), want)
+            time.sleep(0.05)
+        assert c.fast.paths[shards.addresses[0]][0] is not fp and c.fast.transport_of(shards.addresses[0]) == "shm"
         np.testing.assert_array_equal(c.forward(layer, *args), want)
 
 

@@ -104,6 +104,25 @@ def test_round_robin_spreads_calls(stack, monkeypatch):
         assert len(got) == 4 and set(got) == {r.address for r in g.replicas} and got[0] != got[1], got
 
 
+def test_declined_direct_route_leaves_the_turn(stack):
+    """A decode call asks direct_route first; when it declines (a part not on shared memory), the
+    call goes through forward_async and the turn must still be that call's: else every decode call of
+    a 2-replica group lands on the same replica."""
+    c = stack.client
+    before = [g.rr for g in c.groups]
+    row = [0, c.cfg.n_routed_experts - 1]  # a decode row routed to both groups
+    route = c.direct_route(row)
+    taken = {id(g) for g, _, _ in route or ()}
+    assert [g.rr - b for g, b in zip(c.groups, before)] == [int(id(g) in taken) for g in c.groups]
+    c.fast.paths, saved = {}, c.fast.paths  # no fast path: the route declines
+    try:
+        before = [g.rr for g in c.groups]
+        assert c.direct_route(row) is None
+        assert [g.rr for g in c.groups] == before
+    finally:
+        c.fast.paths = saved
+
+
 def test_kill_one_replica_during_generation(stack, reference):
     """kill -9 of one of 2 replicas mid-generation: all 16 complete with the fault-free tokens."""
     eng, sh = stack.engine, stack.shards

@@ -8,6 +8,7 @@ whose header cannot be trusted, or a connection without a valid token, is closed
 from __future__ import annotations
 
 import socket
+import time
 
 import grpc
 import ml_dtypes
@@ -19,6 +20,7 @@ from checkpoint.reader import CheckpointReader
 from wire import tcp as TT
 from gpu_service.experts.client import ExpertsClient
 from gpu_service.experts.errors import ExpertsClientError, ShardError
+from gpu_service.experts.fast import RETRY_MIN_S
 from gpu_service.local.stack import start_shards
 from gpu_service.experts.handoff import RemoteExperts
 from gpu_service.runtime.runner import ModelRunner
@@ -47,6 +49,8 @@ def test_tcp_path_matches_grpc(model_dir, shards, cfg, wire):
             assert runs[0].token_ids == runs[1].token_ids
             torch.testing.assert_close(runs[0].last_logits, runs[1].last_logits, atol=1e-5, rtol=0)
         assert all(p.calls > 0 and p.kind == "tcp" for p, _ in t.fast.paths.values())
+        # plaintext: every frame sent and every answer received by the C client
+        assert all(p.c.sent == p.calls == p.c.answered and "C client" in p.describe() for p, _ in t.fast.paths.values())
 
 
 def test_auto_prefers_shared_memory_on_one_host(shards, cfg):
@@ -72,11 +76,22 @@ def test_fallback_when_the_connection_breaks(shards, cfg):
     args = _call(cfg, 4, seed=2)
     with ExpertsClient(shards.addresses, cfg, transport="tcp") as c:
         want = c.forward(layer, *args)
-        c.fast.paths[shards.addresses[0]][0].sock.shutdown(socket.SHUT_RDWR)  # the connection dies under the client
+        old = c.fast.paths[shards.addresses[0]][0]
+        old.sock.shutdown(socket.SHUT_RDWR)  # the connection dies under the client
         np.testing.assert_array_equal(c.forward(layer, *args), want)  # re-sent / sent over gRPC
-        assert c.fast.transport_of(shards.addresses[0]) == "grpc"
+        assert not old.usable  # that connection is never used again
         assert c.fast.transport_of(shards.addresses[1]) == "tcp"
         np.testing.assert_array_equal(c.forward(layer, *args), want)
+        # the replica's gRPC channel never failed: a fresh data connection is negotiated after a back-off
+        deadline = time.monotonic() + RETRY_MIN_S + 5
+        while c.fast.transport_of(shards.addresses[0]) != "tcp" and time.monotonic() < deadline:
+            np.testing.assert_array_equal(c.forward(layer, *args), want)
+            time.sleep(0.05)
+        assert c.fast.transport_of(shards.addresses[0]) == "tcp"
+        calls = c.fast.paths[shards.addresses[0]][0].calls
+        np.testing.assert_array_equal(c.forward(layer, *args), want)
+        assert c.fast.paths[shards.addresses[0]][0] is not old
+        assert c.fast.paths[shards.addresses[0]][0].calls > calls  # served by the new connection
     assert all(p.poll() is None for p in shards.procs)
 
 

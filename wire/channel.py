@@ -176,6 +176,11 @@ class _CallDetails(grpc.ClientCallDetails):
     compression: object
 
 
+def host_of(address: str) -> str:
+    """The host part of a 'host:port' address ('10.0.0.5:50051' -> '10.0.0.5', '[::1]:5' -> '::1')."""
+    return address.rsplit(":", 1)[0].strip("[]") if ":" in address else address
+
+
 def make_channel(address: str, options, tls: TLSFiles | None = None,
                  creds: grpc.ChannelCredentials | None = None, token: bytes | None = None) -> grpc.Channel:
     """A channel to a shard: mutual TLS with `tls` / `creds`, the shared token (`token`, else

@@ -39,6 +39,11 @@ and compute are the gRPC path's (`ExpertServicer.check_and_forward`).
 
 Receivers poll without blocking for MOESPLIT_SHM_SPIN_US before they block, as on the
 shared-memory path (wire.shm.recv_spin).
+
+The shard serves a plaintext data connection with a loop in C (cpu_expert_service/kernels/moe_tcp.c,
+the GIL released, the shared-memory loop's validation and compute: same answers byte for byte) and
+a TLS one with the Python loop (cpu_expert_service.tcp_transport._serve; the C loop has no TLS);
+MOESPLIT_TCP_LOOP=python serves plaintext with the Python loop too.
 """
 from __future__ import annotations
 

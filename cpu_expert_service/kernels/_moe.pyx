@@ -311,7 +311,7 @@ cdef extern from "shm_wire.h" nogil:
     int SHM_DOORBELL_BYTES, SHM_OP_FORWARD, SHM_RESULT_OFFSET, SHM_MSG_OFFSET, SHM_MSG_MAX
 
 cdef extern from "moe_shm.h" nogil:
-    int MOE_SHM_CLOSED, MOE_SHM_BAD_DOORBELL, MOE_SHM_INTERNAL
+    int MOE_SHM_CLOSED, MOE_SHM_BAD_DOORBELL, MOE_SHM_INTERNAL, MOE_TCP_BAD_FRAME, MOE_TCP_STALLED
     ctypedef struct MoeShmRec:
         int32_t layer, T
         int64_t wait_ns, kernel_ns
@@ -353,8 +353,11 @@ cdef extern from "moe_shm.h" nogil:
     uint64_t moe_shm_dropped(const MoeShm *s)
     int moe_shm_kernels(MoeShm *s, int layer, int T, int k, char *err, size_t cap) noexcept
     int moe_shm_serve(MoeShm *s)
+    int moe_tcp_serve(MoeShm *s, unsigned char *req, size_t req_cap, unsigned char *out, int K,
+                      double frame_timeout_s)
 
 SHM_CLOSED, SHM_BAD_DOORBELL, SHM_INTERNAL = MOE_SHM_CLOSED, MOE_SHM_BAD_DOORBELL, MOE_SHM_INTERNAL
+TCP_BAD_FRAME, TCP_STALLED = MOE_TCP_BAD_FRAME, MOE_TCP_STALLED
 # wire.shm's constants as shm_wire.h has them (tests compare them)
 SHM_WIRE = {"doorbell_bytes": SHM_DOORBELL_BYTES, "op_forward": SHM_OP_FORWARD,
             "result_offset": SHM_RESULT_OFFSET, "msg_offset": SHM_MSG_OFFSET, "msg_max": SHM_MSG_MAX}
@@ -490,6 +493,18 @@ cdef class ShmServe:
         self.error = None
         with nogil:
             rc = moe_shm_serve(&self.S)
+        return rc
+
+    def serve_tcp(self, size_t req, size_t req_cap, size_t out, int K, double frame_timeout_s):
+        """The TCP data path's loop on fd (moe_tcp_serve; built with layout (1, max_tokens, K, 0, req_cap,
+        0, 0, 0, 0)): frames' payloads into the buffer at `req` (req_cap bytes), answers from `out`
+        (max_tokens x H x 4 bytes); both kept alive by the caller. SHM_CLOSED when the client goes,
+        TCP_BAD_FRAME / TCP_STALLED (`last` says which seq), or SHM_INTERNAL after a call answered
+        INTERNAL (call serve_tcp() again)."""
+        cdef int rc
+        self.error = None
+        with nogil:
+            rc = moe_tcp_serve(&self.S, <unsigned char *>req, req_cap, <unsigned char *>out, K, frame_timeout_s)
         return rc
 
     @property

@@ -182,6 +182,35 @@ int moe_shm_kernels(MoeShm *s, int layer, int T, int k, char *err, size_t cap) {
     return 0;
 }
 
+uint32_t moe_shm_answer(MoeShm *s, const unsigned char *b, int32_t layer, uint32_t T, uint32_t k, const uint32_t *c,
+                        unsigned char *out, uint64_t seq, int64_t arrived, uint64_t *compute_us, uint32_t *mlen) {
+    uint32_t status = 0; /* gRPC status codes: 0 OK, 3 INVALID_ARGUMENT, 13 INTERNAL */
+    char text[SHM_MSG_MAX + 1];
+    *compute_us = 0, *mlen = 0;
+    if (check(s, b, layer, T, k, c, text, sizeof text)) {
+        status = 3;
+    } else {
+        memset(s->out, 0, (size_t)T * s->H * 4);
+        int64_t t0 = shm_now_ns();
+        int rc = s->compute(s, layer, (int)T, (int)k, text, sizeof text);
+        int64_t t1 = shm_now_ns();
+        if (rc != 0) {
+            status = 13;
+            record(s, layer, (int)T, t0 - arrived, -1); /* the queue wait only, as MeteredBackend */
+        } else {
+            *compute_us = (uint64_t)((t1 - t0) / 1000);
+            count(s, layer, T, k);
+            put_floats(out, c[3], s->out, (size_t)T * s->H);
+            record(s, layer, (int)T, t0 - arrived, t1 - t0);
+        }
+    }
+    if (status) { /* "shard S: seq N: ..." (the gRPC servicer's form), cut to SHM_MSG_MAX */
+        int n = snprintf(s->msg, sizeof s->msg, "shard %s: seq %" PRIu64 ": %s", s->shard_id, seq, text);
+        *mlen = n < 0 ? 0 : (uint32_t)n < SHM_MSG_MAX ? (uint32_t)n : SHM_MSG_MAX;
+    }
+    return status;
+}
+
 /* one call, answered: 0, or 1 when its compute failed (INTERNAL; s->msg says why) */
 static int serve_one(MoeShm *s, uint32_t slot, uint64_t seq, int64_t arrived) {
     unsigned char *b = s->base + s->header_bytes + (long)slot * s->slot_bytes;
@@ -189,34 +218,10 @@ static int serve_one(MoeShm *s, uint32_t slot, uint64_t seq, int64_t arrived) {
     uint32_t h[6]; /* T, k, hidden / ids / weights / output dtype codes (wire.shm.CALL) */
     memcpy(&layer, b, 4);
     memcpy(h, b + 4, sizeof h);
-    uint32_t T = h[0], k = h[1], status = 0; /* gRPC status codes: 0 OK, 3 INVALID_ARGUMENT, 13 INTERNAL */
-    uint64_t compute_us = 0;
-    char text[SHM_MSG_MAX + 1];
-    if (check(s, b, layer, T, k, h + 2, text, sizeof text)) {
-        status = 3;
-    } else {
-        memset(s->out, 0, (size_t)T * s->H * 4);
-        int64_t t0 = shm_now_ns();
-        int rc = s->compute(s, layer, (int)T, (int)k, text, sizeof text);
-        int64_t t1 = shm_now_ns();
-        compute_us = (uint64_t)((t1 - t0) / 1000);
-        if (rc != 0) {
-            status = 13;
-            compute_us = 0;
-            record(s, layer, (int)T, t0 - arrived, -1); /* the queue wait only, as MeteredBackend */
-        } else {
-            count(s, layer, T, k);
-            put_floats(b + s->out_off, h[5], s->out, (size_t)T * s->H);
-            record(s, layer, (int)T, t0 - arrived, t1 - t0);
-        }
-    }
-    uint32_t mlen = 0;
-    if (status) { /* "shard S: seq N: ..." (the gRPC servicer's form), cut to the slot's message area */
-        char *m = s->msg;
-        int n = snprintf(m, sizeof s->msg, "shard %s: seq %" PRIu64 ": %s", s->shard_id, seq, text);
-        mlen = n < 0 ? 0 : (uint32_t)n < SHM_MSG_MAX ? (uint32_t)n : SHM_MSG_MAX;
-        memcpy(b + SHM_MSG_OFFSET, m, mlen);
-    }
+    uint64_t compute_us;
+    uint32_t mlen, status = moe_shm_answer(s, b, layer, h[0], h[1], h + 2, b + s->out_off, seq, arrived, &compute_us,
+                                           &mlen);
+    if (status) memcpy(b + SHM_MSG_OFFSET, s->msg, mlen);
     uint64_t server_us = (uint64_t)((shm_now_ns() - arrived) / 1000);
     memcpy(b + SHM_RESULT_OFFSET, &compute_us, 8);
     memcpy(b + SHM_RESULT_OFFSET + 8, &server_us, 8);

@@ -20,7 +20,7 @@
 #include "moe.h"
 #include "shm_wire.h"  /* wire/: the doorbell and slot constants */
 
-enum { MOE_SHM_CLOSED = 0, MOE_SHM_BAD_DOORBELL = 1, MOE_SHM_INTERNAL = 2 };
+enum { MOE_SHM_CLOSED = 0, MOE_SHM_BAD_DOORBELL = 1, MOE_SHM_INTERNAL = 2, MOE_TCP_BAD_FRAME = 3, MOE_TCP_STALLED = 4 };
 
 typedef struct { int32_t layer, T; int64_t wait_ns, kernel_ns; } MoeShmRec;
 
@@ -69,6 +69,20 @@ static inline void moe_shm_set_tail(MoeShm *s, uint64_t t) { __atomic_store_n(&s
 static inline uint64_t moe_shm_dropped(const MoeShm *s) { return __atomic_load_n(&s->dropped, __ATOMIC_RELAXED); }
 /* the compute over an Engine's experts (pool, kern, fmt, experts, cap, inter, hid) */
 int moe_shm_kernels(MoeShm *s, int layer, int T, int k, char *err, size_t cap);
+/* one call's validation (as the shard's validator), compute and output: the request's rows at b
+ * (s->hidden_off / ids_off / w_off; c: dtype codes hidden / ids / weights / output), the answer
+ * written to out in the output dtype. Returns the status (0 OK, 3 INVALID_ARGUMENT, 13 INTERNAL);
+ * when not 0, s->msg holds "shard S: seq N: why" and *mlen its length. Shared by both loops. */
+uint32_t moe_shm_answer(MoeShm *s, const unsigned char *b, int32_t layer, uint32_t T, uint32_t k, const uint32_t *c,
+                        unsigned char *out, uint64_t seq, int64_t arrived, uint64_t *compute_us, uint32_t *mlen);
+/* the TCP data path's loop over one connected socket s->fd (wire.tcp's frames): each frame's header,
+ * then its payload into req (req_cap bytes; committed as it arrives), answered from out (the output
+ * rows' buffer); K: the model's num_experts_per_tok (a header with k outside [1, K], T above
+ * shard_max_tokens or an unknown dtype code is answered INVALID_ARGUMENT and ends the loop with
+ * MOE_TCP_BAD_FRAME: its payload length cannot be trusted). Between frames the connection may idle;
+ * once a frame's first byte came, the rest must within frame_timeout_s (else MOE_TCP_STALLED).
+ * Returns as moe_shm_serve does otherwise (MOE_SHM_CLOSED, MOE_SHM_INTERNAL after answering). */
+int moe_tcp_serve(MoeShm *s, unsigned char *req, size_t req_cap, unsigned char *out, int K, double frame_timeout_s);
 /* serve doorbells until the client goes (MOE_SHM_CLOSED) or a bad doorbell (MOE_SHM_BAD_DOORBELL:
  * slot / seq say which); returns MOE_SHM_INTERNAL after answering a call whose compute failed (msg
  * says why) so that the caller can log it and serve on */

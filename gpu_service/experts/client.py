@@ -46,7 +46,7 @@ from gpu_service.experts.groups import _coverage_key, _Group, _Replica, check_co
 from gpu_service.experts.stream import _retryable, _ShardStream
 from protos.moesplit.v1 import experts_pb2, experts_pb2_grpc
 from wire.channel import (
-    add_tls_arguments, channel_credentials, channel_options, DEFAULT_MAX_TOKENS, make_channel, TLSFiles,
+    add_tls_arguments, channel_credentials, channel_options, DEFAULT_MAX_TOKENS, host_of, make_channel, TLSFiles,
 )
 
 log = logging.getLogger("moesplit.experts_client")
@@ -308,17 +308,17 @@ class ExpertsClient:
         ok = bool(self.groups) and all(any(out.get(r.address) == "SERVING" for r in g.replicas) for g in self.groups)
         return ok, out
 
+    def replica_labels(self, address: str) -> tuple[str, str]:
+        """(host, replica) for metrics: the host this client dials and the shard's own id (Describe's
+        shard_id, stable across restarts; the address until the shard answered)."""
+        r = next((r for r in self.replicas if r.address == address), None)
+        name = r.desc.info.shard_id if r is not None and r.desc is not None and r.desc.info.shard_id else address
+        return host_of(address), name
+
     # ---- compute ------------------------------------------------------------------------------
-    def _pick(self, g: _Group, tried: list[_Replica]) -> _Replica | None:
-        """A healthy replica of g not in tried, round-robin."""
-        if len(g.replicas) == 1 and not tried:
-            r = g.replicas[0]
-            return r if r.healthy else None
-        with self._lock:
-            live = [r for r in g.replicas if r.healthy and r not in tried]
-            if not live:
-                return None
-            return live[next(g.rr) % len(live)]
+    def _pick(self, g: _Group, tried: list[_Replica], peek: bool = False) -> _Replica | None:
+        """A healthy replica of g not in tried, round-robin (`peek`: the turn not taken; _Group.pick)."""
+        return g.pick(tried, peek)
 
     def _call_group(self, g: _Group, layer: int, x, i, ww, failed: tuple | None = None,
                     first: _Replica | None = None) -> Future:
@@ -432,8 +432,9 @@ class ExpertsClient:
             pass
 
     def direct_route(self, row: list | None) -> list | None:
-        """The (group, replica, shared-memory fast path) of each part of a call whose parts all take
-        every row, in group order: every group holds all experts (`whole`: any T, row unused), or
+        """The (group, replica, direct fast path: shared memory, or TCP through its C client) of each
+        part of a call whose parts all take every row, in group order: every group holds all experts
+        (`whole`: any T, row unused), or
         `row` (T == 1: its expert ids) picks the groups holding one of them. None: the call goes
         through forward_async (a group without a usable fast path, rows split between groups,
         nothing routed)."""
@@ -446,12 +447,14 @@ class ExpertsClient:
                 held = _mask(g.desc, E)
                 if not any(held[e] for e in row):
                     continue
-            r = self._pick(g, [])
+            r = self._pick(g, [], peek=True)  # a call that does not go this way must not take the turn
             entry = None if r is None else self.fast.paths.get(r.address)
-            if entry is None or entry[0] is None or entry[0].kind != "shm" or not entry[0].usable \
+            if entry is None or entry[0] is None or not entry[0].direct or not entry[0].usable \
                     or entry[1] is not r.stream:
                 return None
             out.append((g, r, entry[0]))
+        for g, _, _ in out:
+            g.advance()
         return out or None
 
     def fail_over(self, layer: int, g: _Group, r: _Replica, hold: Hold, inputs: tuple) -> np.ndarray:

@@ -5,8 +5,10 @@ file + doorbell (`AttachShm`); a replica that accepts serves layer calls through
 one that refuses (another host, no shared directory, disabled, an old shard) stays on the gRPC
 stream. Per call, `send()` returns None whenever the fast path cannot take it (not negotiated,
 broken, more rows than a slot holds, every slot busy): the caller then uses gRPC. A fast path that
-breaks mid-call (the doorbell socket fails) re-sends its pending calls over gRPC and is not used
-again until the replica reconnects; a refused call (INVALID_ARGUMENT) fails like gRPC's; a call
+breaks mid-call (the doorbell socket fails) re-sends its pending calls over gRPC; the replica then
+stays on gRPC until a fresh fast path is negotiated (when it reconnects, or, while its gRPC channel
+still works, e.g. a shard restarted at the same address, after a back-off of RETRY_MIN_S doubling
+to RETRY_MAX_S); a refused call (INVALID_ARGUMENT) fails like gRPC's; a call
 past its deadline fails with DEADLINE_EXCEEDED (the client then fails over to another replica).
 
 mode: "grpc" never negotiates; "auto" offers shared memory, then the cross-host TCP data path
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future
 
 from gpu_service.experts.errors import ExpertsClientError
@@ -29,6 +32,7 @@ log = logging.getLogger("moesplit.shm")
 
 
 MODES = ("auto", "grpc", "shm", "tcp")
+RETRY_MIN_S, RETRY_MAX_S = 0.5, 8.0  # back-off of renegotiating a fast path that broke
 
 
 class FastPaths:
@@ -48,6 +52,7 @@ class FastPaths:
         self.paths: dict[str, tuple[FastPath | None, object]] = {}  # address -> (fast path, stream it went with)
         self.reasons: dict[str, str] = {}  # address -> why it is on gRPC
         self._renegotiating: set[str] = set()
+        self._retry: dict[str, tuple[float, float]] = {}  # address -> (next try, back-off) after a break
         self._lock = threading.Lock()
 
     def _negotiate(self, r, cfg) -> tuple[_Path | None, str]:
@@ -114,7 +119,20 @@ class FastPaths:
             return entry[0].send(layer, x, ids, w, timeout_s, fallback, hold)
         if self.mode != "grpc" and (entry is None or entry[1] is not r.stream):
             self._renegotiate(r, cfg)  # the replica reconnected since: offer it a fresh fast path
+        elif self.mode != "grpc" and entry[0] is not None and not entry[0].usable and self._due(r.address):
+            self._renegotiate(r, cfg)  # broke while gRPC still works (a restarted shard): try again, backing off
         return None
+
+    def _due(self, address: str) -> bool:
+        """Whether a broken fast path to `address` may be renegotiated now (and book the next try)."""
+        now = time.monotonic()
+        with self._lock:
+            at, backoff = self._retry.get(address, (0.0, 0.0))
+            if now < at or address in self._renegotiating:
+                return False
+            backoff = min(RETRY_MAX_S, max(RETRY_MIN_S, 2 * backoff))
+            self._retry[address] = (now + backoff, backoff)
+        return True
 
     def _renegotiate(self, r, cfg) -> None:
         with self._lock:

@@ -5,7 +5,7 @@ group; `check_coverage` requires every (MoE layer, expert, slice) exactly once o
 """
 from __future__ import annotations
 
-import itertools
+import threading
 from dataclasses import dataclass
 
 import grpc
@@ -120,12 +120,33 @@ class _Group:
         self.desc = desc
         self.key = _coverage_key(desc.info)
         self.replicas: list[_Replica] = []
-        self.rr = itertools.count()
+        self.rr = 0  # round-robin position: advanced by each call that is sent (pick, advance)
+        self.lock = threading.Lock()
         what = f"experts {compact_ranges(desc.experts)}"
         I = cfg.moe_intermediate_size
         if (desc.info.intermediate_start, desc.info.intermediate_stop) != (0, I):
             what += f" intermediate [{desc.info.intermediate_start}:{desc.info.intermediate_stop})"
         self.name = what
+
+    def pick(self, tried: list, peek: bool = False) -> "_Replica | None":
+        """A healthy replica not in tried, round-robin; `peek`: the one a call would get, the turn not
+        taken (a caller that then sends it takes the turn with advance())."""
+        if len(self.replicas) == 1 and not tried:
+            r = self.replicas[0]
+            return r if r.healthy else None
+        with self.lock:
+            live = [r for r in self.replicas if r.healthy and r not in tried]
+            if not live:
+                return None
+            r = live[self.rr % len(live)]
+            if not peek:
+                self.rr += 1
+            return r
+
+    def advance(self) -> None:
+        """Take the round-robin turn (after a peeked pick was sent)."""
+        with self.lock:
+            self.rr += 1
 
     @property
     def addresses(self) -> str:

@@ -79,7 +79,8 @@ class DirectHandle:
                     client.report(self.layer, r.address, t_send, self.sent, 0, False)
                 inputs = hold.inputs if hold.inputs is not None else \
                     tuple(a.copy() for a in fp.inputs(hold.slot, T, self.k))
-                y = torch.from_numpy(client.fail_over(self.layer, g, r, hold, inputs))  # [T, H] float32
+                y = client.fail_over(self.layer, g, r, hold, inputs)  # [T, H] float32 (gRPC's: read-only)
+                y = torch.from_numpy(y if y.flags.writeable else y.copy())
             out.add_(y) if mode == OUT_ADD_F32 else out.copy_(y)  # (to the wire dtype: torch's cast, as .to)
         if out.dtype is not self.dtype:
             out = out.to(self.dtype)
@@ -147,7 +148,8 @@ class RemoteExperts:
     def _direct(self, layer: int, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, device, dtype):
         """The call sent straight from the CPU tensors' memory (h [T, H] float32 or the wire dtype,
         ids [T, k] int64, w [T, k] float32, contiguous) when every part of it can go onto a shared-memory
-        fast path whole (ExpertsClient.direct_route): a DirectHandle, else None (forward_async)."""
+        fast path whole (ExpertsClient.direct_route: shared memory, or the TCP data path's C client): a
+        DirectHandle, else None (forward_async)."""
         hs, shape = h.shape, ids.shape
         if self._route is None or len(hs) != 2 or len(shape) != 2 or w.shape != shape or shape[0] != hs[0] \
                 or hs[0] == 0 or hs[1] != self.client.cfg.hidden_size:

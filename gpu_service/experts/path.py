@@ -49,6 +49,7 @@ class _Path:
     thread wake-ups per call. Pending entries: seq -> (slot, future, deadline, T, fallback)."""
 
     kind = "?"
+    direct = False  # takes calls from raw addresses (send_at / finish / inputs): handoff's direct calls
 
     def __init__(self, address: str, sock: socket.socket):
         self.address, self.sock = address, sock

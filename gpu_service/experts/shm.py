@@ -39,6 +39,7 @@ class FastPath(_Path):
     every answer received, by the C client (`_shm_client.Client`: the GIL released while waiting)."""
 
     kind = "shm"
+    direct = True
 
     def __init__(self, address: str, mm: mmap.mmap, lay: P.Layout, sock: socket.socket, wire_dtype: str):
         super().__init__(address, sock)

@@ -24,7 +24,7 @@ static uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-static void put_rows(void *dst, int wire, const float *x, size_t n) {
+void sc_put_rows(void *dst, int wire, const float *x, size_t n) {
     if (wire == 0) {
         memcpy(dst, x, n * 4);
     } else if (wire == 1) {
@@ -39,7 +39,7 @@ static void put_rows(void *dst, int wire, const float *x, size_t n) {
 }
 
 /* y = the n wire values as float32, or y += them (add) */
-static void get_rows(float *y, const void *src, int wire, size_t n, int add) {
+void sc_get_rows(float *y, const void *src, int wire, size_t n, int add) {
     if (wire == 0) {
         const float *s = src;
         if (!add) memcpy(y, src, n * 4);
@@ -72,7 +72,7 @@ int sc_send(ShmClient *c, int slot, uint64_t seq, int32_t layer, const void *h, 
     if (h_wire)
         memcpy(s + c->hidden_off, h, n * es);
     else
-        put_rows(s + c->hidden_off, c->wire, h, n);
+        sc_put_rows(s + c->hidden_off, c->wire, h, n);
     memcpy(s + c->ids_off, ids, (size_t)T * k * 8);
     memcpy(s + c->w_off, w, (size_t)T * k * 4);
     /* the call header (wire.shm.CALL "<iIIIIIIQQI"): layer, T, k, dtype codes hidden / ids /
@@ -138,7 +138,7 @@ int sc_wait(ShmClient *c, int64_t spin_end_ns, int64_t deadline_ns, ShmAnswer *a
 }
 
 void sc_read(const ShmClient *c, int slot, int T, float *out) {
-    get_rows(out, slot_at(c, slot) + c->out_off, c->wire, (size_t)T * c->H, 0);
+    sc_get_rows(out, slot_at(c, slot) + c->out_off, c->wire, (size_t)T * c->H, 0);
 }
 
 int sc_finish(ShmClient *c, uint64_t seq, int slot, int T, void *out, int mode, int64_t spin_end_ns,
@@ -151,6 +151,6 @@ int sc_finish(ShmClient *c, uint64_t seq, int slot, int T, void *out, int mode, 
     if (mode == SC_OUT_WIRE)
         memcpy(out, src, n * (c->wire == 0 ? 4 : 2));
     else /* as float32: written (SC_OUT_F32) or added into out (SC_OUT_ADD_F32, in the order of the caller's calls) */
-        get_rows(out, src, c->wire, n, mode == SC_OUT_ADD_F32);
+        sc_get_rows(out, src, c->wire, n, mode == SC_OUT_ADD_F32);
     return SC_OK;
 }

@@ -49,5 +49,9 @@ void sc_read(const ShmClient *c, int slot, int T, float *out);
  * untouched); else sc_wait's codes. */
 int sc_finish(ShmClient *c, uint64_t seq, int slot, int T, void *out, int mode, int64_t spin_end_ns,
               int64_t deadline_ns, ShmAnswer *a);
+/* n float32 values -> the wire dtype (numpy / ml_dtypes casts: round to nearest even) */
+void sc_put_rows(void *dst, int wire, const float *x, size_t n);
+/* y = the n wire values as float32, or y += them (add) */
+void sc_get_rows(float *y, const void *src, int wire, size_t n, int add);
 int sc_has_f16(void);  /* 1 where the compiler has _Float16 (float16 conversions in C) */
 #endif

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import ssl
 import threading
 import time
 from concurrent.futures import Future
@@ -21,7 +22,15 @@ import numpy as np
 from gpu_service.experts.path import WATCH_S, FastResponse, _Path, shard_error
 from wire import shm as P
 from wire import tcp as T
+from wire.channel import host_of
 from protos.moesplit.v1 import experts_pb2, experts_pb2_grpc
+
+try:
+    from gpu_service.experts import _tcp_client as _C
+except ImportError:  # not built: plaintext connections use the Python client, and describe() says so
+    _C = None
+NOT_BUILT = "the C client gpu_service.experts._tcp_client is not built (make build)"
+FRAME_MIN_S = 1.0  # an answer that began gets at least this long for its rest
 
 
 class TcpPath(_Path):
@@ -37,10 +46,16 @@ class TcpPath(_Path):
         self.tx = threading.Lock()  # one frame at a time on the connection
         self.head = bytearray(T.RESPONSE.size)
         self.body = bytearray(0)
+        # plaintext: frames sent and received by the C client (the GIL released); TLS: Python's ssl here
+        self.c = None if isinstance(sock, ssl.SSLSocket) or _C is None else _C.Client(sock.fileno(), hidden_size,
+                                                                                      self.hc, max_tokens)
+        self.spin_ns = int(self.spin_s * 1e9)
 
     def describe(self) -> str:
         host, port = self.sock.getpeername()[:2]
-        return f"TCP data path ({host}:{port})"
+        how = "C client" if self.c is not None else ("TLS, Python client" if _C is not None else
+                                                     f"Python client: {NOT_BUILT}")
+        return f"TCP data path ({host}:{port}, {how})"
 
     def send(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray, timeout_s: float,
              fallback, hold=None):
@@ -63,7 +78,10 @@ class TcpPath(_Path):
                 seq = next(self.seq)
                 self.pending[seq] = (None, fut, time.monotonic() + timeout_s, n, fallback)
             try:
-                T.send_parts(self.sock, [T.REQUEST.pack(seq, layer, n, k, self.hc, self.hc), xw, iw, ww])
+                if self.c is not None:
+                    self.c.send(seq, layer, xw, iw, ww, max(1, int(timeout_s * 1000)))
+                else:
+                    T.send_parts(self.sock, [T.REQUEST.pack(seq, layer, n, k, self.hc, self.hc), xw, iw, ww])
             except OSError as e:
                 self._send_failed(seq, f"send failed: {e}")
                 return None
@@ -71,6 +89,8 @@ class TcpPath(_Path):
         return fut
 
     def _receive(self) -> tuple | None:
+        if self.c is not None:
+            return self._receive_c()
         try:
             if not self._wait_readable():
                 self.expire(time.monotonic())
@@ -103,6 +123,113 @@ class TcpPath(_Path):
             return fut, None, shard_error(self.address, status, bytes(self.body[:mlen]).decode(errors="replace"))
         out = np.frombuffer(self.body, self.wire, n * self.H).reshape(n, self.H).astype(np.float32)  # [T, H]
         return fut, FastResponse(out, compute_us, server_us), None
+
+    @property
+    def direct(self) -> bool:
+        """Whether calls may be sent from raw addresses (send_at / finish: the C client's)."""
+        return self.c is not None
+
+    def send_at(self, layer: int, T: int, k: int, h: int, h_wire: bool, ids: int, w: int, timeout_s: float,
+                hold) -> int | None:
+        """A call from raw addresses (gpu_service.experts.handoff's direct calls, which checked the
+        tensors behind them: h [T, H] float32 or the wire dtype, ids [T, k] int64, w [T, k] float32,
+        C-contiguous), `hold` resolved in its place: 0, or None (not taken). The frame's contents are
+        kept as hold.inputs for a re-send (no shared slot holds them)."""
+        if self.c is None or not self.usable or T > self.max_tokens:
+            return None
+        x, i, ww = self.c.inputs(h, h_wire, ids, w, T, k)
+        hold.inputs = (x.view(self.wire), i, ww)
+        with self.tx:
+            with self.lock:
+                if not self.usable:
+                    return None
+                hold.seq = seq = next(self.seq)
+                self.pending[seq] = (None, hold, time.monotonic() + timeout_s, T, None)
+            try:
+                self.c.send(seq, layer, *hold.inputs, max(1, int(timeout_s * 1000)))
+            except OSError as e:
+                self._send_failed(seq, f"send failed: {e}")
+                return None
+        self.calls += 1
+        return 0
+
+    def inputs(self, slot: int, T: int, k: int) -> tuple:
+        """(never needed: send_at keeps each call's inputs in its hold)"""
+        raise RuntimeError("TcpPath keeps a direct call's inputs in its hold")
+
+    def finish(self, hold, T: int, out: int, mode: int) -> bool:
+        """Wait for a send_at call's answer, receiving any other call's on the way: True when its T rows
+        are in out (an address; mode: _shm_client's OUT_*), False when it failed (hold.err)."""
+        while not hold.fin:
+            if not self.rx.acquire(blocking=False):  # another thread receives: it resolves ours too
+                time.sleep(0.0001)
+                continue
+            try:
+                entry = self.pending.get(hold.seq) if self.usable and not hold.fin else None
+                head = self._wait_c() if entry is not None else None
+                if head and head[0] == hold.seq and head[1] == P.OK and head[5] == T:
+                    self.c.read_into(T, out, mode)
+                    with self.lock:
+                        self.pending.pop(hold.seq, None)
+                    return True
+                done = self._settle_c(head) if head else None
+            finally:
+                self.rx.release()
+            if done is not None:
+                fut, res, err = done
+                fut.set_result(res) if err is None else fut.set_exception(err)
+            elif entry is None:
+                time.sleep(0)
+        return False
+
+    def _wait_c(self) -> tuple | None:
+        """One answer's header through the C client by the oldest pending call's deadline (the receive
+        lock held); None: none came (expired, broken, or a signal)."""
+        with self.lock:
+            if not self.pending:
+                return None
+            deadline = next(iter(self.pending.values()))[2]  # the oldest call's: deadlines grow with seq
+        frame_s = max(FRAME_MIN_S, deadline - time.monotonic())  # an answer that began: the rest of the deadline
+        try:
+            head = self.c.wait(self.spin_ns, int(deadline * 1e9), int(frame_s * 1e9))
+        except OSError as e:  # closed, failed, a stalled frame or a header no request can have
+            self._break(f"data connection failed: {e}")
+            return None
+        if head is None:  # nothing by the deadline (or a signal, handled)
+            self.expire(time.monotonic())
+        return head
+
+    def _receive_c(self) -> tuple | None:
+        """_receive through the C client: one answer by the oldest pending call's deadline."""
+        head = self._wait_c()
+        return self._settle_c(head) if head is not None else None
+
+    def _settle_c(self, head: tuple) -> tuple | None:
+        """The pending call an answer (its header; the body in the C client) belongs to: (future,
+        response, None) or (future, None, error); None when it is no pending call's."""
+        seq, status, compute_us, server_us, mlen, n = head
+        with self.lock:
+            entry = self.pending.get(seq)
+        if entry is not None and status == P.OK and n != entry[3]:  # not an answer to our request
+            self._break(f"the shard sent a bad response header ({n} rows for a call of {entry[3]})")
+            return None
+        with self.lock:
+            entry = self.pending.pop(seq, None)
+        if entry is None:
+            return None  # a late answer to a call already failed or re-sent
+        fut = entry[1]
+        if status != P.OK:
+            return fut, None, shard_error(self.address, status, self.c.message(mlen).decode(errors="replace"))
+        return fut, FastResponse(self.c.read(n), compute_us, server_us), None
+
+    def _close(self) -> None:
+        """Shut the connection down first: the C client holds its own descriptor of it, which would
+        keep it open (the shard never seeing the end) until that object goes, and a wait in C wakes."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        super()._close()
 
     def _wait_readable(self) -> bool:
         """Poll the connection for up to spin_s (yielding the CPU), then wait up to WATCH_S."""
@@ -141,7 +268,7 @@ def negotiate_tcp(channel: grpc.Channel, address: str, hidden_size: int, wire_dt
         return None, f"AttachTcp failed: {e.code().name}: {e.details()}"
     if not resp.accepted:
         return None, f"shard refused: {resp.reason}"
-    host = address.rsplit(":", 1)[0].strip("[]")
+    host = host_of(address)
     try:
         sock = socket.create_connection((host, resp.port), timeout=timeout_s)
     except OSError as e:
