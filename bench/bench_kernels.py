@@ -174,12 +174,34 @@ def torch_bf16_gflops(budget_s: float = 20.0) -> tuple[float | None, int]:
     return 2.0 * m * H * 2 * I * n / (time.perf_counter() - t) / 1e9, m
 
 
+def peaks_per_cpu_second(iters: int = 2 * 10**7, passes: int = 3) -> dict:
+    """Each dot-peak probe on this one thread, divided by the thread's CPU time (best of `passes`):
+    what one core does per second it actually runs, so a shared machine's other load (which takes
+    whole time slices from the wall-clock probes and from our calls alike) cancels in the ratio
+    against a record's *_per_core figure. Keys as the ceilings', in G ops per CPU-second."""
+    from cpu_expert_service.kernels import _moe
+
+    out = {}
+    for kind, (key, _) in probes.PROBES.items():
+        if not _moe.cpu_has(_moe.PROBES[kind][0]):
+            continue
+        best = 0.0
+        for _ in range(passes):
+            t = time.thread_time()
+            ops = _moe.probe_peak(kind, iters)
+            best = max(best, ops / max(time.thread_time() - t, 1e-9) / 1e9)
+        out[key] = round(best, 1)
+    return out
+
+
 def add_fractions(records: list, ceilings: dict) -> None:
     """Each of our records' fraction of its ceiling: the probed read bandwidth (what bounds the
-    1-token stream) and the probed peak of the instruction its GEMM runs on (what bounds prefill)."""
+    1-token stream) and the probed peak of the instruction its GEMM runs on (what bounds prefill),
+    by wall clock, and per CPU-second (the record's *_per_core over the one-thread CPU-time peak)."""
     from cpu_expert_service.kernels import _moe
 
     form = _moe.bf16_dot_form()
+    per_cpu = ceilings.get("peaks_per_cpu_second") or {}
     for r in records:
         if r["impl"] != "moesplit":
             continue
@@ -188,34 +210,44 @@ def add_fractions(records: list, ceilings: dict) -> None:
         if key and ceilings.get(key):
             r["compute_ceiling"] = key
             r["frac_of_compute_peak"] = round(r["gflops"] / ceilings[key], 3)
+        if key and per_cpu.get(key):
+            r["frac_of_compute_peak_per_cpu_s"] = round(r["gflops_per_core"] / per_cpu[key], 3)
 
 
 def same_isa_ratios(records: list) -> list:
-    """Per (ISA, tokens), within this run: each format's time over bf16's (< 1: faster than bf16),
-    mxfp4's over int8's, and the swiglu_limit clamp's time over the same call without it."""
-    ours = {(r.get("isa"), r["format"], r["tokens"], bool(r.get("swiglu_limit"))): r["ms"]
+    """Per (ISA, tokens), within this run: each format's time over bf16's (< 1: faster than bf16), mxfp4's
+    over int8's (same activation width), 8-bit activations' over 16-bit, and the swiglu_limit clamp's
+    time over the same call without it."""
+    ours = {(r.get("isa"), r["format"], r["tokens"], bool(r.get("swiglu_limit")), r.get("act_bits")): r["ms"]
             for r in records if r["impl"] == "moesplit"}
     out = []
-    for (isa, fmt, T, clamp), ms in sorted(ours.items(), key=str):
+    for (isa, fmt, T, clamp, ab), ms in sorted(ours.items(), key=str):
+        row = {"isa": isa, "format": fmt, "tokens": T, "act_bits": ab}
         if clamp:
-            base = ours.get((isa, fmt, T, False))
+            base = ours.get((isa, fmt, T, False, ab))
             if base:
-                out.append({"isa": isa, "format": fmt, "tokens": T, "clamp_ms_over_plain_ms": round(ms / base, 3)})
+                out.append(dict(row, clamp_ms_over_plain_ms=round(ms / base, 3)))
             continue
-        for ref in ("bf16", "int8"):
-            base = ours.get((isa, ref, T, False))
-            if base and fmt != ref and (ref == "bf16" or fmt == "mxfp4"):
-                out.append({"isa": isa, "format": fmt, "tokens": T, f"ms_over_{ref}_ms": round(ms / base, 3)})
+        bf = ours.get((isa, "bf16", T, False, None))
+        if bf and fmt != "bf16":
+            out.append(dict(row, ms_over_bf16_ms=round(ms / bf, 3)))
+        i8 = ours.get((isa, "int8", T, False, ab))
+        if i8 and fmt == "mxfp4":
+            out.append(dict(row, ms_over_int8_ms=round(ms / i8, 3)))
+        a16 = ours.get((isa, fmt, T, False, 16))
+        if a16 and ab == 8:
+            out.append(dict(row, ms_over_act16_ms=round(ms / a16, 3)))
     return out
 
 
 # ----------------------------------------------------------------------------- ours
-def load_ours(fmt: str, isa: str | None, swiglu_limit: float | None = None):
-    """A KernelExperts on `isa` holding the E experts in `fmt` (mxfp4 as stored, others from floats);
-    returns (backend, pack seconds)."""
+def load_ours(fmt: str, isa: str | None, swiglu_limit: float | None = None, act_bits: int = 16):
+    """A KernelExperts on `isa` holding the E experts in `fmt` (mxfp4 as stored, others from floats)
+    with `act_bits` activations; returns (backend, pack seconds)."""
     from cpu_expert_service.kernel_backend import KernelExperts
 
-    be = KernelExperts(fmt, num_threads=THREADS, isa=isa, swiglu_limit=swiglu_limit)
+    extra = {"act_bits": act_bits} if act_bits != 16 else {}  # (a tree without the option still benches)
+    be = KernelExperts(fmt, num_threads=THREADS, isa=isa, swiglu_limit=swiglu_limit, **extra)
     t = time.perf_counter()
     if fmt == "mxfp4":
         base = mxfp4_base()
@@ -235,25 +267,30 @@ def load_ours(fmt: str, isa: str | None, swiglu_limit: float | None = None):
     return be, pack_s
 
 
-def bench_ours(fmt: str, isa: str | None = None, tokens=TOKENS, swiglu_limit: float | None = None):
+def bench_ours(fmt: str, isa: str | None = None, tokens=TOKENS, swiglu_limit: float | None = None,
+               act_bits=(16,)):
     """Time our op on `isa` for each token count; with swiglu_limit, the same calls again on a second
-    engine holding the same experts with the clamp on, interleaved per token count (the clamp's cost)."""
+    engine holding the same experts with the clamp on, and for an integer format each of `act_bits`
+    beyond 16 on an engine of its own, interleaved per token count (paired ratios)."""
     be, pack_s = load_ours(fmt, isa)
-    clamp = load_ours(fmt, isa, swiglu_limit)[0] if swiglu_limit else None
+    engines = [(be, None, 16)]
+    if swiglu_limit:
+        engines.append((load_ours(fmt, isa, swiglu_limit)[0], swiglu_limit, 16))
+    if fmt != "bf16":
+        engines += [(load_ours(fmt, isa, act_bits=a)[0], None, a) for a in act_bits if a != 16]
     ebytes = be.expert_bytes(0, 0)
     out = []
     for T in tokens:
         x, ids, w = routing(T, T)
-        for eng, lim in ((be, None), (clamp, swiglu_limit)):
-            if eng is None:
-                continue
+        for eng, lim, abits in engines:
             ms, cpu = timed(lambda: eng.forward(0, x, ids, w), reps_for(T))
             out.append(record("moesplit", fmt, T, ms, cpu, len(np.unique(ids)) * ebytes,
-                              {"isa": eng.isa, "swiglu_limit": lim}))
-            print(f"  moesplit  {eng.isa:6s} {fmt:5s} T={T:4d} {'clamp' if lim else '     '} {ms:9.2f} ms  "
-                  f"{out[-1]['gbps']:7.2f} GB/s  {out[-1]['gflops']:7.1f} GFLOP/s  cpu {cpu:.2f}", flush=True)
+                              {"isa": eng.isa, "swiglu_limit": lim, "act_bits": abits if fmt != "bf16" else None}))
+            tag = "clamp" if lim else f"a{abits}" if fmt != "bf16" else ""
+            print(f"  moesplit  {eng.isa:6s} {fmt:5s} {tag:5s} T={T:4d} {ms:9.2f} ms  {out[-1]['gbps']:7.2f} GB/s  "
+                  f"{out[-1]['gflops']:7.1f} GFLOP/s  cpu {cpu:.2f}", flush=True)
     name = be.name
-    del be, clamp
+    del be, engines
     gc.collect()
     return out, {"name": name, "pack_s_per_expert": round(pack_s / E, 3), "expert_bytes": ebytes}
 
@@ -387,6 +424,7 @@ def main() -> int:
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated tokens per call")
     ap.add_argument("--swiglu-limit", type=float, default=SWIGLU_LIMIT,
                     help="clamp of the paired clamp-cost records (0: none)")
+    ap.add_argument("--act-bits", default="16,8", help="integer formats' activation widths to measure (16 = default)")
     ap.add_argument("--out", default="kernels.json", help="file name under bench/results/")
     ap.add_argument("--ceilings-only", action="store_true",
                     help="print the probed ceilings (read bandwidth, dot peaks; what `moesplit doctor` reports) "
@@ -416,6 +454,7 @@ def main() -> int:
     tg, tm = torch_bf16_gflops()
     ceilings["torch_bf16_gflops"] = round(tg, 1) if tg else None
     ceilings["torch_bf16_gflops_method"] = f"torch bf16 [{tm},{H}]x[{H},{2 * I}] matmul, {THREADS} threads"
+    ceilings["peaks_per_cpu_second"] = peaks_per_cpu_second()
     print(f"ceilings: {ceilings}", flush=True)
 
     so = None if args.no_kt else kt_extension_path()
@@ -425,7 +464,8 @@ def main() -> int:
     records, ours_info, kt_errors = [], {}, []
     for fmt in formats:
         for isa in isas:
-            recs, info = bench_ours(fmt, isa, tokens, args.swiglu_limit or None)
+            recs, info = bench_ours(fmt, isa, tokens, args.swiglu_limit or None,
+                                    tuple(int(a) for a in args.act_bits.split(",")))
             records += recs
             ours_info[f"{isa}/{fmt}"] = info
         if so and fmt in KT_METHOD:

@@ -122,6 +122,13 @@ static void panel_int_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C
             __m256 acc[4];
             for (int v = 0; v < 4; v++) acc[v] = g0 > 0 ? _mm256_loadu_ps(c + 8 * v) : _mm256_setzero_ps();
             for (int g = g0; g < g1; g++) {
+                if (n == 1) { /* a weight stream (decode): the lines ahead, as the bf16 GEMV */
+                    const char *gp = (const char *)wp + (size_t)g * (int4 ? MOE_INT4_GROUP_BYTES : 8 * 128);
+                    for (int l = 0; l < (int4 ? 9 : 16); l++) {
+                        _mm_prefetch(gp + STREAM2_PF + 64 * l, _MM_HINT_T0);
+                        _mm_prefetch(gp + STREAM2_PF2 + 64 * l, _MM_HINT_T1);
+                    }
+                }
                 __m256i ia[4], il[4]; /* q1 and q2 halves of the two-level activations */
                 for (int v = 0; v < 4; v++) ia[v] = il[v] = _mm256_setzero_si256();
                 if (!int4) {
