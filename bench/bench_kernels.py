@@ -1,13 +1,16 @@
 """Benchmark the CPU MoE kernels on DeepSeek-V3 layer shapes against this machine's ceilings
 and, where it installs, kt-kernel's MoE op on identical data.
 
-H 7168, I 2048, E = 32 experts, top-8, 1 / 8 / 64 / 256 tokens per call, bf16 / int8 / int4,
-2 threads; the caches are flushed before every timed call (decode streams weights from memory). Writes bench/results/kernels.json (records + ceilings + kt-kernel status/ratios) and
+H 7168, I 2048, E = 32 experts, top-8, 1 / 8 / 64 / 256 tokens per call, bf16 / int8 / int4 / mxfp4,
+2 threads, on every kernel ISA this machine runs (--isa picks some); each record keeps its fraction of
+the read ceiling and of the dot peak of the instruction it runs on, and the swiglu_limit (DeepSeek-V4's
+clamp) cost is measured as paired records with and without the clamp; the caches are flushed before every timed call (decode streams weights from memory). Writes bench/results/kernels.json (records + ceilings + kt-kernel status/ratios) and
 bench/results/kernels.png. kt-kernel is looked for in a separate venv ($KT_KERNEL_VENV, default
 /tmp/ktvenv, made with `pip install --no-deps kt-kernel`) and run in a subprocess per format, so
 its worker threads never overlap our measurements.
 
-    python bench/bench_kernels.py [--no-kt] [--ceilings-only]
+    python bench/bench_kernels.py [--no-kt] [--ceilings-only] [--isa avx512,avx2] [--formats int8,int4]
+                                  [--tokens 1,256] [--swiglu-limit 10] [--out kernels.json]
 
 The ceilings come from cpu_expert_service.probes, the probes `moesplit doctor` runs.
 """
@@ -31,7 +34,8 @@ from cpu_expert_service import probes  # noqa: E402 (after the path): the ceilin
 
 H, I, E, TOPK = 7168, 2048, 32, 8
 TOKENS = (1, 8, 64, 256)
-FORMATS = ("bf16", "int8", "int4")
+FORMATS = ("bf16", "int8", "int4", "mxfp4")
+SWIGLU_LIMIT = 10.0  # DeepSeek-V4's swiglu_limit; the clamp-cost records use it
 THREADS = 2
 RESULTS = os.path.join(ROOT, "bench", "results")
 KT_METHOD = {"bf16": "AMXBF16_MOE", "int8": "AMXInt8_MOE", "int4": "AMXInt4_MOE"}
@@ -58,6 +62,16 @@ def expert_weights_into(base, e: int, out) -> None:
         s = (e * 7919) % n
         df[s:] = sf[: n - s]
         df[:s] = sf[n - s:]
+
+
+def mxfp4_base(seed: int = 0):
+    """Random stored MXFP4 tensors (blocks [out, in/2] u8, e8m0 scales [out, in/32] near 2^-8, like a
+    trained model's) for gate [I, H], up [I, H], down [H, I]; expert e rolls their rows by 7 * e."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for o, i in ((I, H), (I, H), (H, I)):
+        out += [rng.integers(0, 256, size=(o, i // 2), dtype=np.uint8), rng.integers(119, 122, size=(o, i // 32), dtype=np.uint8)]
+    return out
 
 
 def routing(T: int, seed: int):
@@ -160,12 +174,34 @@ def torch_bf16_gflops(budget_s: float = 20.0) -> tuple[float | None, int]:
     return 2.0 * m * H * 2 * I * n / (time.perf_counter() - t) / 1e9, m
 
 
+def peaks_per_cpu_second(iters: int = 2 * 10**7, passes: int = 3) -> dict:
+    """Each dot-peak probe on this one thread, divided by the thread's CPU time (best of `passes`):
+    what one core does per second it actually runs, so a shared machine's other load (which takes
+    whole time slices from the wall-clock probes and from our calls alike) cancels in the ratio
+    against a record's *_per_core figure. Keys as the ceilings', in G ops per CPU-second."""
+    from cpu_expert_service.kernels import _moe
+
+    out = {}
+    for kind, (key, _) in probes.PROBES.items():
+        if not _moe.cpu_has(_moe.PROBES[kind][0]):
+            continue
+        best = 0.0
+        for _ in range(passes):
+            t = time.thread_time()
+            ops = _moe.probe_peak(kind, iters)
+            best = max(best, ops / max(time.thread_time() - t, 1e-9) / 1e9)
+        out[key] = round(best, 1)
+    return out
+
+
 def add_fractions(records: list, ceilings: dict) -> None:
     """Each of our records' fraction of its ceiling: the probed read bandwidth (what bounds the
-    1-token stream) and the probed peak of the instruction its GEMM runs on (what bounds prefill)."""
+    1-token stream) and the probed peak of the instruction its GEMM runs on (what bounds prefill),
+    by wall clock, and per CPU-second (the record's *_per_core over the one-thread CPU-time peak)."""
     from cpu_expert_service.kernels import _moe
 
     form = _moe.bf16_dot_form()
+    per_cpu = ceilings.get("peaks_per_cpu_second") or {}
     for r in records:
         if r["impl"] != "moesplit":
             continue
@@ -174,34 +210,87 @@ def add_fractions(records: list, ceilings: dict) -> None:
         if key and ceilings.get(key):
             r["compute_ceiling"] = key
             r["frac_of_compute_peak"] = round(r["gflops"] / ceilings[key], 3)
+        if key and per_cpu.get(key):
+            r["frac_of_compute_peak_per_cpu_s"] = round(r["gflops_per_core"] / per_cpu[key], 3)
+
+
+def same_isa_ratios(records: list) -> list:
+    """Per (ISA, tokens), within this run: each format's time over bf16's (< 1: faster than bf16), mxfp4's
+    over int8's (same activation width), 8-bit activations' over 16-bit, and the swiglu_limit clamp's
+    time over the same call without it."""
+    ours = {(r.get("isa"), r["format"], r["tokens"], bool(r.get("swiglu_limit")), r.get("act_bits")): r["ms"]
+            for r in records if r["impl"] == "moesplit"}
+    out = []
+    for (isa, fmt, T, clamp, ab), ms in sorted(ours.items(), key=str):
+        row = {"isa": isa, "format": fmt, "tokens": T, "act_bits": ab}
+        if clamp:
+            base = ours.get((isa, fmt, T, False, ab))
+            if base:
+                out.append(dict(row, clamp_ms_over_plain_ms=round(ms / base, 3)))
+            continue
+        bf = ours.get((isa, "bf16", T, False, None))
+        if bf and fmt != "bf16":
+            out.append(dict(row, ms_over_bf16_ms=round(ms / bf, 3)))
+        i8 = ours.get((isa, "int8", T, False, ab))
+        if i8 and fmt == "mxfp4":
+            out.append(dict(row, ms_over_int8_ms=round(ms / i8, 3)))
+        a16 = ours.get((isa, fmt, T, False, 16))
+        if a16 and ab == 8:
+            out.append(dict(row, ms_over_act16_ms=round(ms / a16, 3)))
+    return out
 
 
 # ----------------------------------------------------------------------------- ours
-def bench_ours(fmt: str):
+def load_ours(fmt: str, isa: str | None, swiglu_limit: float | None = None, act_bits: int = 16):
+    """A KernelExperts on `isa` holding the E experts in `fmt` (mxfp4 as stored, others from floats)
+    with `act_bits` activations; returns (backend, pack seconds)."""
     from cpu_expert_service.kernel_backend import KernelExperts
 
-    base = base_weights()
-    be = KernelExperts(fmt, num_threads=THREADS)
+    extra = {"act_bits": act_bits} if act_bits != 16 else {}  # (a tree without the option still benches)
+    be = KernelExperts(fmt, num_threads=THREADS, isa=isa, swiglu_limit=swiglu_limit, **extra)
     t = time.perf_counter()
-    g, u, d = (np.empty(b.shape, np.float32) for b in base)
-    for e in range(E):
-        expert_weights_into(base, e, (g, u, d))
-        be.add_expert(0, e, g, u, d)
-    del g, u, d
+    if fmt == "mxfp4":
+        base = mxfp4_base()
+        for e in range(E):
+            be.add_expert_mxfp4(0, e, *(np.roll(a, 7 * e, axis=0) for a in base))
+    else:
+        base = base_weights()
+        g, u, d = (np.empty(b.shape, np.float32) for b in base)
+        for e in range(E):
+            expert_weights_into(base, e, (g, u, d))
+            be.add_expert(0, e, g, u, d)
+        del g, u, d
     be.finalize()
     pack_s = time.perf_counter() - t
     del base
     gc.collect()
+    return be, pack_s
+
+
+def bench_ours(fmt: str, isa: str | None = None, tokens=TOKENS, swiglu_limit: float | None = None,
+               act_bits=(16,)):
+    """Time our op on `isa` for each token count; with swiglu_limit, the same calls again on a second
+    engine holding the same experts with the clamp on, and for an integer format each of `act_bits`
+    beyond 16 on an engine of its own, interleaved per token count (paired ratios)."""
+    be, pack_s = load_ours(fmt, isa)
+    engines = [(be, None, 16)]
+    if swiglu_limit:
+        engines.append((load_ours(fmt, isa, swiglu_limit)[0], swiglu_limit, 16))
+    if fmt != "bf16":
+        engines += [(load_ours(fmt, isa, act_bits=a)[0], None, a) for a in act_bits if a != 16]
     ebytes = be.expert_bytes(0, 0)
     out = []
-    for T in TOKENS:
+    for T in tokens:
         x, ids, w = routing(T, T)
-        ms, cpu = timed(lambda: be.forward(0, x, ids, w), reps_for(T))
-        out.append(record("moesplit", fmt, T, ms, cpu, len(np.unique(ids)) * ebytes, {"isa": be.isa}))
-        print(f"  moesplit  {fmt:5s} T={T:4d} {ms:9.2f} ms  {out[-1]['gbps']:7.2f} GB/s  "
-              f"{out[-1]['gflops']:7.1f} GFLOP/s  cpu {cpu:.2f}", flush=True)
+        for eng, lim, abits in engines:
+            ms, cpu = timed(lambda: eng.forward(0, x, ids, w), reps_for(T))
+            out.append(record("moesplit", fmt, T, ms, cpu, len(np.unique(ids)) * ebytes,
+                              {"isa": eng.isa, "swiglu_limit": lim, "act_bits": abits if fmt != "bf16" else None}))
+            tag = "clamp" if lim else f"a{abits}" if fmt != "bf16" else ""
+            print(f"  moesplit  {eng.isa:6s} {fmt:5s} {tag:5s} T={T:4d} {ms:9.2f} ms  {out[-1]['gbps']:7.2f} GB/s  "
+                  f"{out[-1]['gflops']:7.1f} GFLOP/s  cpu {cpu:.2f}", flush=True)
     name = be.name
-    del be
+    del be, engines
     gc.collect()
     return out, {"name": name, "pack_s_per_expert": round(pack_s / E, 3), "expert_bytes": ebytes}
 
@@ -289,31 +378,29 @@ def plot(records, ceilings, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), sharey=True)
+    fig, axes = plt.subplots(1, len(FORMATS), figsize=(5 * len(FORMATS), 4.5), sharey=True)
+    isas = sorted({r.get("isa") for r in records if r["impl"] == "moesplit"}, key=str)
     for ax, fmt in zip(axes, FORMATS):
-        for impl, style in (("moesplit", "o-"), ("kt-kernel", "s--")):
-            rs = sorted((r for r in records if r["impl"] == impl and r["format"] == fmt), key=lambda r: r["tokens"])
+        ours = [r for r in records if r["impl"] == "moesplit" and r["format"] == fmt and not r.get("swiglu_limit")]
+        for isa, style in zip(isas, ("o-", "^-", "v-", "d-")):
+            rs = sorted((r for r in ours if r.get("isa") == isa), key=lambda r: r["tokens"])
             if rs:
-                ax.plot([r["tokens"] for r in rs], [r["ms"] for r in rs], style, label=impl)
-        rs = sorted((r for r in records if r["impl"] == "moesplit" and r["format"] == fmt), key=lambda r: r["tokens"])
+                ax.plot([r["tokens"] for r in rs], [r["ms"] for r in rs], style, label=f"moesplit {isa}")
+        rs = sorted((r for r in records if r["impl"] == "kt-kernel" and r["format"] == fmt), key=lambda r: r["tokens"])
+        if rs:
+            ax.plot([r["tokens"] for r in rs], [r["ms"] for r in rs], "s--", label="kt-kernel")
+        rs = sorted((r for r in ours if r.get("isa") == isas[0]), key=lambda r: r["tokens"]) if isas else []
         if rs:
             toks = [r["tokens"] for r in rs]
             touched = [r["gbps"] * r["ms"] * 1e-3 * 1e9 for r in rs]  # bytes
             ax.plot(toks, [b / (ceilings["read_gbps"] * 1e9) * 1e3 for b in touched], ":", color="gray",
                     label=f"read-bandwidth floor ({ceilings['read_gbps']:.1f} GB/s)")
-            if ceilings.get("torch_bf16_gflops"):
-                fl = [2.0 * 3 * H * I * t * TOPK for t in toks]
-                ax.plot(toks, [f / (ceilings["torch_bf16_gflops"] * 1e9) * 1e3 for f in fl], "-.", color="gray",
-                        label=f"torch bf16 GEMM ({ceilings['torch_bf16_gflops']:.0f} GFLOP/s)")
-            if ceilings.get("peak_fma_f32_gflops"):
-                fl = [2.0 * 3 * H * I * t * TOPK for t in toks]
-                ax.plot(toks, [f / (ceilings["peak_fma_f32_gflops"] * 1e9) * 1e3 for f in fl], "--", color="silver",
-                        label=f"f32 FMA peak ({ceilings['peak_fma_f32_gflops']:.0f} GFLOP/s)")
-            key = next((r["compute_ceiling"] for r in rs if r.get("compute_ceiling")), None)
-            if key:
-                fl = [2.0 * 3 * H * I * t * TOPK for t in toks]
-                ax.plot(toks, [f / (ceilings[key] * 1e9) * 1e3 for f in fl], "--", color="tan",
-                        label=f"{key} ({ceilings[key]:.0f})")
+            fl = [2.0 * 3 * H * I * t * TOPK for t in toks]
+            for key, style, color in (("torch_bf16_gflops", "-.", "gray"),
+                                      (rs[0].get("compute_ceiling"), "--", "tan")):
+                if key and ceilings.get(key):
+                    ax.plot(toks, [f / (ceilings[key] * 1e9) * 1e3 for f in fl], style, color=color,
+                            label=f"{key} ({ceilings[key]:.0f})")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(f"{fmt}: H={H} I={I} E={E} top-{TOPK}, {THREADS} threads")
@@ -331,6 +418,14 @@ def main() -> int:
     ap.add_argument("--kt-worker", help=argparse.SUPPRESS)
     ap.add_argument("--kt-so", help=argparse.SUPPRESS)
     ap.add_argument("--no-kt", action="store_true", help="skip kt-kernel")
+    ap.add_argument("--isa", help="comma-separated kernel ISAs to measure (default: every one this machine runs "
+                    "except generic)")
+    ap.add_argument("--formats", default=",".join(FORMATS), help="comma-separated weight formats")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated tokens per call")
+    ap.add_argument("--swiglu-limit", type=float, default=SWIGLU_LIMIT,
+                    help="clamp of the paired clamp-cost records (0: none)")
+    ap.add_argument("--act-bits", default="16,8", help="integer formats' activation widths to measure (16 = default)")
+    ap.add_argument("--out", default="kernels.json", help="file name under bench/results/")
     ap.add_argument("--ceilings-only", action="store_true",
                     help="print the probed ceilings (read bandwidth, dot peaks; what `moesplit doctor` reports) "
                          "as JSON and stop")
@@ -343,7 +438,14 @@ def main() -> int:
         return 0
 
     os.makedirs(RESULTS, exist_ok=True)
+    from cpu_expert_service.kernel_backend import AVAILABLE_ISAS
     from cpu_expert_service.kernels import _moe
+
+    isas = args.isa.split(",") if args.isa else [i for i in AVAILABLE_ISAS if i != "generic"]
+    formats, tokens = args.formats.split(","), tuple(int(t) for t in args.tokens.split(","))
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown:
+        ap.error(f"--formats: {unknown} not among {FORMATS}")
 
     print(f"bf16 form of the AVX-512 kernels here: {_moe.bf16_dot_form()}", flush=True)
     t0 = time.time()
@@ -352,6 +454,7 @@ def main() -> int:
     tg, tm = torch_bf16_gflops()
     ceilings["torch_bf16_gflops"] = round(tg, 1) if tg else None
     ceilings["torch_bf16_gflops_method"] = f"torch bf16 [{tm},{H}]x[{H},{2 * I}] matmul, {THREADS} threads"
+    ceilings["peaks_per_cpu_second"] = peaks_per_cpu_second()
     print(f"ceilings: {ceilings}", flush=True)
 
     so = None if args.no_kt else kt_extension_path()
@@ -359,11 +462,13 @@ def main() -> int:
                 "unavailable: no kt-kernel venv with _kt_kernel_ext_avx512_bf16 at $KT_KERNEL_VENV (default /tmp/ktvenv); "
                 "create it with `python3 -m venv /tmp/ktvenv && /tmp/ktvenv/bin/pip install --no-deps kt-kernel`")
     records, ours_info, kt_errors = [], {}, []
-    for fmt in FORMATS:
-        recs, info = bench_ours(fmt)
-        records += recs
-        ours_info[fmt] = info
-        if so:
+    for fmt in formats:
+        for isa in isas:
+            recs, info = bench_ours(fmt, isa, tokens, args.swiglu_limit or None,
+                                    tuple(int(a) for a in args.act_bits.split(",")))
+            records += recs
+            ours_info[f"{isa}/{fmt}"] = info
+        if so and fmt in KT_METHOD:
             try:
                 recs, err = bench_kt(fmt, so, timeout_s=150)
             except subprocess.TimeoutExpired:
@@ -380,10 +485,11 @@ def main() -> int:
             continue
         kt = next((q for q in records if q["impl"] == "kt-kernel" and q["format"] == r["format"]
                    and q["tokens"] == r["tokens"]), None)
-        if kt:
-            ratios.append({"format": r["format"], "tokens": r["tokens"],
+        if kt and not r.get("swiglu_limit"):
+            ratios.append({"isa": r.get("isa"), "format": r["format"], "tokens": r["tokens"],
                            "speedup_vs_kt": round(kt["ms"] / r["ms"], 2)})
     add_fractions(records, ceilings)
+    same_isa = same_isa_ratios(records)
     result = {
         "shape": {"H": H, "I": I, "experts": E, "top_k": TOPK, "threads": THREADS},
         "host": {k: v for k, v in host.items() if k != "ceilings"},
@@ -395,6 +501,8 @@ def main() -> int:
                             "(AMXInt4_MOE is kt's own int4 layout, not compressed-tensors group-32); its output "
                             "is bf16, ours f32."),
         "ratios": ratios,
+        "same_isa_ratios": same_isa,
+        "cpu": probes.cpu_vendor_family_model(),
         "ours": ours_info,
         "bf16_form_avx512": _moe.bf16_dot_form(),
         "notes": ("cpu_util = process CPU seconds / wall seconds during a call (2.0 = both cores ours); the "
@@ -403,13 +511,16 @@ def main() -> int:
                   "contention it yields cores that a spinning pool (kt-kernel shows cpu_util ~2.0) keeps."),
         "wall_s": round(time.time() - t0, 1),
     }
-    with open(os.path.join(RESULTS, "kernels.json"), "w") as f:
+    out = os.path.join(RESULTS, args.out)
+    with open(out, "w") as f:
         json.dump(result, f, indent=1)
     try:
-        plot(records, ceilings, os.path.join(RESULTS, "kernels.png"))
+        plot(records, ceilings, os.path.splitext(out)[0] + ".png")
     except Exception as e:  # plotting is a convenience; the JSON is the result
         print(f"plot failed: {e}")
-    print(f"wrote {RESULTS}/kernels.json, kernels.png in {result['wall_s']} s; kt-kernel: {kt_status}")
+    for q in same_isa:
+        print(f"  {q}")
+    print(f"wrote {out} (+ .png) in {result['wall_s']} s; kt-kernel: {kt_status}")
     return 0
 
 

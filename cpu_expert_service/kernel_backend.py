@@ -52,10 +52,13 @@ class KernelExperts:
 
     weight_format: "bf16" | "int8" | "int4" (how the kernels store the weights); num_threads:
     default one per allowed CPU; isa: override the dispatch (default select_isa()); swiglu_limit:
-    None (off) or L > 0, the gate/up clamp before silu (DeepSeek-V4), applied in C (moe_core.c)."""
+    None (off) or L > 0, the gate/up clamp before silu (DeepSeek-V4), applied in C (moe_core.c);
+    act_bits: how int8/int4/mxfp4 quantise activations per group of 32, 16 (default: two int8 levels,
+    ~2^-15 relative) or 8 (one level, ~2^-8, the usual int8 activations: half the integer products in
+    the AVX-512 prefill micro-kernel); bf16 weights take bf16 activations (16 only)."""
 
     def __init__(self, weight_format: str = "bf16", num_threads: int | None = None, isa: str | None = None,
-                 swiglu_limit: float | None = None) -> None:
+                 swiglu_limit: float | None = None, act_bits: int = 16) -> None:
         from cpu_expert_service.backend import check_swiglu_limit
 
         self.swiglu_limit = check_swiglu_limit(swiglu_limit)
@@ -67,8 +70,10 @@ class KernelExperts:
         if self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
         self.weight_format = weight_format
-        self.name = f"kernel-{self.isa}-{weight_format}"
-        self._engine = _moe.Engine(weight_format, self.isa, self.num_threads, cpus, self.swiglu_limit or 0.0)
+        self.act_bits = int(act_bits)
+        self.name = f"kernel-{self.isa}-{weight_format}" + ("-a8" if self.act_bits == 8 else "")
+        self._engine = _moe.Engine(weight_format, self.isa, self.num_threads, cpus, self.swiglu_limit or 0.0,
+                                   self.act_bits)
         self._finalized = False
 
     # -- loading ---------------------------------------------------------------------------

@@ -37,7 +37,8 @@ PROBES = {
 # which ceiling a GEMM of (ISA, format) is held to beyond 1 token: the instruction it runs on
 COMPUTE_CEILING = {("avx512", "bf16"): "peak_dpbf16_gflops", ("avx512", "int8"): "peak_vnni_int8_gops",
                    ("avx512", "int4"): "peak_vnni_int8_gops", ("avx2", "bf16"): "peak_fma_f32_avx2_gflops",
-                   ("avx2", "int8"): "peak_maddubs_int8_avx2_gops", ("avx2", "int4"): "peak_maddubs_int8_avx2_gops"}
+                   ("avx2", "int8"): "peak_maddubs_int8_avx2_gops", ("avx2", "int4"): "peak_maddubs_int8_avx2_gops",
+                   ("avx512", "mxfp4"): "peak_vnni_int8_gops", ("avx2", "mxfp4"): "peak_maddubs_int8_avx2_gops"}
 READ_METHOD = ("C streaming read (moe_probe_read) of {gib} GiB by the kernels' pool, {threads} pinned threads, "
                "256-bit loads, best of {passes}")
 PEAK_METHOD = ("{threads} threads x 12 independent vector chains of one instruction (vfmadd ps zmm / vdpbf16ps / "

@@ -42,9 +42,9 @@ def rel_err(out, ref):
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def make_backend(fmt, isa, H, I, experts, seed=0, threads=2):
+def make_backend(fmt, isa, H, I, experts, seed=0, threads=2, act_bits=16):
     rng = np.random.default_rng(seed)
-    be = kb.KernelExperts(fmt, num_threads=threads, isa=isa)
+    be = kb.KernelExperts(fmt, num_threads=threads, isa=isa, act_bits=act_bits)
     src = {}
     for e in experts:
         gate = rng.standard_normal((I, H), dtype=np.float32) * 0.2
@@ -102,15 +102,15 @@ def test_matches_reference(fmt, isa, H, I):
     print(f"\n{fmt:5s} {isa:8s} H={H} I={I}  " + "  ".join(figures))
 
 
-def invariance_failures(fmt, isa, H=160, I=96, n_tok=300, sizes=(1, 2, 3, 16, 17, 40, 129, 300), seed=5):
+def invariance_failures(fmt, isa, H=160, I=96, n_tok=300, sizes=(1, 2, 3, 16, 17, 40, 129, 300), seed=5, act_bits=16):
     """Batch invariance of one (format, ISA): every row of a call of each size in `sizes` (tokens
     drawn at random from a pool of `n_tok`, random top-2 routing over 8 ids of which 6 are held, so
     tokens per expert run from 0 to ~n_tok / 3 and cross the 1-token, tiled and AMX 16-token
     paths) must equal bit for bit the same token computed alone; a 1-thread backend must give the
     2-thread backend's bits. Returns the failures as strings (empty = invariant)."""
     held = [0, 1, 2, 4, 5, 7]
-    be2, _ = make_backend(fmt, isa, H, I, held, threads=2)
-    be1, _ = make_backend(fmt, isa, H, I, held, threads=1)
+    be2, _ = make_backend(fmt, isa, H, I, held, threads=2, act_bits=act_bits)
+    be1, _ = make_backend(fmt, isa, H, I, held, threads=1, act_bits=act_bits)
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n_tok, H), dtype=np.float32)
     ids, w = routing(rng, n_tok, 2, 8)
@@ -137,6 +137,38 @@ def test_batch_invariant(fmt, isa):
     any load, and a failover replays the same text."""
     fails = invariance_failures(fmt, isa)
     assert not fails, "\n".join(fails)
+
+
+@pytest.mark.parametrize("isa", ISAS_HERE)
+@pytest.mark.parametrize("fmt", ("int8", "int4", "mxfp4"))
+def test_act8_matches_reference_and_is_batch_invariant(fmt, isa):
+    """8-bit activations (act_bits=8: one int8 level per group of 32, q2 = 0): against float math on the
+    same weights within the one level's rounding (~2^-8 relative per element: ~1.2e-2 on whole
+    outputs), measurably coarser than the default two-level activations (so the mode is in effect),
+    and batch-invariant across the 1-token paths, every micro-tile height and 1 vs 2 threads."""
+    H, I, held = 256, 96, [0, 1, 2, 4, 5, 7]
+    be8, _ = make_backend(fmt, isa, H, I, held, act_bits=8)
+    be16, _ = make_backend(fmt, isa, H, I, held)
+    assert be8.act_bits == 8 and be8.name.endswith("-a8")
+    deq = {e: be8.dequantised(3, e) for e in held}
+    rng = np.random.default_rng(11)
+    for T in (1, 6, 17):
+        x = rng.standard_normal((T, H), dtype=np.float32)
+        ids, w = routing(rng, T, 4, 8)
+        ref = reference(deq, x, ids, w)
+        e8, e16 = rel_err(be8.forward(3, x, ids, w), ref), rel_err(be16.forward(3, x, ids, w), ref)
+        print(f"\n{fmt} {isa} T={T}: act8 {e8:.2e}, act16 {e16:.2e}")
+        assert e8 < 2e-2 and e16 < e8 / 8
+    fails = invariance_failures(fmt, isa, sizes=(1, 2, 4, 5, 6, 11, 40, 129), act_bits=8)
+    assert not fails, "\n".join(fails)
+
+
+def test_act_bits_refused_where_meaningless():
+    """act_bits other than 8 / 16, and 8 with bf16 weights (bf16 activations), are refused naming the fix."""
+    with pytest.raises(ValueError, match="act_bits 12"):
+        kb.KernelExperts("int8", num_threads=1, act_bits=12)
+    with pytest.raises(ValueError, match="bf16 weights take bf16 activations"):
+        kb.KernelExperts("bf16", num_threads=1, act_bits=8)
 
 
 @pytest.mark.parametrize("isa", ISAS_HERE)
@@ -336,6 +368,9 @@ for spec in sys.argv[2].split(","):
                 err = TK.rel_err(be.forward(3, x, ids, w), TK.reference(deq, x, ids, w))
                 out.append({"name": be.name, "H": H, "I": I, "T": T, "err": err})
         out.append({"name": f"kernel-{isa}-{fmt}", "invariance": TK.invariance_failures(fmt, isa)})
+        if fmt != "bf16" and not form:  # 8-bit activations: the AMX tiles and AVX-512's 8-bit micro-tile
+            out.append({"name": f"kernel-{isa}-{fmt}-a8", "act8": 1, "invariance": TK.invariance_failures(
+                fmt, isa, sizes=(1, 2, 5, 16, 17, 40, 129), act_bits=8)})
 print(json.dumps(out))
 """
 
@@ -372,7 +407,10 @@ def test_amx_and_avx512_kernels_under_emulation(tmp_path):
                        text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     results = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(results) == sum(1 if ":" in run else len(FORMATS) for run in runs) * (2 * 4 + 1)  # formats x (shapes x T + 1)
+    n_int = len(FORMATS) - 1  # + one 8-bit-activation invariance entry per integer format
+    assert len(results) == sum(1 if ":" in run else len(FORMATS) for run in runs) * (2 * 4 + 1) + sum(
+        n_int for run in runs if ":" not in run)  # formats x (shapes x T + 1)
+    assert sum(1 for res in results if res.get("act8")) == sum(n_int for run in runs if ":" not in run)
     for res in results:
         print(res)
         assert res["name"].split("-")[1] in ("amx", "avx512")

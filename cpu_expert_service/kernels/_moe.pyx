@@ -16,6 +16,7 @@ cdef extern from "moe.h" nogil:
     ctypedef struct MoeKernels:
         int isa
         float swiglu_limit
+        int act_bits
     ctypedef struct MoeMat:
         int Np, Kp
     ctypedef struct MoeExpert:
@@ -132,7 +133,8 @@ cdef class _Layer:
 cdef class Engine:
     """Thread pool + kernel table + packed experts. fmt: bf16|int8|int4|mxfp4 (mxfp4: add_mxfp4 only); isa: a key of ISAS that
     cpu_has() accepted; cpus: the CPUs to pin thread i to (cpus[i % len]); swiglu_limit: L > 0
-    clamps gate to <= L and up to [-L, L] before silu(gate) * up (DeepSeek-V4), 0 = off."""
+    clamps gate to <= L and up to [-L, L] before silu(gate) * up (DeepSeek-V4), 0 = off; act_bits: the
+    integer formats' activation quantisation, 16 (two-level int8) or 8 (one level; not for bf16)."""
     cdef MoePool *pool
     cdef MoeKernels kern
     cdef int fmt
@@ -140,8 +142,9 @@ cdef class Engine:
     cdef readonly int num_threads
     cdef readonly str isa, format
     cdef readonly float swiglu_limit
+    cdef readonly int act_bits
 
-    def __cinit__(self, str fmt, str isa, int num_threads, cpus, float swiglu_limit=0.0):
+    def __cinit__(self, str fmt, str isa, int num_threads, cpus, float swiglu_limit=0.0, int act_bits=16):
         self.pool = NULL
         if fmt not in FORMATS:
             raise ValueError(f"unknown weight format {fmt!r}; expected one of {sorted(FORMATS)}")
@@ -164,6 +167,11 @@ cdef class Engine:
             raise ValueError(f"swiglu_limit {swiglu_limit} must be finite and >= 0 (0 = off)")
         self.kern.swiglu_limit = swiglu_limit
         self.swiglu_limit = swiglu_limit
+        if act_bits not in (8, 16) or (act_bits == 8 and fmt == "bf16"):
+            raise ValueError(f"act_bits {act_bits} for {fmt} weights: use 16 (two-level int8 activations), or 8 "
+                             f"(one level) with int8/int4/mxfp4 weights; bf16 weights take bf16 activations")
+        self.kern.act_bits = act_bits
+        self.act_bits = act_bits
         cdef int[::1] cpuv = np.ascontiguousarray(np.asarray(list(cpus), dtype=np.int32))
         self.num_threads = max(1, num_threads)
         self.pool = moe_pool_create(self.num_threads, &cpuv[0] if cpuv.shape[0] else NULL, cpuv.shape[0])

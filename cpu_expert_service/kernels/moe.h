@@ -21,7 +21,9 @@
  * depend on its neighbours): bf16 rows [Kp] for bf16; for int8/int4, two-level int8 rows [2*Kp]: per group g
  * of 32, 32 bytes q1 then 32 bytes q2 with x ~= (254*q1 + q2) * xs[g], and a correction
  * xc[g] = offset * xs[g] * sum(254*q1 + q2) (offset 128 for int8, 8 for int4, 12 for mxfp4), so kernels that
- * multiply unsigned weights (vpdpbusd, tdpbsud) subtract it.
+ * multiply unsigned weights (vpdpbusd, tdpbsud) subtract it. With 8-bit activations (MoeKernels.act_bits
+ * 8, chosen per engine) every q2 is 0: x ~= 254 * q1 * xs[g], the same layout, so every kernel computes
+ * them unchanged; the AVX-512 micro-kernel then skips the q2 products (half the vpdpbusd).
  */
 #ifndef MOESPLIT_MOE_H
 #define MOESPLIT_MOE_H
@@ -68,6 +70,7 @@ typedef struct {
     const int8_t *const *q;    /* two-level int8 rows [2*Kp] */
     const float *const *xs;    /* [Kp/32] group scales per row */
     const float *const *xc;    /* [Kp/32] corrections per row */
+    int act8;                  /* 1: every q2 is 0 (8-bit activations); kernels may skip them */
 } MoeRows;
 
 /* Kernel: C[m][c] (m < rows->n, c < NP, row stride NP) = sum_k x[m][k] * W[panel*NP + c][k]
@@ -86,6 +89,10 @@ typedef struct {
     /* SwiGLU clamp before act (DeepSeek-V4's swiglu_limit L): gate = min(gate, L), up = min(max(up, -L), L),
      * as transformers' DeepseekV4Experts; 0 = off (no clamp: V3). Set by the owner after the table. */
     float swiglu_limit;
+    /* Integer formats' activations: 16 = two-level int8 (q1, q2: ~2^-15 relative per group), 8 = one
+     * level (q2 = 0: ~2^-8, the usual int8 activation quantisation, half the integer products in the
+     * AVX-512 micro-kernel). Set by the owner after the table; any other value means 16. */
+    int act_bits;
 } MoeKernels;
 
 void moe_act_generic(const float *g, const float *u, int n, float *out, uint16_t *outb);

@@ -8,6 +8,10 @@
 
 #include "moe.h"
 
+#include <string.h>
+
+static void scale_channels_avx2(const float *chs, float *C, int n);
+
 #define KC_BF 128 /* k-pairs per block: 64 ch x 256 k x 2 B = 32 KiB of weights, L1-resident */
 #define GC_INT 16 /* groups per block */
 #define BF2_MR 4  /* tokens per micro-tile: 4 x 2 ymm = 8 accumulators + 4 widened weights + 2 broadcasts */
@@ -42,10 +46,46 @@ static inline __attribute__((always_inline)) void mk_bf16_avx2(const int MR, con
         for (int v = 0; v < 2; v++) _mm256_storeu_ps(C + m * 64 + 8 * v, acc[m][v]);
 }
 
+/* Weight-stream prefetch of the 1-token bf16 path, bytes ahead of the line being read (L1, L2) */
+#ifndef STREAM2_PF
+#define STREAM2_PF 4096
+#endif
+#ifndef STREAM2_PF2
+#define STREAM2_PF2 16384
+#endif
+
+/* 1 token: the micro-kernel's chain per output element (each k-pair ascending: even product, then odd,
+ * each a rounded FMA), over all 64 channels at once (8 accumulators, 16 independent FMAs per k-pair),
+ * reading the panel front to back (256 B = 4 cache lines per k-pair) with the lines ahead prefetched,
+ * so the widening (shift / and, 2 ops per 16 weights) hides under the memory stream. */
+static void gemv_bf16_avx2(const uint16_t *w, int nkp, const float *x, float *C) {
+    __m256 a[8];
+    for (int v = 0; v < 8; v++) a[v] = _mm256_setzero_ps();
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+    for (int kp = 0; kp < nkp; kp++) {
+        const uint16_t *wr = w + (size_t)kp * 128;
+        for (int l = 0; l < 4; l++) {
+            _mm_prefetch((const char *)wr + STREAM2_PF + 64 * l, _MM_HINT_T0);
+            _mm_prefetch((const char *)wr + STREAM2_PF2 + 64 * l, _MM_HINT_T1);
+        }
+        __m256 xe = _mm256_broadcast_ss(x + 2 * kp), xo = _mm256_broadcast_ss(x + 2 * kp + 1);
+        for (int v = 0; v < 8; v++) {
+            __m256i t = _mm256_loadu_si256((const __m256i *)(wr + 16 * v));
+            a[v] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(t, 16)), xe, a[v]);
+            a[v] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(t, hi)), xo, a[v]);
+        }
+    }
+    for (int v = 0; v < 8; v++) _mm256_storeu_ps(C + 8 * v, a[v]);
+}
+
 void moe_panel_bf16_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {
     (void)scratch;
     const uint16_t *wp = (const uint16_t *)(W->data + W->panel_bytes * (size_t)p);
     int nkp = W->Kp / 2, n = rows->n;
+    if (n == 1) {
+        gemv_bf16_avx2(wp, nkp, rows->f[0], C);
+        return;
+    }
     for (int k0 = 0; k0 < nkp; k0 += KC_BF) {
         int kc = nkp - k0 < KC_BF ? nkp - k0 : KC_BF;
         for (int c0 = 0; c0 < 64; c0 += 16) /* 16-channel slices of the panel */
@@ -82,6 +122,13 @@ static void panel_int_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C
             __m256 acc[4];
             for (int v = 0; v < 4; v++) acc[v] = g0 > 0 ? _mm256_loadu_ps(c + 8 * v) : _mm256_setzero_ps();
             for (int g = g0; g < g1; g++) {
+                if (n == 1) { /* a weight stream (decode): the lines ahead, as the bf16 GEMV */
+                    const char *gp = (const char *)wp + (size_t)g * (int4 ? MOE_INT4_GROUP_BYTES : 8 * 128);
+                    for (int l = 0; l < (int4 ? 9 : 16); l++) {
+                        _mm_prefetch(gp + STREAM2_PF + 64 * l, _MM_HINT_T0);
+                        _mm_prefetch(gp + STREAM2_PF2 + 64 * l, _MM_HINT_T1);
+                    }
+                }
                 __m256i ia[4], il[4]; /* q1 and q2 halves of the two-level activations */
                 for (int v = 0; v < 4; v++) ia[v] = il[v] = _mm256_setzero_si256();
                 if (!int4) {
@@ -135,25 +182,159 @@ static void panel_int_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C
             for (int v = 0; v < 4; v++) _mm256_storeu_ps(c + 8 * v, acc[v]);
         }
     }
-    if (!int4) {
-        const float *chs = W->chscale + p * 32;
-        for (int m = 0; m < n; m++)
-            for (int v = 0; v < 4; v++)
-                _mm256_storeu_ps(C + m * 32 + 8 * v, _mm256_mul_ps(_mm256_loadu_ps(C + m * 32 + 8 * v), _mm256_loadu_ps(chs + 8 * v)));
+    if (!int4) scale_channels_avx2(W->chscale + p * 32, C, n);
+}
+
+/* ---------------- 2+ tokens: vpmaddwd on a widened weight tile ----------------
+ * The two-level activation 254 * q1 + q2 fits int16 (|.| <= 32385), so one vpmaddwd multiplies 16
+ * weights by whole 16-bit activations (the 1-token path needs two vpmaddubsw levels and the sign
+ * trick). Per k-block of WGC groups, the panel's weights are widened once to int16 in scratch (int8:
+ * w, signed; int4: the nibble q + 8; mxfp4: 2 * e2m1 + 12) and reused by every token of the call;
+ * each token's activations of the block are widened once to x16. A micro-tile is W_MR tokens x 8
+ * channels: per quad of k (4 int16 of a channel = 64 bits, one broadcast), 2 tile vectors x W_MR
+ * tokens of vpmaddwd + vpaddd. The integer group sum is the 1-token path's 254 * ih + il exactly
+ * (integer adds in any order are exact; no overflow: |sum| < 32 * 127 * 32385 < 2^31), and
+ * cvt(254 * ih + il) == fma(cvt(ih), 254, cvt(il)) (both round the same integer once), so the float
+ * steps per group are the 1-token path's in its order: a row's bits do not depend on the path. */
+#define WGC 8   /* groups per k-block: the int16 tile is WGC x 8 quads x 256 B = 16 KiB, L1-resident */
+#define W_MR 4  /* tokens per micro-tile: 8 int32 + 4 f32 accumulators, 2 weights, 1 broadcast */
+
+/* tile[(g * 8 + qd) * 128 + c * 4 + j] = weight of channel c, k = 32 g + 4 qd + j, int16, g < ng */
+static void widen_tile(const uint8_t *wp, int g0, int ng, int int4, int16_t *tile) {
+    const __m256i x80 = _mm256_set1_epi8((char)0x80), lo4 = _mm256_set1_epi8(0x0f);
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)moe_mxfp4_u8));
+    for (int g = 0; g < ng; g++) {
+        int16_t *tg = tile + (size_t)g * 8 * 128;
+        for (int h = 0; h < 4; h++) { /* int8: quads 2h, 2h + 1; int4: octet h (lo = quad 2h, hi = 2h + 1) */
+            for (int v = 0; v < 4; v++) { /* 8 channels x 4 bytes */
+                __m256i a, b;
+                if (!int4) {
+                    const uint8_t *gb = wp + (size_t)(g0 + g) * 8 * 128;
+                    a = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(gb + 2 * h * 128 + 32 * v)), x80);
+                    b = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(gb + (2 * h + 1) * 128 + 32 * v)), x80);
+                } else {
+                    const uint8_t *gb = wp + (size_t)(g0 + g) * MOE_INT4_GROUP_BYTES;
+                    __m256i pk = _mm256_loadu_si256((const __m256i *)(gb + h * 128 + 32 * v));
+                    a = _mm256_and_si256(pk, lo4);
+                    b = _mm256_and_si256(_mm256_srli_epi16(pk, 4), lo4);
+                    if (int4 == 2) {
+                        a = _mm256_shuffle_epi8(lut, a);
+                        b = _mm256_shuffle_epi8(lut, b);
+                    }
+                }
+                __m256i q[2] = {a, b};
+                for (int i = 0; i < 2; i++) {
+                    __m128i l = _mm256_castsi256_si128(q[i]), u = _mm256_extracti128_si256(q[i], 1);
+                    __m256i wl = int4 ? _mm256_cvtepu8_epi16(l) : _mm256_cvtepi8_epi16(l);
+                    __m256i wu = int4 ? _mm256_cvtepu8_epi16(u) : _mm256_cvtepi8_epi16(u);
+                    int16_t *d = tg + (2 * h + i) * 128 + 32 * v;
+                    _mm256_store_si256((__m256i *)d, wl);
+                    _mm256_store_si256((__m256i *)(d + 16), wu);
+                }
+            }
+        }
     }
 }
 
+/* x16[k] = 254 * q1 + q2 for the groups [g0, g0 + ng) of a two-level row */
+static void widen_x(const int8_t *xr, int g0, int ng, int16_t *x16) {
+    const __m256i k254 = _mm256_set1_epi16(254);
+    for (int g = 0; g < ng; g++) {
+        const int8_t *q = xr + (size_t)(g0 + g) * 64;
+        for (int h = 0; h < 2; h++) {
+            __m256i q1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16 * h)));
+            __m256i q2 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 32 + 16 * h)));
+            _mm256_store_si256((__m256i *)(x16 + g * 32 + 16 * h), _mm256_add_epi16(_mm256_mullo_epi16(q1, k254), q2));
+        }
+    }
+}
+
+/* channels [c0, c0 + 8) of MR tokens over the block's ng groups: C (+)= the 1-token path's float steps */
+static inline __attribute__((always_inline)) void mk_wd(const int MR, const int int4, const int16_t *tile,
+                                                       const int16_t *x16, int ng, const uint8_t *wp, int g0,
+                                                       const MoeRows *rows, int m0, int c0, float *C, int load) {
+    __m256 acc[W_MR];
+    for (int m = 0; m < MR; m++)
+        acc[m] = load ? _mm256_loadu_ps(C + (size_t)(m0 + m) * 32 + c0) : _mm256_setzero_ps();
+    for (int g = 0; g < ng; g++) {
+        __m256i ia[W_MR][2];
+        for (int m = 0; m < MR; m++) ia[m][0] = ia[m][1] = _mm256_setzero_si256();
+#pragma GCC unroll 1 /* unrolled, GCC regroups the integer adds into trees and spills the products */
+        for (int qd = 0; qd < 8; qd++) {
+            const int16_t *tq = tile + (size_t)(g * 8 + qd) * 128 + c0 * 4;
+            __m256i w0 = _mm256_load_si256((const __m256i *)tq), w1 = _mm256_load_si256((const __m256i *)(tq + 16));
+            for (int m = 0; m < MR; m++) {
+                int64_t xv;
+                memcpy(&xv, x16 + (size_t)m * WGC * 32 + g * 32 + qd * 4, 8);
+                __m256i xb = _mm256_set1_epi64x(xv);
+                ia[m][0] = _mm256_add_epi32(ia[m][0], _mm256_madd_epi16(w0, xb));
+                ia[m][1] = _mm256_add_epi32(ia[m][1], _mm256_madd_epi16(w1, xb));
+            }
+        }
+        __m256 ws = _mm256_setzero_ps();
+        if (int4) ws = bf16x8_to_ps((const uint16_t *)(wp + (size_t)(g0 + g) * MOE_INT4_GROUP_BYTES + 512) + c0);
+        for (int m = 0; m < MR; m++) {
+            /* lanes (c, first half of a quad), (c, second half): hadd pairs them, permute restores c order */
+            __m256i s = _mm256_permute4x64_epi64(_mm256_hadd_epi32(ia[m][0], ia[m][1]), 0xd8);
+            __m256 sf = _mm256_cvtepi32_ps(s), xs = _mm256_set1_ps(rows->xs[m0 + m][g0 + g]);
+            if (!int4) acc[m] = _mm256_fmadd_ps(sf, xs, acc[m]);
+            else acc[m] = _mm256_fmadd_ps(ws, _mm256_fmsub_ps(sf, xs, _mm256_set1_ps(rows->xc[m0 + m][g0 + g])), acc[m]);
+        }
+    }
+    for (int m = 0; m < MR; m++) _mm256_storeu_ps(C + (size_t)(m0 + m) * 32 + c0, acc[m]);
+}
+
+static void mk_wd_n(int mr, int int4, const int16_t *tile, const int16_t *x16, int ng, const uint8_t *wp, int g0,
+                    const MoeRows *rows, int m0, float *C) {
+#define MKWD(R, F) for (int c0 = 0; c0 < 32; c0 += 8) mk_wd(R, F, tile, x16, ng, wp, g0, rows, m0, c0, C, g0 > 0)
+    switch ((int4 ? 4 : 0) + mr) {
+    case 1: MKWD(1, 0); break;
+    case 2: MKWD(2, 0); break;
+    case 3: MKWD(3, 0); break;
+    case 4: MKWD(4, 0); break;
+    case 5: MKWD(1, 1); break;
+    case 6: MKWD(2, 1); break;
+    case 7: MKWD(3, 1); break;
+    default: MKWD(4, 1); break;
+    }
+#undef MKWD
+}
+
+/* int8 epilogue: C[m][0..32) *= the panel's 32 per-output-channel scales, for n tokens */
+static void scale_channels_avx2(const float *chs, float *C, int n) {
+    for (int m = 0; m < n; m++)
+        for (int v = 0; v < 4; v++)
+            _mm256_storeu_ps(C + m * 32 + 8 * v, _mm256_mul_ps(_mm256_loadu_ps(C + m * 32 + 8 * v), _mm256_loadu_ps(chs + 8 * v)));
+}
+
+/* int4: 0 int8, 1 int4, 2 mxfp4; scratch holds the int16 tile (16 KiB) and W_MR x16 rows (2 KiB) */
+static void panel_int_wd(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch, int int4) {
+    const uint8_t *wp = W->data + W->panel_bytes * (size_t)p;
+    int G = W->Kp / MOE_GROUP, n = rows->n;
+    int16_t *tile = scratch, *x16 = tile + WGC * 8 * 128;
+    for (int g0 = 0; g0 < G; g0 += WGC) {
+        int ng = G - g0 < WGC ? G - g0 : WGC;
+        widen_tile(wp, g0, ng, int4, tile);
+        for (int m0 = 0; m0 < n; m0 += W_MR) {
+            int mr = n - m0 < W_MR ? n - m0 : W_MR;
+            for (int m = 0; m < mr; m++) widen_x(rows->q[m0 + m], g0, ng, x16 + (size_t)m * WGC * 32);
+            mk_wd_n(mr, int4, tile, x16, ng, wp, g0, rows, m0, C);
+        }
+    }
+    if (!int4) scale_channels_avx2(W->chscale + p * 32, C, n);
+}
+
 void moe_panel_int8_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {
-    (void)scratch;
-    panel_int_avx2(W, p, rows, C, 0);
+    if (rows->n == 1) panel_int_avx2(W, p, rows, C, 0);
+    else panel_int_wd(W, p, rows, C, scratch, 0);
 }
 void moe_panel_int4_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {
-    (void)scratch;
-    panel_int_avx2(W, p, rows, C, 1);
+    if (rows->n == 1) panel_int_avx2(W, p, rows, C, 1);
+    else panel_int_wd(W, p, rows, C, scratch, 1);
 }
 void moe_panel_mxfp4_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {
-    (void)scratch;
-    panel_int_avx2(W, p, rows, C, 2);
+    if (rows->n == 1) panel_int_avx2(W, p, rows, C, 2);
+    else panel_int_wd(W, p, rows, C, scratch, 2);
 }
 
 void moe_kernels_avx2(MoeKernels *k) {

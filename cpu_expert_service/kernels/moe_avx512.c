@@ -239,7 +239,11 @@ void moe_panel_bf16_fma_avx512(const MoeMat *W, int p, const MoeRows *rows, floa
 
 /* ---------------- int8 / int4: panel of 32 channels, group-32 activation scales ---------------- */
 
-#define IN_MR 3
+#define IN_MR 3 /* tokens per micro-tile, 16-bit activations: 12 int32 + 6 f32 accumulators */
+#ifndef IN_MR8
+#define IN_MR8 5 /* the same, 8-bit activations (one int32 chain per output vector) */
+#endif
+#define IN_MRMAX (IN_MR > IN_MR8 ? IN_MR : IN_MR8)
 #define IN_GC 16 /* groups per k-block */
 
 /* the 9 cache lines (576 B, 64-byte aligned) of an int4 group; the 16 (1 KiB) of an int8 group */
@@ -251,19 +255,22 @@ AI __m512 bf16x16_to_ps(const uint16_t *p) {
 }
 
 /* acc[m][v] (+)= sum over groups [g0, g0+ng) of the group partial products. Activations are
- * two-level int8 (q1 at 64g, q2 at 64g + 32): two vpdpbusd chains per weight vector.
+ * two-level int8 (q1 at 64g, q2 at 64g + 32): two vpdpbusd chains per weight vector; A8 (8-bit
+ * activations, every q2 0): the q1 chain only, and s = 254 * ih by a multiply, which is the
+ * two-level fma(ih, 254, il = 0) exactly (one rounding of the same product), so a row's bits equal
+ * the 1-token paths' on the same rows.
  * INT4: 0 int8, 1 int4 (nibble = q + 8), 2 mxfp4 (nibble = e2m1 code, vpshufb'd through
  * moe_mxfp4_u8 to 2 * value + 12; the group scale slot and the correction are int4's). */
-AI void mk_int(const int MR, const int INT4, const uint8_t *wp, int g0, int ng, const MoeRows *rows, int m0,
-               float *C, int load) {
-    __m512 acc[IN_MR][2];
+AI void mk_int(const int MR, const int INT4, const int A8, const uint8_t *wp, int g0, int ng, const MoeRows *rows,
+               int m0, float *C, int load) {
+    __m512 acc[IN_MRMAX][2];
     for (int m = 0; m < MR; m++)
         for (int v = 0; v < 2; v++) acc[m][v] = load ? _mm512_loadu_ps(C + m * 32 + 16 * v) : _mm512_setzero_ps();
     const __m512i lo4 = _mm512_set1_epi8(0x0f);
     const __m512 k254 = _mm512_set1_ps(254.f);
     const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)moe_mxfp4_u8));
     for (int g = g0; g < g0 + ng; g++) {
-        __m512i ih[IN_MR][2], il[IN_MR][2];
+        __m512i ih[IN_MRMAX][2], il[IN_MRMAX][2];
         for (int m = 0; m < MR; m++) ih[m][0] = ih[m][1] = il[m][0] = il[m][1] = _mm512_setzero_si512();
         if (!INT4) {
             const uint8_t *gb = wp + (size_t)g * 8 * 128;
@@ -272,11 +279,14 @@ AI void mk_int(const int MR, const int INT4, const uint8_t *wp, int g0, int ng, 
                 __m512i w0 = _mm512_loadu_si512(gb + qd * 128), w1 = _mm512_loadu_si512(gb + qd * 128 + 64);
                 for (int m = 0; m < MR; m++) {
                     const int8_t *xq = rows->q[m0 + m] + g * 64 + qd * 4;
-                    __m512i bh = _mm512_set1_epi32(*(const int32_t *)xq), bl = _mm512_set1_epi32(*(const int32_t *)(xq + 32));
+                    __m512i bh = _mm512_set1_epi32(*(const int32_t *)xq);
                     ih[m][0] = _mm512_dpbusd_epi32(ih[m][0], w0, bh);
                     ih[m][1] = _mm512_dpbusd_epi32(ih[m][1], w1, bh);
-                    il[m][0] = _mm512_dpbusd_epi32(il[m][0], w0, bl);
-                    il[m][1] = _mm512_dpbusd_epi32(il[m][1], w1, bl);
+                    if (!A8) {
+                        __m512i bl = _mm512_set1_epi32(*(const int32_t *)(xq + 32));
+                        il[m][0] = _mm512_dpbusd_epi32(il[m][0], w0, bl);
+                        il[m][1] = _mm512_dpbusd_epi32(il[m][1], w1, bl);
+                    }
                 }
             }
         } else {
@@ -295,11 +305,13 @@ AI void mk_int(const int MR, const int INT4, const uint8_t *wp, int g0, int ng, 
                 for (int m = 0; m < MR; m++) {
                     const int8_t *xq = rows->q[m0 + m] + g * 64 + 8 * o;
                     __m512i a = _mm512_set1_epi32(*(const int32_t *)xq), b = _mm512_set1_epi32(*(const int32_t *)(xq + 4));
-                    __m512i c = _mm512_set1_epi32(*(const int32_t *)(xq + 32)), d = _mm512_set1_epi32(*(const int32_t *)(xq + 36));
                     ih[m][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ih[m][0], l0, a), h0, b);
                     ih[m][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ih[m][1], l1, a), h1, b);
-                    il[m][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(il[m][0], l0, c), h0, d);
-                    il[m][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(il[m][1], l1, c), h1, d);
+                    if (!A8) {
+                        __m512i c = _mm512_set1_epi32(*(const int32_t *)(xq + 32)), d = _mm512_set1_epi32(*(const int32_t *)(xq + 36));
+                        il[m][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(il[m][0], l0, c), h0, d);
+                        il[m][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(il[m][1], l1, c), h1, d);
+                    }
                 }
             }
         }
@@ -311,8 +323,14 @@ AI void mk_int(const int MR, const int INT4, const uint8_t *wp, int g0, int ng, 
         }
         for (int m = 0; m < MR; m++) {
             __m512 xs = _mm512_set1_ps(rows->xs[m0 + m][g]), xc = _mm512_set1_ps(rows->xc[m0 + m][g]);
-            __m512 s0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih[m][0]), k254, _mm512_cvtepi32_ps(il[m][0]));
-            __m512 s1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih[m][1]), k254, _mm512_cvtepi32_ps(il[m][1]));
+            __m512 s0, s1;
+            if (A8) {
+                s0 = _mm512_mul_ps(_mm512_cvtepi32_ps(ih[m][0]), k254);
+                s1 = _mm512_mul_ps(_mm512_cvtepi32_ps(ih[m][1]), k254);
+            } else {
+                s0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih[m][0]), k254, _mm512_cvtepi32_ps(il[m][0]));
+                s1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih[m][1]), k254, _mm512_cvtepi32_ps(il[m][1]));
+            }
             __m512 f0 = _mm512_fmsub_ps(s0, xs, xc), f1 = _mm512_fmsub_ps(s1, xs, xc);
             if (INT4) {
                 acc[m][0] = _mm512_fmadd_ps(ws0, f0, acc[m][0]);
@@ -420,22 +438,31 @@ static void gemv_mxfp4(const uint8_t *wp, int G, const int8_t *xq, const float *
     _mm512_storeu_ps(C + 16, acc1);
 }
 
-#define MK_INT_SWITCH(INT4)                                                                   \
-    switch (mr) {                                                                             \
-    case 1: mk_int(1, INT4, wp, g0, ng, rows, m0, C + (size_t)m0 * 32, load); break;          \
-    case 2: mk_int(2, INT4, wp, g0, ng, rows, m0, C + (size_t)m0 * 32, load); break;          \
-    default: mk_int(3, INT4, wp, g0, ng, rows, m0, C + (size_t)m0 * 32, load); break;          \
-    }
+#define MK_INT_CASES(INT4)                                                                    \
+    if (!a8) switch (mr) {                                                                    \
+        case 1: mk_int(1, INT4, 0, wp, g0, ng, rows, m0, C + (size_t)m0 * 32, load); break;   \
+        case 2: mk_int(2, INT4, 0, wp, g0, ng, rows, m0, C + (size_t)m0 * 32, load); break;   \
+        default: mk_int(IN_MR, INT4, 0, wp, g0, ng, rows, m0, C + (size_t)m0 * 32, load); break; \
+        }                                                                                     \
+    else switch (mr) {                                                                        \
+        case 1: mk_int(1, INT4, 1, wp, g0, ng, rows, m0, C + (size_t)m0 * 32, load); break;   \
+        case 2: mk_int(2, INT4, 1, wp, g0, ng, rows, m0, C + (size_t)m0 * 32, load); break;   \
+        case 3: mk_int(3, INT4, 1, wp, g0, ng, rows, m0, C + (size_t)m0 * 32, load); break;   \
+        case 4: mk_int(4, INT4, 1, wp, g0, ng, rows, m0, C + (size_t)m0 * 32, load); break;   \
+        default: mk_int(IN_MR8, INT4, 1, wp, g0, ng, rows, m0, C + (size_t)m0 * 32, load); break; \
+        }
 
-static void mk_int8_n(int mr, const uint8_t *wp, int g0, int ng, const MoeRows *rows, int m0, float *C, int load) {
-    MK_INT_SWITCH(0)
+/* mr tokens from m0 (mr <= the micro-tile height of the activation width a8) */
+static void mk_int8_n(int mr, int a8, const uint8_t *wp, int g0, int ng, const MoeRows *rows, int m0, float *C, int load) {
+    MK_INT_CASES(0)
 }
-static void mk_int4_n(int mr, const uint8_t *wp, int g0, int ng, const MoeRows *rows, int m0, float *C, int load) {
-    MK_INT_SWITCH(1)
+static void mk_int4_n(int mr, int a8, const uint8_t *wp, int g0, int ng, const MoeRows *rows, int m0, float *C, int load) {
+    MK_INT_CASES(1)
 }
-static void mk_mxfp4_n(int mr, const uint8_t *wp, int g0, int ng, const MoeRows *rows, int m0, float *C, int load) {
-    MK_INT_SWITCH(2)
+static void mk_mxfp4_n(int mr, int a8, const uint8_t *wp, int g0, int ng, const MoeRows *rows, int m0, float *C, int load) {
+    MK_INT_CASES(2)
 }
+#undef MK_INT_CASES
 
 /* int8 epilogue: C[m][0..32) *= the panel's 32 per-output-channel scales, for n tokens (also the AMX path's) */
 void moe_scale_channels_avx512(const float *chs, float *C, int n) {
@@ -458,13 +485,14 @@ static void panel_int(const MoeMat *W, int p, const MoeRows *rows, float *C, int
         gemv_mxfp4(wp, G, rows->q[0], rows->xs[0], rows->xc[0], C);
         return;
     }
-    for (int g0 = 0; g0 < G; g0 += (n <= IN_MR ? G : IN_GC)) {
-        int ng = n <= IN_MR ? G : (G - g0 < IN_GC ? G - g0 : IN_GC);
-        for (int m0 = 0; m0 < n; m0 += IN_MR) {
-            int mr = n - m0 < IN_MR ? n - m0 : IN_MR;
-            if (int4 == 2) mk_mxfp4_n(mr, wp, g0, ng, rows, m0, C, g0 > 0);
-            else if (int4) mk_int4_n(mr, wp, g0, ng, rows, m0, C, g0 > 0);
-            else mk_int8_n(mr, wp, g0, ng, rows, m0, C, g0 > 0);
+    int a8 = rows->act8, MR = a8 ? IN_MR8 : IN_MR;
+    for (int g0 = 0; g0 < G; g0 += (n <= MR ? G : IN_GC)) {
+        int ng = n <= MR ? G : (G - g0 < IN_GC ? G - g0 : IN_GC);
+        for (int m0 = 0; m0 < n; m0 += MR) {
+            int mr = n - m0 < MR ? n - m0 : MR;
+            if (int4 == 2) mk_mxfp4_n(mr, a8, wp, g0, ng, rows, m0, C, g0 > 0);
+            else if (int4) mk_int4_n(mr, a8, wp, g0, ng, rows, m0, C, g0 > 0);
+            else mk_int8_n(mr, a8, wp, g0, ng, rows, m0, C, g0 > 0);
         }
     }
     if (!int4) moe_scale_channels_avx512(W->chscale + p * 32, C, n);

@@ -558,8 +558,8 @@ void moe_expert_unpack(const MoeExpert *e, int which, float *out) {
  * round((x / s - q1) * 254), so x ~= (254 * q1 + q2) * s / 254: a 16-bit activation that
  * VNNI multiplies as two int8 halves (one int8 level alone costs ~0.8% relative error per
  * projection). Layout per group: [32 x q1][32 x q2]. xs[g] = s / 254; xc[g] = offset * xs[g] *
- * sum(254 q1 + q2), the correction for unsigned (offset) weights. */
-static void quant_row(const float *x, int K, int Kp, int offset, int8_t *q, float *xs, float *xc) {
+ * sum(254 q1 + q2), the correction for unsigned (offset) weights. levels 1 (8-bit activations): q2 = 0. */
+static void quant_row(const float *x, int K, int Kp, int offset, int levels, int8_t *q, float *xs, float *xc) {
     for (int g = 0; g < Kp / MOE_GROUP; g++) {
         float amax = 0.f;
         int k0 = g * MOE_GROUP;
@@ -573,7 +573,7 @@ static void quant_row(const float *x, int K, int Kp, int offset, int8_t *q, floa
                 float t = x[k] * inv;
                 v1 = (int)nearbyintf(t);
                 v1 = v1 < -127 ? -127 : v1 > 127 ? 127 : v1;
-                v2 = (int)nearbyintf((t - (float)v1) * 254.f);
+                v2 = levels == 1 ? 0 : (int)nearbyintf((t - (float)v1) * 254.f);
                 v2 = v2 < -127 ? -127 : v2 > 127 ? 127 : v2;
             }
             qh[k - k0] = (int8_t)v1;
@@ -622,6 +622,7 @@ static void fwd_job(void *arg, int tid, int nt) {
     Fwd *f = arg;
     int fmt = f->fmt, isint = fmt != MOE_FMT_BF16;
     int off = fmt == MOE_FMT_INT8 ? 128 : fmt == MOE_FMT_MXFP4 ? MOE_MXFP4_OFFSET : 8;
+    int levels = f->kern->act_bits == 8 ? 1 : 2;
     int Kx = f->Kx, Ka = f->Ka, gx = Kx / MOE_GROUP, ga = Ka / MOE_GROUP;
     int r0, r1;
     /* phase 0: convert token rows */
@@ -636,7 +637,7 @@ static void fwd_job(void *arg, int tid, int nt) {
                 df[kk] = moe_bf16_to_f32(d[kk]);
             }
         } else
-            quant_row(xr, f->H, Kx, off, f->xq + (size_t)t * 2 * Kx, f->xs + (size_t)t * gx, f->xc + (size_t)t * gx);
+            quant_row(xr, f->H, Kx, off, levels, f->xq + (size_t)t * 2 * Kx, f->xs + (size_t)t * gx, f->xc + (size_t)t * gx);
     }
     if (nt > 1) moe_pool_barrier(f->pool);
 
@@ -644,6 +645,7 @@ static void fwd_job(void *arg, int tid, int nt) {
     float *C = f->C + (size_t)tid * f->nmax * 64;
     void *scr = f->scratch + (size_t)tid * f->scratch_bytes;
     MoeRows rows;
+    rows.act8 = levels == 1;
     rows.b = (const uint16_t *const *)ptr;
     rows.q = (const int8_t *const *)ptr;
     rows.xs = (const float *const *)(ptr + f->nmax);
@@ -685,7 +687,7 @@ static void fwd_job(void *arg, int tid, int nt) {
     if (isint) { /* phase 1b: quantise the intermediate rows */
         part(f->na, tid, nt, &r0, &r1);
         for (int a = r0; a < r1; a++)
-            quant_row(f->af + (size_t)a * Ka, Ka, Ka, off, f->aq + (size_t)a * 2 * Ka, f->as + (size_t)a * ga,
+            quant_row(f->af + (size_t)a * Ka, Ka, Ka, off, levels, f->aq + (size_t)a * 2 * Ka, f->as + (size_t)a * ga,
                       f->ac + (size_t)a * ga);
         if (nt > 1) moe_pool_barrier(f->pool);
     }
