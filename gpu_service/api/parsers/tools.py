@@ -8,6 +8,8 @@
     deepseek_v32  \\n\\n<｜DSML｜function_calls>\\n{<｜DSML｜invoke name="NAME">\\n{<｜DSML｜parameter name="K"
                   string="true|false">V</｜DSML｜parameter>}\\n</｜DSML｜invoke>}\\n</｜DSML｜function_calls>
                   (arguments assembled as a JSON object: string="true" values raw strings, else JSON)
+    deepseek_v4   as deepseek_v32 in a `<｜DSML｜tool_calls>` block; parsed incrementally
+                  (`parsers.incremental`: each piece of the output read once)
 
 Content is the text before the calls. A format's own special markers found there outside a call
 section (a random or confused model writing `<|tool_call_end|>` in free text) are dropped from it
@@ -18,8 +20,9 @@ from __future__ import annotations
 
 import json
 
-from gpu_service.api.chat_formats import dsv32
+from gpu_service.api.chat_formats import dsml, dsv32
 from gpu_service.api.parsers.base import ToolCall, ToolParser, until
+from gpu_service.api.parsers.incremental import Collect, DsmlMachine
 
 
 def content_until(text: str, final: bool, begins: tuple, stray: tuple) -> tuple[str, str | None, str]:
@@ -188,5 +191,31 @@ class DeepseekV32ToolParser(ToolParser):
         return head if function is None else head + function + '">\n'
 
 
+class DeepseekV4ToolParser(ToolParser):
+    """V4's DSML calls, read by an incremental machine (`machine(sink)`); `parse` runs one over a
+    whole text."""
+
+    name = "deepseek_v4"
+    BEGIN, END = dsml.block_markers(dsml.V4_BLOCK)
+    markers = (f"\n\n{BEGIN}", BEGIN)
+    incremental = True
+
+    def machine(self, sink) -> DsmlMachine:
+        """A fresh incremental parser reporting content and calls to `sink`."""
+        return DsmlMachine(sink, dsml.V4_BLOCK)
+
+    def parse(self, text, final):
+        sink = Collect()
+        m = self.machine(sink)
+        m.feed(text)
+        if final:
+            m.finish()
+        return "".join(sink.content_parts), sink.calls
+
+    def forced_prefix(self, function):
+        head = f"\n\n{self.BEGIN}\n{dsml.INVOKE_OPEN}"
+        return head if function is None else head + function + '">\n'
+
+
 TOOL_PARSERS = {p.name: p for p in (KimiK2ToolParser, DeepseekV3ToolParser, DeepseekV31ToolParser,
-                                    DeepseekV32ToolParser)}
+                                    DeepseekV32ToolParser, DeepseekV4ToolParser)}
