@@ -47,6 +47,7 @@ from gpu_service.api.tool_grammar import tool_call_grammar
 MAX_TOOLS = 128  # functions one request may list (each is rendered into the prompt and may be compiled)
 ROLES = ("system", "user", "assistant", "developer", "tool")
 RESERVED_KWARGS = ("messages", "tools", "add_generation_prompt", "documents")
+DEVELOPER_FAMILIES = ("deepseek_v32", "deepseek_v4")  # formats with a developer role of their own
 THINKING_OFF = ("none", "minimal")  # reasoning_effort values that turn an on/off switch off
 log = logging.getLogger("moesplit.chat")
 
@@ -315,7 +316,7 @@ def chat_plan(body: dict, tokenizer, settings: ChatSettings, max_chars: int | No
         log.info("chat request metadata %s", json.dumps(metadata, ensure_ascii=False))
     fmt = tokenizer.chat_format
     family = getattr(fmt, "family", None)
-    messages = normalize_messages(body.get("messages"), keep_developer=family in ("deepseek_v32", "deepseek_v4"),
+    messages = normalize_messages(body.get("messages"), keep_developer=family in DEVELOPER_FAMILIES,
                                   vision=getattr(tokenizer, "vision_wrapper", None))
     check_prompt_chars(sum(len(m.get("content") or "") for m in messages), max_chars, "messages")
     tools = validate_tools(body["tools"]) if body.get("tools") is not None else []
