@@ -202,3 +202,18 @@ def test_v4_outputs_streamed_one_real_token_at_a_time(v4):
         ref = ref.message()
         assert (ref["content"], ref.get("reasoning_content")) == (msg["content"], msg.get("reasoning_content"))
         assert [c["function"] for c in ref.get("tool_calls", [])] == [c["function"] for c in msg.get("tool_calls", [])]
+
+
+def test_make_tiny_cli_pairs_the_v4_tokenizer_with_the_v4_arch(tmp_path):
+    """The CLI refuses the real V4 tokenizer on another architecture and another kind on V4, by name."""
+    import argparse
+
+    from gpu_service.local import tiny
+
+    p = argparse.ArgumentParser()
+    tiny.add_arguments(p)
+    with pytest.raises(SystemExit, match="--arch deepseek_v4"):
+        tiny.run(p.parse_args([str(tmp_path / "a"), "--tokenizer", "deepseek-v4"]))
+    with pytest.raises(SystemExit, match="use deepseek-v4"):
+        tiny.run(p.parse_args([str(tmp_path / "b"), "--arch", "deepseek_v4", "--tokenizer", "kimi-k2"]))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

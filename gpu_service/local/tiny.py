@@ -495,6 +495,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_v4(args, overrides)
     if args.v4_schedule is not None:
         raise SystemExit("--v4-schedule applies to --arch deepseek_v4 only")
+    if args.tokenizer == "deepseek-v4":
+        raise SystemExit("--tokenizer deepseek-v4 is DeepSeek-V4's: use it with --arch deepseek_v4")
     args.fmt = args.fmt or ("int4" if args.arch == "kimi_k25" else "bf16")
     if args.fmt not in FORMATS:
         raise SystemExit(f"--format {args.fmt} is for --arch deepseek_v4; {args.arch} takes {', '.join(FORMATS)}")
