@@ -57,7 +57,7 @@ bench-grammar: setup
 	$(PY) bench/bench_grammar.py
 
 # Chat output parsers per streamed token at the start vs the end of a 4,000-character tool call
-# (DeepSeek-V4's incremental parsers vs V3.2's re-parsing ones; bench/results/tool_stream.json)
+# (DeepSeek-V4's incremental parsers vs V3.1's re-parsing ones; bench/results/tool_stream.json)
 bench-tool-stream: setup
 	$(PY) bench/bench_tool_stream.py
 

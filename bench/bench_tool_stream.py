@@ -6,8 +6,8 @@ tool call (a benchmark, not a test).
 A DeepSeek-V4 answer with thinking on (a little reasoning, `</think>`, a sentence, then a DSML
 `tool_calls` block whose string argument fills the answer up to --chars characters) is fed
 --token-chars characters at a time to the request's streamer (`open_stream`: the incremental
-deepseek_v4 parsers). The same answer in V3.2's syntax goes through V3.2's parsers (ChatStream,
-which parses the whole text so far at each token) for comparison. Prints JSON (also written to
+deepseek_v4 parsers; V3.2's are incremental too). The same answer in V3.1's syntax goes through
+V3.1's parsers (ChatStream, which parses the whole text so far at each token) for comparison. Prints JSON (also written to
 bench/results/tool_stream.json): µs per token over the first and the last 10% of the tokens
 inside the call's argument and their ratio (the target for V4: within 2x), each window's median
 token (one collector pause or another job's burst on a shared machine lands on single tokens
@@ -28,14 +28,20 @@ from gpu_service.api.parsers import OutputParser, ReasoningParser, TOOL_PARSERS 
 from gpu_service.api.parsers.stream import open_stream  # noqa: E402
 
 
-def answer(chars: int, block: str) -> tuple[str, int, int]:
-    """(a thinking answer of `chars` characters ending in one call with a long string argument,
-    where the argument starts, where it ends)."""
-    head = "Let me think about where to look.</think>I will search the notes.\n\n" \
-        f'<｜DSML｜{block}>\n<｜DSML｜invoke name="search">\n<｜DSML｜parameter name="query" string="true">'
-    tail = '</｜DSML｜parameter>\n<｜DSML｜parameter name="limit" string="false">10</｜DSML｜parameter>\n' \
-        f"</｜DSML｜invoke>\n</｜DSML｜{block}>"
-    body = ("notes about \"streams\" & <tags>\n" * (chars // 30 + 1))[:max(0, chars - len(head) - len(tail))]
+def answer(chars: int, syntax: str) -> tuple[str, int, int]:
+    """(a thinking answer of `chars` characters ending in one call with a long string argument, in
+    `syntax` ("dsml_v4" or "v31"), where the argument starts, where it ends)."""
+    think = "Let me think about where to look.</think>I will search the notes."
+    if syntax == "dsml_v4":
+        head = think + '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="search">\n<｜DSML｜parameter name="query" string="true">'
+        tail = '</｜DSML｜parameter>\n<｜DSML｜parameter name="limit" string="false">10</｜DSML｜parameter>\n' \
+            "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+        body = ("notes about \"streams\" & <tags>\n" * (chars // 30 + 1))
+    else:
+        head = think + '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>search<｜tool▁sep｜>{"query": "'
+        tail = '", "limit": 10}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+        body = "notes about streams and tags " * (chars // 30 + 1)
+    body = body[:max(0, chars - len(head) - len(tail))]
     return head + body + tail, len(head), len(head) + len(body)
 
 
@@ -53,9 +59,9 @@ def run(parser: str, reasoning: str, text: str, token_chars: int) -> list[tuple[
     return times
 
 
-def measure(parser: str, reasoning: str, block: str, chars: int, token_chars: int, repeats: int) -> dict:
+def measure(parser: str, reasoning: str, syntax: str, chars: int, token_chars: int, repeats: int) -> dict:
     """µs per token at the start and the end of the call's argument (medians)."""
-    text, a, b = answer(chars, block)
+    text, a, b = answer(chars, syntax)
     starts, ends = [], []
     for _ in range(repeats):
         inside = [t for i, t in run(parser, reasoning, text, token_chars) if a <= i < b - token_chars]
@@ -88,10 +94,10 @@ def main() -> int:
     ap.add_argument("--token-chars", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
-    v4 = measure("deepseek_v4", "deepseek_v4", "tool_calls", args.chars, args.token_chars, args.repeats)
-    v32 = measure("deepseek_v32", "deepseek_v3", "function_calls", args.chars, args.token_chars, args.repeats)
+    v4 = measure("deepseek_v4", "deepseek_v4", "dsml_v4", args.chars, args.token_chars, args.repeats)
+    v31 = measure("deepseek_v31", "deepseek_v3", "v31", args.chars, args.token_chars, args.repeats)
     out = {"bench": "tool_stream", "cpu": cpu_name(), "token_chars": args.token_chars,
-           "deepseek_v4_incremental": v4, "deepseek_v32_reparsing": v32,
+           "deepseek_v4_incremental": v4, "deepseek_v31_reparsing": v31,
            "target": "deepseek_v4 end_over_start <= 2", "met": v4["end_over_start"] <= 2}
     print(json.dumps(out, indent=1))
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "tool_stream.json")

@@ -6,8 +6,8 @@
                   or the output starts with `<think>`; else all is the answer
     kimi_k2       as deepseek_v3, and the reasoning also ends where the model jumps into its tool
                   section (`<|tool_calls_section_begin|>`) without closing `</think>`
-    deepseek_v4   as deepseek_v3, and the reasoning also ends at V4's DSML `tool_calls` block; it
-                  also runs incrementally (`machine`, parsers.incremental)
+    deepseek_v4   as deepseek_v3, and the reasoning also ends at V4's DSML `tool_calls` block
+Each also runs incrementally (`machine`, parsers.incremental), splitting as `split` does.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class ReasoningParser:
         self.name = name
         self.start_in = start_in_reasoning or name == "deepseek_r1"
         self.enders = ENDERS.get(name, (THINK_END,))
-        self.incremental = name == "deepseek_v4"  # ChatStream reads it with `machine`
+        self.incremental = True  # open_stream may read it with `machine` (split: the same on a whole text)
 
     @staticmethod
     def prompt_opens_reasoning(prompt: str) -> bool:
