@@ -19,31 +19,7 @@ import json
 
 from gpu_service.api.chat_formats import dsml
 from gpu_service.api.chat_formats.common import THINK_END, THINK_START
-from gpu_service.api.parsers.base import ToolCall
-
-
-def find_first(text: str, markers, start: int = 0) -> tuple[int, str | None]:
-    """(position, marker) of the earliest marker in `text[start:]` (the longest on a tie), or (-1, None)."""
-    pos, found = -1, None
-    for m in markers:
-        i = text.find(m, start)
-        if i >= 0 and (pos < 0 or i < pos or (i == pos and len(m) > len(found))):
-            pos, found = i, m
-    return pos, found
-
-
-def tail_partial(text: str, markers, start: int = 0) -> int:
-    """Length of the longest tail of `text[start:]` that is a proper prefix of one of `markers`
-    (only the last len(marker) - 1 characters are looked at)."""
-    best, n = 0, len(text)
-    for m in markers:
-        j = text.find(m[0], max(start, n - len(m) + 1))
-        while 0 <= j and n - j > best:  # later starts are shorter tails
-            if m.startswith(text[j:]):
-                best = n - j
-                break
-            j = text.find(m[0], j + 1)
-    return best
+from gpu_service.api.parsers.base import ToolCall, find_first, tail_partial
 
 
 class Machine:
