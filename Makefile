@@ -5,7 +5,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-test protos build test soak nethosts demo bench bench-tcp-hosts bench-decode bench-doctor bench-grammar bench-kernels bench-prefix gpu-check gpu-check-dry-run chart-check images image-test clean
+.PHONY: setup setup-test protos build test soak nethosts demo bench bench-tcp-hosts bench-decode bench-doctor bench-grammar bench-tool-stream bench-kernels bench-prefix gpu-check gpu-check-dry-run chart-check images image-test clean
 
 setup: $(STAMP)
 
@@ -60,6 +60,11 @@ bench-tcp-hosts: build
 # structured outputs: a 30-property schema's compile time, the sampler's masking overhead at batch 1 and 16
 bench-grammar: setup
 	$(PY) bench/bench_grammar.py
+
+# Chat output parsers per streamed token at the start vs the end of a 4,000-character tool call
+# (DeepSeek-V4's incremental parsers vs V3.1's re-parsing ones; bench/results/tool_stream.json)
+bench-tool-stream: setup
+	$(PY) bench/bench_tool_stream.py
 
 # the decode step's fixed cost per MoE layer (3 vs 27 layers) and 1/8/32 streams through `moesplit serve`
 bench-decode: setup

@@ -209,3 +209,37 @@ def test_streaming_parse_cost():
     per = (time.perf_counter() - t0) / len(long_text) * 1e6
     print(f"streaming parse: {per:.1f} us per character over {len(long_text)} characters")
     assert per < 2000
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_incremental_stream_equals_the_reparsing_one(case):
+    """Where the request's parsers all run incrementally (V3.2's and V4's, every reasoning parser),
+    open_stream's IncrementalStream gives what ChatStream (re-parsing) gives, whole and split at
+    every point; each reasoning machine splits as ReasoningParser.split at every prefix."""
+    from gpu_service.api.parsers.stream import IncrementalStream
+
+    make, text, expected = CASES[case]
+    parser = make()
+    if parser.reasoning is not None:
+        for name in ("kimi_k2", "deepseek_r1", "deepseek_v3", "deepseek_v4"):
+            for start_in in (False, True):
+                r = ReasoningParser(name, start_in)
+                for i in range(len(text) + 1):
+                    for final in (False, True):
+                        s = IncrementalStream(OutputParser(r, None))
+                        s.feed(text[:i])
+                        if final:
+                            s.finish()
+                        p = s.parsed()
+                        assert (p.reasoning, p.content, p.reasoning_ended) == r.split(text[:i], final), (name, i)
+    if not parser.incremental:
+        return
+    ref = whole(make, text)
+    for pieces in [[text]] + [[text[:i], text[i:]] for i in range(len(text) + 1)]:
+        s = IncrementalStream(make())
+        for p in pieces:
+            s.feed(p)
+        msg = s.message()
+        assert (msg.get("reasoning_content"), msg["content"]) == (ref.get("reasoning_content"), ref["content"])
+        assert [c["function"] for c in msg.get("tool_calls", [])] == [c["function"] for c in ref.get("tool_calls", [])]
+    check(msg, expected)

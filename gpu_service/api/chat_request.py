@@ -9,7 +9,9 @@ function among `tools`), `parallel_tool_calls`, `chat_template_kwargs` (template
 
 `reasoning_effort` onto the format's thinking control (`reasoning_kwargs`):
 - a format with `reasoning_efforts` (a tuple of its levels): passed on as the template variable
-  `reasoning_effort`; a value outside the tuple is a 400 listing it;
+  `reasoning_effort`; a value outside the tuple is a 400 listing it; when the format also has a
+  `thinking` switch (DeepSeek-V4: levels "high", "max"), "none" turns thinking off and a level
+  turns it on (the other OpenAI values are a 400 listing "none" and the levels);
 - a thinking on/off switch (the `thinking` variable: V3.2's built-in format, a Jinja template that
   reads `thinking` such as V3.1's): "none" / "minimal" -> thinking off, "low" / "medium" / "high" /
   "xhigh" / "max" -> on (one level of reasoning: the levels above "minimal" all mean "think");
@@ -38,12 +40,14 @@ from dataclasses import dataclass
 from gpu_service.api.chat_formats.common import THINK_END, THINK_START
 from gpu_service.api.errors import APIError, check_prompt_chars
 from gpu_service.api.openai_params import chat_options
-from gpu_service.api.parsers import OutputParser, ChatStream, reasoning_parser_for, tool_parser_for
+from gpu_service.api.parsers import OutputParser, reasoning_parser_for, tool_parser_for
+from gpu_service.api.parsers.stream import ChatStream, IncrementalStream, open_stream
 from gpu_service.api.tool_grammar import tool_call_grammar
 
 MAX_TOOLS = 128  # functions one request may list (each is rendered into the prompt and may be compiled)
 ROLES = ("system", "user", "assistant", "developer", "tool")
 RESERVED_KWARGS = ("messages", "tools", "add_generation_prompt", "documents")
+DEVELOPER_FAMILIES = ("deepseek_v32", "deepseek_v4")  # formats with a developer role of their own
 THINKING_OFF = ("none", "minimal")  # reasoning_effort values that turn an on/off switch off
 log = logging.getLogger("moesplit.chat")
 
@@ -67,8 +71,8 @@ class ChatPlan:
     metadata: dict | None = None  # the request's `metadata`, returned on the chat.completion object
     images: list | None = None  # the ImageInputs of the prompt's image placeholder runs, in order
 
-    def stream(self) -> ChatStream:
-        return ChatStream(self.parser)
+    def stream(self) -> ChatStream | IncrementalStream:
+        return open_stream(self.parser)
 
 
 MEDIA_PARTS = ("image_url", "image", "input_image", "video_url", "video", "input_audio")
@@ -261,17 +265,35 @@ def _template_variables(text: str) -> frozenset:
     return frozenset(jinja2.meta.find_undeclared_variables(make_environment().parse(text)))
 
 
+def _effort_kwargs(effort: str, fmt, kwargs: dict) -> dict:
+    """`reasoning_effort` on a format that names its levels; with a `thinking` switch too
+    (DeepSeek-V4), "none" turns thinking off and a level turns it on."""
+    switch = "thinking" in (getattr(fmt, "template_kwargs", None) or ())
+    allowed = (("none",) if switch else ()) + tuple(fmt.reasoning_efforts)
+    if effort not in allowed:
+        raise APIError(400, f"'reasoning_effort' {effort!r} is not one this model takes: use one of "
+                            f"{', '.join(allowed)}", param="reasoning_effort")
+    if not switch:
+        return {**kwargs, "reasoning_effort": effort}
+    on = effort != "none"
+    given = kwargs.get("thinking", kwargs.get("enable_thinking"))
+    if given is not None and bool(given) != on:
+        raise APIError(400, f"'reasoning_effort' {effort!r} turns thinking {'on' if on else 'off'} but "
+                            f"chat_template_kwargs sets thinking {given!r}: drop one", param="reasoning_effort")
+    if kwargs.get("reasoning_effort") not in (None, effort if on else None):
+        raise APIError(400, f"'reasoning_effort' {effort!r} and chat_template_kwargs.reasoning_effort "
+                            f"{kwargs['reasoning_effort']!r} disagree: drop one", param="reasoning_effort")
+    out = {k: v for k, v in kwargs.items() if k != "enable_thinking"}
+    return {**out, "thinking": True, "reasoning_effort": effort} if on else {**out, "thinking": False}
+
+
 def reasoning_kwargs(effort: str | None, fmt, kwargs: dict) -> dict:
     """`chat_template_kwargs` with `reasoning_effort` applied (see the module docstring)."""
     if effort is None:
         return kwargs
     control = thinking_control(fmt)
     if control == "efforts":
-        allowed = fmt.reasoning_efforts
-        if effort not in allowed:
-            raise APIError(400, f"'reasoning_effort' {effort!r} is not one this model takes: use one of "
-                                f"{', '.join(allowed)}", param="reasoning_effort")
-        return {**kwargs, "reasoning_effort": effort}
+        return _effort_kwargs(effort, fmt, kwargs)
     if control == "switch":
         on = effort not in THINKING_OFF
         if "thinking" in kwargs and bool(kwargs["thinking"]) != on:
@@ -311,7 +333,7 @@ def chat_plan(body: dict, tokenizer, settings: ChatSettings, max_chars: int | No
     fmt = tokenizer.chat_format
     family = getattr(fmt, "family", None)
     taken: list = []  # ImageInputs, in prompt order
-    messages = normalize_messages(body.get("messages"), keep_developer=family == "deepseek_v32",
+    messages = normalize_messages(body.get("messages"), keep_developer=family in DEVELOPER_FAMILIES,
                                   vision=getattr(tokenizer, "vision_wrapper", None),
                                   image_fn=_image_taker(images, taken) if images is not None else None)
     check_prompt_chars(sum(len(m.get("content") or "") for m in messages), max_chars, "messages")

@@ -11,6 +11,7 @@ same tool-call parser as an unforced call. Markers that are single tokens are ma
     deepseek_v3   [NAME "\\n```json\\n"] JSON "\\n```" <｜tool▁call▁end｜> <｜tool▁calls▁end｜>
     deepseek_v31  [NAME <｜tool▁sep｜>] JSON <｜tool▁call▁end｜> <｜tool▁calls▁end｜>
     deepseek_v32  [NAME '">\\n'] {DSML parameter "\\n"} "</｜DSML｜invoke>\\n</｜DSML｜function_calls>"
+    deepseek_v4   the same, closing "</｜DSML｜tool_calls>"
                   (string properties raw: an enum's values, else text without '<' up to maxLength
                   or FORCED_STRING_MAX_CHARS;
                   others as JSON for their sub-schema; required ones in order, the others optional)
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import json
 
-from gpu_service.api.chat_formats import dsv32
+from gpu_service.api.chat_formats import dsml
 
 JSON_OPTIONS = {"whitespace_flexible": False}
 OPEN_KEYWORDS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
@@ -90,7 +91,8 @@ class _Lark:
         return "\n".join([f"start: {start}"] + self.rules) + "\n"
 
 
-def _dsml_params(g: _Lark, fn: dict) -> str:
+def _dsml_params(g: _Lark, fn: dict, block: str) -> str:
+    """The parameters of `fn` as DSML then the closing markers of the invoke and of `block`."""
     schema = fn.get("parameters") or {}
     props = schema.get("properties") or {}
     required = set(schema.get("required") or [])
@@ -104,13 +106,13 @@ def _dsml_params(g: _Lark, fn: dict) -> str:
             else:
                 n = sub.get("maxLength")
                 value = f"/[^<]{{0,{int(n) if isinstance(n, int) else FORCED_STRING_MAX_CHARS}}}/"
-            item = f'{json.dumps(head + chr(34) + "true" + chr(34) + ">")} {value} {json.dumps(dsv32.PARAM_END)}'
+            item = f'{json.dumps(head + chr(34) + "true" + chr(34) + ">")} {value} {json.dumps(dsml.PARAM_END)}'
         else:
             value = g.json_rule({**closed_schema(sub), "x-guidance": JSON_OPTIONS})
-            item = f'{json.dumps(head + chr(34) + "false" + chr(34) + ">")} {value} {json.dumps(dsv32.PARAM_END)}'
+            item = f'{json.dumps(head + chr(34) + "false" + chr(34) + ">")} {value} {json.dumps(dsml.PARAM_END)}'
         item = f'({item} "\\n")'
         parts.append(item if key in required else item + "?")
-    return " ".join(parts + [json.dumps(dsv32.INVOKE_END + "\n" + dsv32.CALLS_END)])
+    return " ".join(parts + [json.dumps(dsml.INVOKE_END + "\n" + dsml.block_markers(block)[1])])
 
 
 def tool_call_grammar(parser: str, tools: list[dict], choice, tokenizer, call_index: int = 0):
@@ -135,8 +137,8 @@ def tool_call_grammar(parser: str, tools: list[dict], choice, tokenizer, call_in
         elif parser == "deepseek_v31":
             body = f"{g.json_rule(_schema(fn))} {g.marker('<｜tool▁call▁end｜>')} {g.marker('<｜tool▁calls▁end｜>')}"
             head = f"{name} {g.marker('<｜tool▁sep｜>')} "
-        elif parser == "deepseek_v32":
-            body = _dsml_params(g, fn)
+        elif parser in ("deepseek_v32", "deepseek_v4"):
+            body = _dsml_params(g, fn, dsml.V32_BLOCK if parser == "deepseek_v32" else dsml.V4_BLOCK)
             head = f"{name} {json.dumps(chr(34) + '>' + chr(10))} "
         else:
             raise ValueError(f"no tool-call grammar for parser {parser!r}")

@@ -67,10 +67,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"moesplit generate: {', '.join(bad)}: not available for DeepSeek-V4 yet (its runner executes no "
               "memory plan); drop them", file=sys.stderr)
         return 2
-    if v4 and args.chat:
-        print("moesplit generate: --chat needs the DeepSeek-V4 chat encoder, which moesplit does not have yet; "
-              "pass the prompt without --chat", file=sys.stderr)
-        return 2
     tok = None
     if args.prompt is not None:
         from gpu_service.api.tokenizer import Tokenizer

@@ -8,7 +8,6 @@ then the engine + HTTP + gRPC APIs (`ServingStack`), and serve until SIGINT/SIGT
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import logging
 import os
@@ -32,8 +31,6 @@ from gpu_service.api.http_api import create_app, HTTPServer
 from gpu_service.metrics import GpuMetrics
 
 log = logging.getLogger("moesplit.serve")
-V4_CHAT_REFUSED = ("chat on DeepSeek-V4 needs the DeepSeek-V4 chat encoder (its own message format, not a Jinja "
-                   "template), which moesplit does not have yet; send the prompt to /v1/completions")
 
 
 def add_serving_arguments(p: argparse.ArgumentParser) -> None:
@@ -147,9 +144,6 @@ def plan_or_exit(args: argparse.Namespace):
                                device=torch.device(args.device) if args.device else None)
 
 
-# serving options of chat that a DeepSeek-V4 model cannot use yet (no chat encoder): (dest, default, flag)
-V4_CHAT_OPTIONS = (("chat_template", None, "--chat-template"), ("tool_call_parser", "auto", "--tool-call-parser"),
-                   ("reasoning_parser", "auto", "--reasoning-parser"))
 
 
 def v4_option_error(args: argparse.Namespace, cfg) -> str | None:
@@ -163,15 +157,15 @@ def v4_option_error(args: argparse.Namespace, cfg) -> str | None:
         return (f"--page-size {args.page_size}: a DeepSeek-V4 page must hold whole compression blocks of every "
                 f"layer; use a multiple of {block} (lcm of 4 and the HCA ratios)")
 
-    bad = options_set(args, V4_PLAN_OPTIONS + V4_CHAT_OPTIONS)
+    bad = options_set(args, V4_PLAN_OPTIONS)
     host = getattr(args, "host_kv_cache", "auto")
     if host != "auto" and parse_size(host):
         bad.append("--host-kv-cache")
     if not bad:
         return None
     return (f"{', '.join(bad)}: not available for DeepSeek-V4 yet (its runner executes no memory plan: no multi-GPU "
-            "split, hot experts or weight formats; its prefix cache has no host tier; chat needs the DeepSeek-V4 "
-            "chat encoder); drop them (--kv-tokens sizes its cache)")
+            "split, hot experts or weight formats; its prefix cache has no host tier); drop them (--kv-tokens sizes "
+            "its cache)")
 
 
 def check_serving_args(args: argparse.Namespace) -> str | None:
@@ -282,8 +276,6 @@ class ServingStack:
                              eos_token_ids=tuple(dict.fromkeys(eos)))
         self.limits = limits or ServerLimits()
         self.api_key, self.grpc_tls = api_key, grpc_tls
-        if getattr(runner.cfg, "is_v4", False):  # completions only until the DeepSeek-V4 chat encoder exists
-            chat_settings = dataclasses.replace(chat_settings or ChatSettings(), refused=V4_CHAT_REFUSED)
         self.chat_settings = chat_settings
         self.tokenizer = tokenizer
         self.model_name = model_name

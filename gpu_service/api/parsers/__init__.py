@@ -1,10 +1,11 @@
 """Output parsers: reasoning (`reasoning`), tool calls (`tools`), and both over a stream (`stream`).
 
-`--reasoning-parser auto|kimi_k2|deepseek_r1|deepseek_v3|none` and
-`--tool-call-parser auto|kimi_k2|deepseek_v3|deepseek_v31|deepseek_v32|none`; `auto` picks from the
-chat format's model family (`gpu_service.api.chat_formats`), so the four target models need no
+`--reasoning-parser auto|kimi_k2|deepseek_r1|deepseek_v3|deepseek_v4|none` and
+`--tool-call-parser auto|kimi_k2|deepseek_v3|deepseek_v31|deepseek_v32|deepseek_v4|none`; `auto` picks
+from the chat format's model family (`gpu_service.api.chat_formats`), so the target models need no
 setting: Kimi-K2 -> kimi_k2 / kimi_k2; DeepSeek-V3 -> deepseek_v3 / deepseek_v3; R1 -> deepseek_v3 /
-deepseek_r1; V3.1 -> deepseek_v31 / deepseek_v3; V3.2 -> deepseek_v32 / deepseek_v3.
+deepseek_r1; V3.1 -> deepseek_v31 / deepseek_v3; V3.2 -> deepseek_v32 / deepseek_v3; V4 -> deepseek_v4 /
+deepseek_v4 (tools / reasoning).
 """
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ __all__ = ["ChatStream", "OutputParser", "Parsed", "ReasoningParser", "ToolCall"
            "REASONING_PARSERS", "check_parser_name", "tool_parser_for", "reasoning_parser_for"]
 
 FAMILY_TOOL_PARSER = {"kimi_k2": "kimi_k2", "deepseek_v3": "deepseek_v3", "deepseek_r1": "deepseek_v3",
-                      "deepseek_v31": "deepseek_v31", "deepseek_v32": "deepseek_v32"}
+                      "deepseek_v31": "deepseek_v31", "deepseek_v32": "deepseek_v32",
+                      "deepseek_v4": "deepseek_v4"}
 FAMILY_REASONING_PARSER = {"kimi_k2": "kimi_k2", "deepseek_v3": "deepseek_v3", "deepseek_r1": "deepseek_r1",
-                           "deepseek_v31": "deepseek_v3", "deepseek_v32": "deepseek_v3"}
+                           "deepseek_v31": "deepseek_v3", "deepseek_v32": "deepseek_v3",
+                           "deepseek_v4": "deepseek_v4"}
 
 
 def check_parser_name(kind: str, name: str) -> str:

@@ -26,22 +26,30 @@ class Parsed:
     reasoning_ended: bool = True
 
 
-def partial_len(text: str, markers) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of one of `markers`."""
-    best = 0
+def tail_partial(text: str, markers, start: int = 0) -> int:
+    """Length of the longest tail of `text[start:]` that is a proper prefix of one of `markers`
+    (only the last len(marker) - 1 characters are looked at)."""
+    best, n = 0, len(text)
     for m in markers:
-        for k in range(min(len(m) - 1, len(text)), best, -1):
-            if text.endswith(m[:k]):
-                best = k
+        j = text.find(m[0], max(start, n - len(m) + 1))
+        while 0 <= j and n - j > best:  # later starts are shorter tails
+            if m.startswith(text[j:]):
+                best = n - j
                 break
+            j = text.find(m[0], j + 1)
     return best
 
 
-def find_first(text: str, markers) -> tuple[int, str | None]:
-    """(position, marker) of the earliest marker in `text` (the longest on a tie), or (-1, None)."""
+def partial_len(text: str, markers) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of one of `markers`."""
+    return tail_partial(text, markers)
+
+
+def find_first(text: str, markers, start: int = 0) -> tuple[int, str | None]:
+    """(position, marker) of the earliest marker in `text[start:]` (the longest on a tie), or (-1, None)."""
     pos, found = -1, None
     for m in markers:
-        i = text.find(m)
+        i = text.find(m, start)
         if i >= 0 and (pos < 0 or i < pos or (i == pos and len(m) > len(found))):
             pos, found = i, m
     return pos, found

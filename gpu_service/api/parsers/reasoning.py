@@ -6,14 +6,19 @@
                   or the output starts with `<think>`; else all is the answer
     kimi_k2       as deepseek_v3, and the reasoning also ends where the model jumps into its tool
                   section (`<|tool_calls_section_begin|>`) without closing `</think>`
+    deepseek_v4   as deepseek_v3, and the reasoning also ends at V4's DSML `tool_calls` block
+Each also runs incrementally (`machine`, parsers.incremental), splitting as `split` does.
 """
 from __future__ import annotations
 
 from gpu_service.api.chat_formats.common import THINK_END, THINK_START
 from gpu_service.api.parsers.base import until
-from gpu_service.api.parsers.tools import KimiK2ToolParser
+from gpu_service.api.parsers.incremental import ReasoningMachine
+from gpu_service.api.parsers.tools import DeepseekV4ToolParser, KimiK2ToolParser
 
-REASONING_PARSERS = ("kimi_k2", "deepseek_r1", "deepseek_v3")
+REASONING_PARSERS = ("kimi_k2", "deepseek_r1", "deepseek_v3", "deepseek_v4")
+ENDERS = {"kimi_k2": (THINK_END, KimiK2ToolParser.SECTION_BEGIN),
+          "deepseek_v4": (THINK_END,) + DeepseekV4ToolParser.markers}
 
 
 class ReasoningParser:
@@ -24,12 +29,17 @@ class ReasoningParser:
             raise ValueError(f"unknown reasoning parser {name!r}: use one of {', '.join(REASONING_PARSERS)}, none")
         self.name = name
         self.start_in = start_in_reasoning or name == "deepseek_r1"
-        self.enders = (THINK_END, KimiK2ToolParser.SECTION_BEGIN) if name == "kimi_k2" else (THINK_END,)
+        self.enders = ENDERS.get(name, (THINK_END,))
+        self.incremental = True  # open_stream may read it with `machine` (split: the same on a whole text)
 
     @staticmethod
     def prompt_opens_reasoning(prompt: str) -> bool:
         """True when the rendered prompt ends inside an opened `<think>` (whitespace aside)."""
         return prompt.rstrip().endswith(THINK_START)
+
+    def machine(self, sink) -> ReasoningMachine:
+        """A fresh incremental splitter: `sink.reasoning`, `sink.rest` (the answer and tool calls)."""
+        return ReasoningMachine(sink, self.enders, self.start_in)
 
     def split(self, text: str, final: bool) -> tuple[str, str, bool]:
         if text.startswith(THINK_START):

@@ -8,6 +8,8 @@
     deepseek_v32  \\n\\n<｜DSML｜function_calls>\\n{<｜DSML｜invoke name="NAME">\\n{<｜DSML｜parameter name="K"
                   string="true|false">V</｜DSML｜parameter>}\\n</｜DSML｜invoke>}\\n</｜DSML｜function_calls>
                   (arguments assembled as a JSON object: string="true" values raw strings, else JSON)
+    deepseek_v4   as deepseek_v32 in a `<｜DSML｜tool_calls>` block
+(deepseek_v32 and deepseek_v4 run incrementally: `parsers.incremental`, each piece read once)
 
 Content is the text before the calls. A format's own special markers found there outside a call
 section (a random or confused model writing `<|tool_call_end|>` in free text) are dropped from it
@@ -16,10 +18,9 @@ streaming contract (a marker's partial tail is held back like the opening's).
 """
 from __future__ import annotations
 
-import json
-
-from gpu_service.api.chat_formats import dsv32
+from gpu_service.api.chat_formats import dsml
 from gpu_service.api.parsers.base import ToolCall, ToolParser, until
+from gpu_service.api.parsers.incremental import Collect, DsmlMachine
 
 
 def content_until(text: str, final: bool, begins: tuple, stray: tuple) -> tuple[str, str | None, str]:
@@ -137,56 +138,41 @@ class DeepseekV31ToolParser(DeepseekV3ToolParser):
 
 
 class DeepseekV32ToolParser(ToolParser):
-    name = "deepseek_v32"
-    BEGIN = (f"\n\n{dsv32.CALLS_BEGIN}", dsv32.CALLS_BEGIN)
-    INVOKE, PARAM = '<｜DSML｜invoke name="', '<｜DSML｜parameter name="'
-    markers = BEGIN
+    """V3.2's DSML calls (`function_calls` block), read by an incremental machine (`machine(sink)`);
+    `parse` runs one over a whole text."""
 
-    @staticmethod
-    def _json(parts: list[tuple[str, bool, str, bool]], done: bool) -> str:
-        """Parameters (key, is string, raw value, complete) -> the arguments' JSON text (a prefix
-        of it until `done`): strings escaped as JSON, other values as the model wrote them."""
-        items = []
-        for key, is_str, value, complete in parts:
-            v = json.dumps(value, ensure_ascii=False)
-            items.append(json.dumps(key, ensure_ascii=False) + ": " + ((v if complete else v[:-1]) if is_str else value))
-        return "{" + ", ".join(items) + ("}" if done else "")
+    name = "deepseek_v32"
+    BLOCK = dsml.V32_BLOCK
+    INVOKE, PARAM = dsml.INVOKE_OPEN, dsml.PARAM_OPEN
+    BEGIN, END = dsml.block_markers(BLOCK)
+    markers = (f"\n\n{BEGIN}", BEGIN)
+    incremental = True
+
+    def machine(self, sink) -> DsmlMachine:
+        """A fresh incremental parser reporting content and calls to `sink`."""
+        return DsmlMachine(sink, self.BLOCK)
 
     def parse(self, text, final):
-        content, m, rest = until(text, self.BEGIN, final)
-        calls: list[ToolCall] = []
-        while m is not None:
-            _, m, after = until(rest, (self.INVOKE, dsv32.CALLS_END), final)
-            if m != self.INVOKE:
-                break
-            name, m, body = until(after, ('">',), final)
-            if m is None:
-                break
-            parts: list[tuple[str, bool, str, bool]] = []
-            done = False
-            while True:
-                _, mp, after = until(body, (self.PARAM, dsv32.INVOKE_END), final)
-                if mp != self.PARAM:
-                    done, body = mp is not None, after
-                    break
-                key, mk, after = until(after, ('"',), final)
-                attrs, ma, after = until(after, (">",), final) if mk else ("", None, "")
-                if ma is None:
-                    break
-                value, mv, body = until(after, (dsv32.PARAM_END,), final)
-                parts.append((key, 'string="false"' not in attrs, value, mv is not None))
-                if mv is None:
-                    break
-            calls.append(ToolCall(name, self._json(parts, done), None, done))
-            if not done:
-                break
-            rest, m = body, True
-        return content, calls
+        sink = Collect()
+        m = self.machine(sink)
+        m.feed(text)
+        if final:
+            m.finish()
+        return "".join(sink.content_parts), sink.calls
 
     def forced_prefix(self, function):
-        head = f"\n\n{dsv32.CALLS_BEGIN}\n{self.INVOKE}"
+        head = f"\n\n{self.BEGIN}\n{self.INVOKE}"
         return head if function is None else head + function + '">\n'
 
 
+class DeepseekV4ToolParser(DeepseekV32ToolParser):
+    """V4's DSML calls: V3.2's syntax in a `tool_calls` block."""
+
+    name = "deepseek_v4"
+    BLOCK = dsml.V4_BLOCK
+    BEGIN, END = dsml.block_markers(BLOCK)
+    markers = (f"\n\n{BEGIN}", BEGIN)
+
+
 TOOL_PARSERS = {p.name: p for p in (KimiK2ToolParser, DeepseekV3ToolParser, DeepseekV31ToolParser,
-                                    DeepseekV32ToolParser)}
+                                    DeepseekV32ToolParser, DeepseekV4ToolParser)}

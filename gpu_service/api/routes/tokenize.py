@@ -13,7 +13,7 @@ import asyncio
 
 from fastapi import APIRouter, Request
 
-from gpu_service.api.chat_request import normalize_messages, validate_tools
+from gpu_service.api.chat_request import DEVELOPER_FAMILIES, normalize_messages, validate_tools
 from gpu_service.api.errors import APIError
 from gpu_service.api.routes.context import ApiContext
 
@@ -57,7 +57,7 @@ def router(ctx: ApiContext) -> APIRouter:
     def _encode_chat(body: dict) -> list[int]:
         need_tokenizer("messages")
         fmt = tokenizer.chat_format
-        msgs = normalize_messages(body["messages"], keep_developer=getattr(fmt, "family", None) == "deepseek_v32",
+        msgs = normalize_messages(body["messages"], keep_developer=getattr(fmt, "family", None) in DEVELOPER_FAMILIES,
                                   vision=getattr(tokenizer, "vision_wrapper", None))
         if ctx.max_chars is not None:
             too_large("conversation (characters)", sum(len(m.get("content") or "") for m in msgs), ctx.max_chars,
