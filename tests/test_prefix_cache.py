@@ -410,6 +410,19 @@ def test_plan_reports_the_host_tier():
     assert P.make_plan(cfg, ["24GiB"], model=name).host["host_kv_cache_bytes"] is None  # no --host-ram
 
 
+def test_v4_plan_has_no_host_tier():
+    """DeepSeek-V4's prefix cache keeps pages and snapshots on the GPU: the plan reports no host tier
+    (none counted in host RAM) and refuses an explicit size, naming the flag."""
+    from gpu_service import plan as P
+
+    cfg, name = P.load_model_config("deepseek-v4-flash")
+    p = P.make_plan(cfg, ["24GiB"], host_ram="256GiB", model=name)
+    assert p.host["host_kv_cache_bytes"] == 0 and p.host["host_kv_tier"] is False
+    assert "prefix cache tier): none" in p.table()
+    with pytest.raises(ValueError, match="drop --host-kv-cache"):
+        P.make_plan(cfg, ["24GiB"], host_ram="256GiB", model=name, host_kv_cache="10GiB")
+
+
 def test_serving_host_kv_arguments():
     import argparse
 

@@ -57,7 +57,9 @@ def render_table(p: "Plan") -> str:  # a gpu_service.plan.search.Plan
     h = p.host
     cap = fmt_gib(h["capacity_bytes"]) if h["capacity_bytes"] is not None else "unchecked (no --host-ram)"
     lines.append(f"host RAM: needs {fmt_gib(h['required_bytes'])} (shards + GPU service + OS) of {cap}")
-    if h.get("host_kv_cache_bytes") is not None:
+    if h.get("host_kv_tier") is False:
+        lines.append("host KV cache (prefix cache tier): none (this architecture's prefix cache stays on the GPU)")
+    elif h.get("host_kv_cache_bytes") is not None:
         lines.append(f"host KV cache (prefix cache tier): {fmt_gib(h['host_kv_cache_bytes'])} = "
                      f"{h['host_kv_cache_tokens']:,} cached tokens")
     else:
