@@ -308,3 +308,30 @@ def test_gpu_server_cli_serves_v4_completions():
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_default_page_size_follows_the_architecture(tmp_path):
+    """Without --page-size a real V4 release (HCA ratio 128) gets 128-token pages and V3 the usual 64;
+    an explicit page size that is not a multiple of the compression blocks is still refused by name."""
+    from checkpoint.config_v4 import load_any_config
+    from gpu_service.entrypoints import serve
+    from gpu_service.entrypoints.serving import check_serving_args, DEFAULT_PAGE_SIZE
+    from gpu_service.model.v4.paged import default_page_size, page_block
+
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    for name, want in (("deepseek-v4-flash", 128), ("deepseek-v4-pro", 128), ("deepseek-v3", DEFAULT_PAGE_SIZE)):
+        d = tmp_path / name
+        d.mkdir()
+        shutil.copy(f"/work/shared/model-configs/{name}.json", d / "config.json")
+        args = p.parse_args(["--model", str(d)])
+        assert args.page_size is None and check_serving_args(args) is None
+        assert args.page_size == want
+        cfg = load_any_config(str(d))
+        if cfg.is_v4:
+            assert page_block(cfg) == 128 and default_page_size(cfg) == 128
+            err = check_serving_args(p.parse_args(["--model", str(d), "--page-size", "64"]))
+            assert err is not None and "multiple of 128" in err
+            assert check_serving_args(p.parse_args(["--model", str(d), "--page-size", "256"])) is None
+    d, runner, _, _ = _served("flash-mxfp4")  # the tiny Flash: blocks of 16 -> the usual 64
+    assert page_block(runner.cfg) == PAGE and default_page_size(runner.cfg) == DEFAULT_PAGE_SIZE

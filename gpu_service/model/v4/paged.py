@@ -41,6 +41,13 @@ def page_block(cfg) -> int:
     return math.lcm(CSA, *[r for r in cfg.compress_ratios[:cfg.num_hidden_layers] if r])
 
 
+def default_page_size(cfg, usual: int = 64) -> int:
+    """The page size V4 serves with when none is given: the smallest multiple of `page_block` that is
+    at least the usual default (64 tokens; 128 for a release whose HCA ratio is 128)."""
+    block = page_block(cfg)
+    return -(-usual // block) * block
+
+
 class V4Pool(KVPool):
     """Pages of compressed entries (module docstring); the accounting is KVPool's."""
 
