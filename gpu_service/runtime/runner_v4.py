@@ -50,7 +50,7 @@ class V4Runner:
         self.model = model_from_reader(reader, self.dtype, self.device)
         self.load_s = time.perf_counter() - t0
         self.page_size = page_size or default_page_size(self.cfg)  # None: whole compression blocks of every layer
-        self.pool = V4Pool(self.cfg, -(-kv_tokens // page_size), page_size, self.dtype, self.device)
+        self.pool = V4Pool(self.cfg, -(-kv_tokens // self.page_size), self.page_size, self.dtype, self.device)
         self.prefix_cache = V4PrefixCache(self.pool) if prefix_cache else None
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda":
