@@ -124,7 +124,7 @@ def hand_items(d: dict, o: dict, layers: list[int], *, first: bool, last: bool, 
     quantised = [(ql, D), (H * hd, ql), (hd, D), (G * ol, H * hd // G), (D, G * ol), (I, D), (D, I), (nI * dI, ql)]
     scratch = max(e * min(1024, out) * inp for out, inp in quantised)  # hot MXFP4 experts: [I, D], [D, I]
     it["workspace"] = (max(step(T, T, 1), step(B, 1, B)) + 4 * T * D + 12 * T * k + (2 * 4 * B * V if last else 0)
-                       + scratch + graphs)
+                       + scratch + graphs + e * H * hd * ol)  # + wo_a (FP8) dequantised whole per step
     return it
 
 

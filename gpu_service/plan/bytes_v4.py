@@ -25,7 +25,7 @@ import math
 
 from checkpoint.config_v4 import CSA_RATIO, V4Config
 from gpu_service.model.v4.blocks import ATTN_BLOCK, INDEX_BLOCK
-from gpu_service.plan.bytes import Module, Options, graph_buckets, GRAPH_SLOTS
+from gpu_service.plan.bytes import checkpoint_format, Module, Options, graph_buckets, GRAPH_SLOTS
 
 F32 = 4
 # categories a V4 GPU plan shows (gpu_service.plan.bytes.CATEGORIES order; "kv_window" and "kv_state" are V4's)
@@ -167,8 +167,12 @@ def layer_step_bytes_v4(cfg: V4Config, o: Options, *, rows: int, span: int, seqs
 def workspace_bytes_v4(cfg: V4Config, o: Options, *, mlp_width: int, lm_head: bool, scratch: int = 0,
                        layers: int = 0) -> int:
     """Activation workspace of one GPU running V4 layers (docs/v4.md "Memory plan"): the larger of a
-    prefill chunk's and a decode batch's layer step, the MoE routing, the logits, scratch and graphs."""
+    prefill chunk's and a decode batch's layer step, the MoE routing, the logits, scratch, graphs and a
+    quantised wo_a dequantised whole for its grouped product (gpu_service.model.qlinear.weight_of)."""
     T, B, e, D = o.chunk_tokens, o.max_batch, o.eb, cfg.hidden_size
+    wo_a = checkpoint_format(cfg, "layers.0.attn.wo_a.weight") if o.attention_weights == "checkpoint" \
+        else o.attention_weights
+    wo_a_dq = e * cfg.num_attention_heads * cfg.head_dim * cfg.o_lora_rank if wo_a != "bf16" else 0
     prefill = layer_step_bytes_v4(cfg, o, rows=T, span=T, seqs=1, mlp_width=mlp_width)
     decode = layer_step_bytes_v4(cfg, o, rows=B, span=1, seqs=B, mlp_width=mlp_width)
     moe = F32 * T * D + 12 * T * cfg.num_experts_per_tok
@@ -177,7 +181,7 @@ def workspace_bytes_v4(cfg: V4Config, o: Options, *, mlp_width: int, lm_head: bo
     if o.cuda_graphs and layers:
         row = 2 * 2 * F32 * cfg.hc_mult * D + 2 * _rows(cfg, e, mlp_width) + 8 * cfg.n_routed_experts
         graphs = GRAPH_SLOTS * sum(graph_buckets(B)) * row
-    return max(prefill, decode) + moe + logits + scratch + graphs
+    return max(prefill, decode) + moe + logits + scratch + graphs + wo_a_dq
 
 
 def native_expert_format_v4(cfg: V4Config) -> str | None:

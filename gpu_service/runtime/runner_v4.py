@@ -8,7 +8,8 @@ and the router's final weights) or in-process experts. A step runs the engine's 
 `DeepseekV4.forward_batch`, each chunk continuing its sequence's paged cache; a chunk that ends on a
 page boundary keeps the sequence's bounded state for the prefix cache. Not built for V4 (refused by
 name, or off and logged): CUDA graphs, executing a memory plan (multi-GPU split, hot experts,
-weight formats), the prefix cache's host tier, MTP (not loaded).
+weight formats other than the checkpoint's: its FP8 linears stay FP8, `Fp8Linear`), the prefix cache's
+host tier, MTP (not loaded).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ class V4Runner:
                  host_kv_bytes: int = 0, cuda_graphs: bool = True, graph_buckets: tuple[int, ...] | None = None):
         if placement is not None:
             raise ValueError("DeepSeek-V4: the V4 runner does not execute a memory plan yet (multi-GPU split, "
-                             "hot GPU experts, FP8 weights as stored): drop --gpu / the plan options and size the "
+                             "hot GPU experts, other weight formats than the checkpoint's): drop --gpu / the plan options and size the "
                              "cache with --kv-tokens")
         if host_kv_bytes:
             raise ValueError("--host-kv-cache: DeepSeek-V4's prefix cache has no host tier (its boundary snapshots "

@@ -15,6 +15,7 @@ from torch import nn
 
 from gpu_service.attention.sink_torch import compressed_bias, picks_bias, sink_attention, window_bias
 from gpu_service.model.layers import RMSNorm, Rope
+from gpu_service.model.qlinear import weight_of
 from gpu_service.model.v4.blocks import ATTN_BLOCK
 from gpu_service.model.v4.compressor import Compressor, CompressorState, Indexer
 from gpu_service.model.v4.pieces import grouped_out, rms_unit, rope_tail
@@ -106,7 +107,7 @@ class Attention(nn.Module):
         o = [self._attend(x[a:b], qr[a:b], q[a:b], kv[a:b], p, st, _rows(cp, a, b), _rows(ip, a, b))
              for (a, b, p), st in zip(segs, states)]
         o = rope_tail(o[0] if len(o) == 1 else torch.cat(o), cos, -sin)
-        return self.wo_b(grouped_out(o.reshape(T, -1), self.wo_a.weight, self.groups))
+        return self.wo_b(grouped_out(o.reshape(T, -1), weight_of(self.wo_a, dt), self.groups))
 
     def _attend(self, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor,
                 st: AttnState, cp=None, ip=None) -> torch.Tensor:
