@@ -18,6 +18,12 @@ ARCHITECTURE = "KimiK25ForConditionalGeneration"
 MODEL_TYPE = "kimi_k25"
 LANGUAGE_PREFIX = "language_model."
 VISION_PREFIXES = ("vision_tower.", "mm_projector.")
+# The image geometry of Kimi_K25ImageProcessor (its defaults), read by the preprocessing
+# (gpu_service.model.image_inputs) and by the plan (which must not import torch)
+PATCH = 14  # patch side in pixels
+MERGE = 2  # the projector merges 2 x 2 patches into one token
+MAX_PATCHES = 16384  # patches of an image after its resize, before padding to the merge
+MAX_SIDE_PATCHES = 512  # patches along one side
 NOT_SERVED = "vision tower / projector: not part of the text model (gpu_service.model.vision loads them)"
 # top-level fields a text_config may lack (K2.6's text_config has no eos/bos)
 _CARRIED = ("quantization_config", "eos_token_id", "bos_token_id", "pad_token_id", "tie_word_embeddings")

@@ -203,6 +203,17 @@ def test_bench_refuses_a_directory_without_a_checkpoint(tmp_path, capsys):
     assert "make-tiny" in capsys.readouterr().err
 
 
+def test_bench_refuses_deepseek_v4_naming_why(tmp_path, capsys):
+    import shutil
+
+    from moesplit.cli import main
+
+    shutil.copy("/work/shared/model-configs/deepseek-v4-flash.json", tmp_path / "config.json")
+    assert main(["bench", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "DeepSeek-V4 is not benchmarked yet" in err and "moesplit serve" in err
+
+
 def test_pci_links_and_the_card_table(tmp_path):
     """PCIe links are read from sysfs for NVIDIA display controllers only; cards are found by name
     (the most specific key first) or by the memory they are sold with."""

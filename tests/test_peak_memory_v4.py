@@ -1,26 +1,24 @@
 """DeepSeek-V4's memory plan holds at peak, measured on CPU (the V3 / V3.2 test: tests/test_peak_memory.py).
 
-What is measured: a tiny V4 checkpoint (one CSA and one HCA layer) is loaded, then one sequence runs
-a chunked prefill at the plan's chunk size up to nearly the plan's pool of `kv_tokens` tokens and tens
-of greedy decode steps, all under the byte tracker (tests/memtrack.py), everything charged to the one
-planned GPU except the routed experts' computation (the CPU shards' work; their result lands in a
-GPU buffer, charged to the GPU). Each step's transient is its high-water mark above what was alive
-when the step began (the weights and the sequence's cache so far); the largest is compared with the
-plan's `workspace` item for the same config, kv_tokens, chunk_tokens and max_batch. The cache the
-V4 model grows during a step (new window keys, compressor state, entries) is counted in it: in the
-engine it lives in the preallocated pool, so this only makes the check stricter.
+What is measured: a tiny V4 checkpoint (one CSA and one HCA layer) is served by the engine's V4Runner
+(its paged pool of the plan's `kv_tokens` tokens allocated before the steps, no prefix cache); one
+sequence runs a chunked prefill at the plan's chunk size up to nearly that pool and tens of greedy
+decode steps through `runner.step`, all under the byte tracker (tests/memtrack.py), everything charged
+to the one planned GPU except the routed experts' computation (the CPU shards' work; their result lands
+in a GPU buffer, charged to the GPU). Each step's transient is its high-water mark above what was alive
+when the step began (the weights, the pool and the sequence's bounded state); the largest is compared
+with the plan's `workspace` item for the same config, kv_tokens, chunk_tokens and max_batch.
 
 The prefill's short remainder runs first, so the last chunk is a full one at the end of the prompt:
-the worst step, whose queries read the most compressed entries (the torch attention reads every
-entry of its layer, the CSA picks being a mask). Two shapes: many attention heads (the attention
-scores dominate) and many indexer heads (the indexer's scores dominate). The bound: transient <= the
-plan's workspace (the promise) and >= 75% of it without the CUDA-graph pools (a CPU run captures
-none): the remaining slack is the MLP's projections, the routing and the logits, which the formula
-adds beside the attention peak although they are never alive with it, and a partial last decode
-step; a formula that overcounts the scores (the dominant term) by a third would fail. (Measured
-over other shapes too, window-only, HCA-only, hidden 512, chunk 32, 4 heads: 72-93% in f32 and bf16.)
-The decode steps are checked against the same formula for one token of one sequence (an upper
-bound only: the torch model keeps the entries in its cache, where the formula counts them gathered).
+a worst step (the indexer scores every CSA entry so far; the attention's blocks read an HCA layer's
+every entry or a CSA query's gathered picks, which barely grow). Two shapes: many attention heads (the
+attention block's scores dominate) and many indexer heads (the indexer's block scores dominate). The
+bound: transient <= the plan's workspace (the promise) and >= 75% of it without the CUDA-graph pools (a
+CPU run captures none): the remaining slack is the MLP's projections, the routing and the logits, which
+the formula adds beside the attention peak although they are never alive with it, and the HCA and CSA
+extras, which the formula adds in one block though they belong to different layers; a formula that
+overcounts the scores (the dominant term) by a third would fail. The decode steps are checked against
+the same formula for one token of one sequence.
 """
 from __future__ import annotations
 
@@ -33,7 +31,9 @@ import torch
 from gpu_service import plan as P
 from gpu_service.local.tiny import make_tiny
 from gpu_service.model.experts_api import Ready
+from gpu_service.model.kv import Chunk
 from gpu_service.model.v4.load import load_v4
+from gpu_service.runtime.runner_v4 import V4Runner
 from gpu_service.plan.bytes_v4 import workspace_bytes_v4
 from tests.memtrack import ByteTracker
 
@@ -41,7 +41,7 @@ BASE = {"num_hidden_layers": 2, "compress_ratios": [4, 16, 0], "num_hash_layers"
         "index_topk": 64, "max_position_embeddings": 4096}
 SHAPES = {
     "attention": {**BASE, "num_attention_heads": 16, "index_n_heads": 16},
-    "indexer": {**BASE, "num_attention_heads": 4, "index_n_heads": 64},
+    "indexer": {**BASE, "num_attention_heads": 4, "index_n_heads": 128},
 }
 CHUNK, KV, DECODE, MAX_BATCH = 256, 1280, 24, 4
 PROMPT = KV - DECODE
@@ -105,7 +105,7 @@ def measure(model_dir: str, dtype: str):
     """(plan, (the plan's workspace without CUDA-graph pools, the same for one token of one sequence),
     per-step transients, the model's weight bytes, the bytes the sequence's cache holds at the end)."""
     loaded = load_v4(model_dir, dtype=getattr(torch, dtype))
-    cfg, model = loaded.config, loaded.model
+    cfg = loaded.config
     plan = P.make_plan(cfg, ["1GiB"], kv_tokens=KV, min_kv_tokens=KV, chunk_tokens=CHUNK, max_batch=MAX_BATCH,
                        embeddings="gpu", attention_weights="bf16", gpu_experts=0, dtype=dtype)
     assert plan.fits and plan.options.kv_tokens == KV
@@ -117,20 +117,22 @@ def measure(model_dir: str, dtype: str):
     one_token = workspace_bytes_v4(cfg, dataclasses.replace(plan.options, cuda_graphs=False, chunk_tokens=1,
                                                             max_batch=1), **ws_kw)
     tracker = ByteTracker()
-    experts = HostExperts(loaded.experts, tracker)
-    cache = model.new_cache()
-    device = model.embed.weight.device
+    # the engine's runner: its model, its paged pool of KV tokens (allocated before the steps), no prefix cache
+    runner = V4Runner(loaded.reader, HostExperts(loaded.experts, tracker), device=torch.device("cpu"),
+                      dtype=getattr(torch, dtype), kv_tokens=KV, prefix_cache=False)
+    model, seq = runner.model, runner.new_seq()
+    del loaded.model
 
     def step(tokens: list[int]) -> torch.Tensor:
-        """The V4 model's step of one sequence (an engine's V4 runner can stand in here)."""
-        return model.forward_batch([(torch.tensor(tokens, device=device), cache)], experts)[0]
+        """The engine's V4 step of one sequence's chunk -> the logits of its last token."""
+        return runner.step(tokens, [Chunk(seq, seq.length, len(tokens))])[0]
 
     prompt = [(7 * i + 3) % cfg.vocab_size for i in range(PROMPT)]
     with tracker:
         transients, logits = run_steps(step, prompt, CHUNK, DECODE, tracker)
     del logits  # so that what stays alive is the cache
     weights = sum(t.untyped_storage().nbytes() for t in list(model.parameters()) + list(model.buffers()))
-    return plan, (no_graphs, one_token), transients, weights, tracker.live[GPU]
+    return plan, (no_graphs, one_token), transients, weights, runner.pool.bytes() + tracker.live[GPU]
 
 
 @pytest.mark.parametrize("shape,dtype", [("attention", "float32"), ("indexer", "float32"),
@@ -150,8 +152,9 @@ def test_v4_transient_peak_within_planned_workspace(checkpoints, shape, dtype):
     assert peak <= ws, f"the V4 step kept {peak} B, the plan's workspace is {ws} B"
     assert peak <= no_graphs, f"the V4 step kept {peak} B, the plan's workspace without graph pools {no_graphs} B"
     assert peak >= 0.75 * no_graphs, f"planned workspace {no_graphs} B (no graph pools) overcounts the {peak} B kept"
-    # the prefill's last full chunk is the worst step; decode steps stay far below it
-    assert transients.index(peak) == -(-PROMPT // CHUNK) - 1
+    # the prefill's last full chunk is a worst step (the indexer's scores grow with the entries; the attention
+    # block's keys barely do, CSA queries gathering their picks); decode steps stay far below it
+    assert transients[-(-PROMPT // CHUNK) - 1] == peak
     assert max(transients[-DECODE:]) < 0.1 * peak
     decode = max(transients[-DECODE:])
     print(f"  decode steps: transient high-water {decode} B, one-token workspace {one_token} B "

@@ -84,7 +84,13 @@ def test_loads_the_checkpoint_with_the_typed_config(name):
     assert isinstance(cfg, V4Config) and loaded.model.cfg is cfg
     names = set(reader.names())
     params = {n for n, _ in list(loaded.model.named_parameters()) + list(loaded.model.named_buffers())}
-    assert params == {n for n in names if N4.parse_expert(n) is None}
+    scales = {n for n in params if n.endswith(".weight_scale_inv")}  # the FP8 linears' scales (Fp8Linear)
+    assert params - scales == {n for n in names if N4.parse_expert(n) is None}
+    fp8 = {n[:-len("_scale_inv")] for n in scales}
+    assert fp8 == {n for n in params - scales if reader.format_of(n) == "fp8_e8m0"} and fp8
+    wq_a = loaded.model.layers[2].attn.wq_a
+    assert wq_a.weight.dtype == torch.float8_e4m3fn  # kept as stored, dequantised rows are exact:
+    assert torch.equal(wq_a.dequant_weight(torch.float32), torch.as_tensor(reader.get("layers.2.attn.wq_a.weight")))
     want_fmt = "mxfp4" if CASES[name][1] == "mxfp4" else "fp8_e8m0"
     assert reader.format_of(N4.expert_weight(3, 0, "down")) == want_fmt
     assert reader.format_of("layers.2.attn.wq_a.weight") == "fp8_e8m0"
@@ -208,7 +214,9 @@ def test_generate_in_process_stops_at_eos_and_decodes_text(capsys):
 def test_bfloat16_load_keeps_the_float32_set():
     d, loaded, _ = _case("pro-fp8")
     m16 = load_v4(d, dtype=torch.bfloat16).model
-    assert m16.layers[2].attn.wq_a.weight.dtype == torch.bfloat16
+    assert m16.layers[2].attn.wq_a.weight.dtype == torch.float8_e4m3fn  # FP8 as stored, computed in bf16
+    assert m16.layers[2].attn.wkv.weight.dtype == torch.float8_e4m3fn
+    assert m16.layers[2].attn.compressor.wkv.weight.dtype == torch.bfloat16
     assert m16.layers[2].ffn.gate.weight.dtype == torch.float32 and m16.layers[0].hc_attn_fn.dtype == torch.float32
     ids = torch.tensor(_prompt())
     a = loaded.model(ids, loaded.model.new_cache(), loaded.experts, all_logits=True)

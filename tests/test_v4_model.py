@@ -118,7 +118,8 @@ def test_compressors_and_indexer_equal_transformers():
             ours = model.layers[i].attn
             ref = hf.model.layers[i].self_attn
             want, _ = ref.compressor(x[None], ref.q_a_norm(ref.q_a_proj(x[None])), pe_pos, None, i)
-            entries = ours.compressor.extend(x, CompressorState())
+            st = CompressorState()
+            entries = st.store.read(ours.compressor.extend(x, st), x)
             assert entries.shape[0] == PROMPT_LEN // ours.ratio
             _close(entries, want[0, 0], 1e-6)
         ours, ref = model.layers[2].attn, hf.model.layers[2].self_attn
@@ -129,6 +130,28 @@ def test_compressors_and_indexer_equal_transformers():
     ready = complete_entries(pos, 4)
     assert ((picks >= 0).sum(-1) == ready.clamp(max=cfg.index_topk)).all()
     assert (ready[-1] > cfg.index_topk) and (picks[-1] >= 0).all()  # the last query chose among 25
+
+
+def test_query_blocks_give_the_same_picks_and_attention(monkeypatch):
+    """The indexer's query blocks and the attention's (a CSA query's gathered picks, an HCA layer's
+    masked entries) change nothing: block sizes 1 and 7 against one block of every query."""
+    from gpu_service.model.v4 import attention as A
+
+    _, _, cfg, model, *_ = _setup("flash")
+    x, pos = _x(PROMPT_LEN, cfg.hidden_size), torch.arange(PROMPT_LEN)
+    with torch.no_grad():
+        ours = model.layers[2].attn
+        qr = ours.q_norm.norm(ours.wq_a(x))
+        whole = ours.indexer.pick(x, qr, pos, CompressorState(), block=PROMPT_LEN)
+        assert (whole >= 0).any()
+        for block in (1, 7):
+            assert torch.equal(ours.indexer.pick(x, qr, pos, CompressorState(), block=block), whole)
+        for i in (2, 3):  # CSA, HCA
+            monkeypatch.setattr(A, "ATTN_BLOCK", PROMPT_LEN)
+            want = model.layers[i].attn(x, pos, AttnState())
+            for block in (1, 7):
+                monkeypatch.setattr(A, "ATTN_BLOCK", block)
+                _close(model.layers[i].attn(x, pos, AttnState()), want, 1e-6)
 
 
 def test_routers_experts_and_shared_expert_equal_transformers():

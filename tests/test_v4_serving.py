@@ -306,3 +306,55 @@ def test_gpu_server_cli_serves_v4_completions():
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_default_page_size_follows_the_architecture(tmp_path):
+    """Without --page-size a real V4 release (HCA ratio 128) gets 128-token pages and V3 the usual 64;
+    an explicit page size that is not a multiple of the compression blocks is still refused by name."""
+    from checkpoint.config_v4 import load_any_config
+    from gpu_service.entrypoints import serve
+    from gpu_service.entrypoints.serving import check_serving_args, DEFAULT_PAGE_SIZE
+    from gpu_service.model.v4.paged import default_page_size, page_block
+
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    for name, want in (("deepseek-v4-flash", 128), ("deepseek-v4-pro", 128), ("deepseek-v3", DEFAULT_PAGE_SIZE)):
+        d = tmp_path / name
+        d.mkdir()
+        shutil.copy(f"/work/shared/model-configs/{name}.json", d / "config.json")
+        args = p.parse_args(["--model", str(d)])
+        assert args.page_size is None and check_serving_args(args) is None
+        assert args.page_size == want
+        cfg = load_any_config(str(d))
+        if cfg.is_v4:
+            assert page_block(cfg) == 128 and default_page_size(cfg) == 128
+            err = check_serving_args(p.parse_args(["--model", str(d), "--page-size", "64"]))
+            assert err is not None and "multiple of 128" in err
+            assert check_serving_args(p.parse_args(["--model", str(d), "--page-size", "256"])) is None
+    d, runner, _, _ = _served("flash-mxfp4")  # the tiny Flash: blocks of 16 -> the usual 64
+    assert page_block(runner.cfg) == PAGE and default_page_size(runner.cfg) == DEFAULT_PAGE_SIZE
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_runner_keeps_fp8_linears_as_stored_and_its_weights_are_the_plans(name):
+    """The runner's FP8 attention / indexer / shared-expert linears stay FP8 (Fp8Linear, ue8m0 scales
+    as float32 powers of two) and every weight byte it holds is the plan's weight items, to the byte."""
+    from gpu_service import plan as P
+    from gpu_service.model.qlinear import Fp8Linear
+
+    _, runner, _, _ = _served(name)
+    model, cfg = runner.model, runner.cfg
+    fp8 = [n for n, m in model.named_modules() if isinstance(m, Fp8Linear)]
+    attn = model.layers[2].attn
+    assert {"layers.2.attn.wq_a", "layers.2.attn.wo_a", "layers.0.ffn.shared_experts.w2"} <= set(fp8)
+    assert any(".indexer.wq_b" in n for n in fp8) and attn.wq_b.weight.dtype == torch.float8_e4m3fn
+    assert all(torch.equal(m.weight_scale_inv, 2.0 ** m.weight_scale_inv.log2().round())
+               for m in model.modules() if isinstance(m, Fp8Linear))  # e8m0: powers of two, exact
+    plan = P.make_plan(cfg, ["1GiB"], kv_tokens=512, min_kv_tokens=512, embeddings="gpu",
+                       attention_weights="checkpoint", gpu_experts=0, dtype="float32")
+    items = plan.gpus[0].items
+    weights = sum(t.untyped_storage().nbytes() for t in list(model.parameters()) + list(model.buffers()))
+    assert weights == sum(v for k, v in items.items()
+                          if k not in ("workspace", "reserve", "kv_cache", "index_keys", "kv_window"))
+    assert items["attention"] < sum(t.numel() * 4 for n, t in model.named_parameters() if ".attn." in n
+                                    and ".compressor." not in n and ".indexer." not in n and "weight_scale" not in n)

@@ -1,10 +1,11 @@
 """DeepSeek-V4 attention core in torch (CPU and CUDA): one shared key = value head, a per-head
 sink logit in the softmax denominator, and an additive bias that says which keys each query sees
-(the sliding window over recent tokens, then the compressed entries the layer allows).
+(the sliding window over recent tokens, then the compressed entries the layer allows), and for a
+CSA layer each query's own gathered picks.
 
 The masks are built here too, from positions only: `window_bias` (query t sees keys at positions
 t - window + 1 .. t) and `compressed_bias` (entry w is complete for query t when
-w < (t + 1) // ratio; a CSA layer further keeps only the indexer's picks).
+w < (t + 1) // ratio) and `picks_bias` (a CSA query's picks; -1 marks none).
 """
 from __future__ import annotations
 
@@ -12,17 +13,26 @@ import torch
 
 
 def sink_attention(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sinks: torch.Tensor,
-                   scale: float) -> torch.Tensor:
-    """q [n, H, D], kv [S, D] (keys and values), bias [n, S] (0 or -inf), sinks [H] -> [n, H, D].
-    softmax over the S keys and the head's sink logit (whose value is 0); the max is subtracted
-    first, as the reference does."""
+                   scale: float, own: torch.Tensor | None = None, own_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """q [n, H, D], kv [S, D] (keys and values shared by the queries), bias [n, S] (0 or -inf), sinks
+    [H] -> [n, H, D]; `own` [n, k, D] with `own_bias` [n, k]: further keys each query has to itself
+    (a CSA query's picked entries, gathered). softmax over the keys and the head's sink logit (whose
+    value is 0); the max is subtracted first, as the reference does."""
     n, H, _ = q.shape
-    logits = torch.matmul(q, kv.t()) * scale + bias[:, None, :]  # [n, H, S]
-    sink = sinks.to(logits.dtype)[None, :, None].expand(n, H, 1)
-    logits = torch.cat([logits, sink], dim=-1)
-    logits = logits - logits.max(dim=-1, keepdim=True).values
-    probs = torch.softmax(logits, dim=-1)[..., :-1]  # [n, H, S]: the sink's share dropped
-    return torch.matmul(probs.to(kv.dtype), kv)
+    S = kv.shape[0]
+    parts = [torch.matmul(q, kv.t()).mul_(scale).add_(bias[:, None, :])]  # [n, H, S]
+    if own is not None:
+        parts.append(torch.matmul(q, own.transpose(1, 2)).mul_(scale).add_(own_bias[:, None, :]))  # [n, H, k]
+    parts.append(sinks.to(q.dtype)[None, :, None].expand(n, H, 1))
+    logits = torch.cat(parts, dim=-1)
+    del parts
+    logits.sub_(logits.max(dim=-1, keepdim=True).values)
+    probs = torch.softmax(logits, dim=-1).to(kv.dtype)  # [n, H, S (+ k) + 1]: the sink's share dropped below
+    del logits
+    out = torch.matmul(probs[..., :S], kv)
+    if own is not None:
+        out += torch.matmul(probs[..., S:-1], own)
+    return out
 
 
 def window_bias(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, dtype: torch.dtype) -> torch.Tensor:
@@ -37,15 +47,15 @@ def complete_entries(q_pos: torch.Tensor, ratio: int) -> torch.Tensor:
     return (q_pos + 1) // ratio
 
 
-def compressed_bias(q_pos: torch.Tensor, n_entries: int, ratio: int, dtype: torch.dtype,
-                    picks: torch.Tensor | None = None) -> torch.Tensor:
-    """[n, W]: 0 for the entries query t sees, else -inf. Without `picks`, every complete entry
-    (HCA); with picks [n, k] (entry indices, -1 for none), only those (CSA)."""
+def compressed_bias(q_pos: torch.Tensor, n_entries: int, ratio: int, dtype: torch.dtype) -> torch.Tensor:
+    """[n, W]: 0 for the entries query t sees (every complete one: HCA), else -inf. A CSA layer's
+    queries read their picks instead (`sink_attention`'s `own` keys, `picks_bias`)."""
     n = q_pos.shape[0]
-    if picks is None:
-        w = torch.arange(n_entries, device=q_pos.device)
-        bias = torch.zeros(n, n_entries, dtype=dtype, device=q_pos.device)
-        return bias.masked_fill(w[None, :] >= complete_entries(q_pos, ratio)[:, None], float("-inf"))
-    safe = torch.where(picks >= 0, picks, torch.full_like(picks, n_entries))
-    bias = torch.full((n, n_entries + 1), float("-inf"), dtype=dtype, device=q_pos.device)
-    return bias.scatter_(-1, safe, 0.0)[:, :n_entries]
+    w = torch.arange(n_entries, device=q_pos.device)
+    bias = torch.zeros(n, n_entries, dtype=dtype, device=q_pos.device)
+    return bias.masked_fill(w[None, :] >= complete_entries(q_pos, ratio)[:, None], float("-inf"))
+
+
+def picks_bias(picks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[n, k]: 0 for a pick, -inf for none (-1: fewer entries complete than k)."""
+    return torch.zeros(picks.shape, dtype=dtype, device=picks.device).masked_fill(picks < 0, float("-inf"))

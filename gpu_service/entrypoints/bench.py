@@ -33,6 +33,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _check(args: argparse.Namespace) -> str | None:
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         return f"{args.model}: no config.json; --model must be a checkpoint directory (`moesplit make-tiny DIR` makes one)"
+    from checkpoint.config import ConfigError
+    from checkpoint.config_v4 import load_any_config
+
+    try:
+        cfg = load_any_config(args.model)
+    except ConfigError as e:
+        return str(e)
+    if cfg.is_v4:
+        return ("DeepSeek-V4 is not benchmarked yet: the prediction bench compares with (the doctor's byte model: MLA KV "
+                "reads, V3 expert formats) has no V4 terms (window + compressed entries, MXFP4 experts). Measure V4 "
+                "with `moesplit serve --model DIR` and streaming /v1/completions (gpu_service.local.loadgen), or bench "
+                "a V3-family checkpoint")
     for name in ("shards", "max_tokens", "rounds"):
         if getattr(args, name) < (2 if name == "max_tokens" else 1):
             return f"--{name.replace('_', '-')} must be >= {2 if name == 'max_tokens' else 1}, got {getattr(args, name)}"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 
@@ -50,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from gpu_service.experts.client import ExpertsClient
     from gpu_service.local.stack import start_shards
     from gpu_service.experts.handoff import RemoteExperts
-    from gpu_service.model.v4.paged import page_block
+    from gpu_service.model.v4.paged import default_page_size
     from gpu_service.runtime.runners import make_runner
     from gpu_service.runtime.sampling import SamplingParams
 
@@ -119,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         client.connect()
         transports = {a: client.fast.transport_of(a) for a in addresses}
         try:
-            page = {"page_size": math.lcm(64, page_block(cfg))} if v4 else {}  # whole V4 compression blocks
+            page = {"page_size": default_page_size(cfg)} if v4 else {}  # whole V4 compression blocks
             runner = make_runner(reader, RemoteExperts(client), device=device, dtype=dtype, kv_tokens=kv,
                                  placement=placement, cuda_graphs=args.cuda_graphs, **page)
             res = runner.generate(ids, args.max_new_tokens, sampling,

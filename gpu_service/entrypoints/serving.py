@@ -30,6 +30,8 @@ from gpu_service.api.connections import grpc_server_options
 from gpu_service.api.http_api import create_app, HTTPServer
 from gpu_service.metrics import GpuMetrics
 
+DEFAULT_PAGE_SIZE = 64  # tokens per KV page when --page-size is not given (V4: see page_size_for)
+
 log = logging.getLogger("moesplit.serve")
 
 
@@ -65,7 +67,9 @@ def add_serving_arguments(p: argparse.ArgumentParser) -> None:
                    help="longest completion (and the default when a request omits max_tokens; default 8192)")
     add_connection_arguments(p)
     p.add_argument("--kv-tokens", type=int, default=8192, help="KV cache size in tokens, shared by all requests")
-    p.add_argument("--page-size", type=int, default=64, help="tokens per KV page")
+    p.add_argument("--page-size", type=int, default=None,
+                   help=f"tokens per KV page (default {DEFAULT_PAGE_SIZE}; DeepSeek-V4: the smallest multiple of its "
+                        "compression blocks >= that, e.g. 128 for HCA ratio 128)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="recompute every prompt (default: share full KV pages of common prefixes)")
     p.add_argument("--host-kv-cache", default="auto", metavar="SIZE|auto|0",
@@ -171,7 +175,7 @@ def v4_option_error(args: argparse.Namespace, cfg) -> str | None:
 def check_serving_args(args: argparse.Namespace) -> str | None:
     """An error message for impossible sizes, else None."""
     for name in ("kv_tokens", "page_size", "max_batch", "chunk_tokens", "max_waiting", "max_new_tokens"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
     if getattr(args, "host_kv_cache", "auto") != "auto":
         from gpu_service.plan.bytes import parse_size
@@ -207,11 +211,23 @@ def check_serving_args(args: argparse.Namespace) -> str | None:
         cfg = load_any_config(args.model)
     except ConfigError as e:
         return str(e)
+    if args.page_size is None:
+        args.page_size = page_size_for(cfg)
     return v4_option_error(args, cfg) if cfg.is_v4 else None
 
 
+def page_size_for(cfg) -> int:
+    """The page size used when --page-size is not given: DEFAULT_PAGE_SIZE, or for DeepSeek-V4 the
+    smallest multiple of its compression blocks at least that (gpu_service.model.v4.paged)."""
+    if not getattr(cfg, "is_v4", False):
+        return DEFAULT_PAGE_SIZE
+    from gpu_service.model.v4.paged import default_page_size
+
+    return default_page_size(cfg, DEFAULT_PAGE_SIZE)
+
+
 def build_runner(model_dir: str, addresses: list[str], device=None, dtype=None, kv_tokens: int = 8192,
-                 page_size: int = 64, expert_timeout: float = 5.0, tls=None, tls_server_name: str | None = None,
+                 page_size: int = DEFAULT_PAGE_SIZE, expert_timeout: float = 5.0, tls=None, tls_server_name: str | None = None,
                  placement=None, chat_template: str | None = None, prefix_cache: bool = True,
                  host_kv_cache: str | int = 0, cuda_graphs: bool = True):
     """Connect to the shards (fingerprint + coverage checked) and load the GPU side; returns (runner,

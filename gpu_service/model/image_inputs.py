@@ -24,11 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-PATCH = 14
-MERGE = 2
-MAX_PATCHES = 16384
-MAX_SIDE_PATCHES = 512
-EMBED_CACHE_BYTES = 256 << 20  # the image-embedding cache on the GPU (runtime.images; counted by the plan)
+from checkpoint.kimi_k25 import MAX_PATCHES, MAX_SIDE_PATCHES, MERGE, PATCH  # noqa: F401 (re-exported)
 
 
 class ImageError(ValueError):

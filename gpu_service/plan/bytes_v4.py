@@ -12,10 +12,11 @@ What differs from V3 (MLA):
   the pool, HCA layers one entry per `ratio` tokens. The pool of `kv_tokens` tokens therefore costs
   (head_dim + index_head_dim)/4 values per token on a CSA layer and head_dim/ratio on an HCA layer.
 - Workspace: as the torch model computes a layer step (measured by tests/test_peak_memory_v4.py): the
-  mHC streams, the projections, then the largest of the attention core (logits and probabilities
-  over window + chunk + every compressed entry of the layer: CSA picks are a mask, not a gather),
-  the indexer (f32 scores of every query and head over all of the pool's CSA entries, not blocked)
-  and the compressor; the larger of a prefill chunk's and a decode batch's step.
+  mHC streams, the projections, then the largest of the attention core (a block of ATTN_BLOCK queries'
+  logits and probabilities over window + chunk + its keys: every entry of an HCA layer, a CSA
+  query's gathered index_topk picks), the indexer (f32 scores of INDEX_BLOCK queries and every head
+  over all of the sequence's CSA entries) and the compressor; the larger of a prefill chunk's and a
+  decode batch's step.
 - Experts: MXFP4 (`linear_bytes(..., "mxfp4")`) as stored, on the shards and as hot GPU experts.
 """
 from __future__ import annotations
@@ -23,7 +24,8 @@ from __future__ import annotations
 import math
 
 from checkpoint.config_v4 import CSA_RATIO, V4Config
-from gpu_service.plan.bytes import Module, Options, graph_buckets, GRAPH_SLOTS
+from gpu_service.model.v4.blocks import ATTN_BLOCK, INDEX_BLOCK
+from gpu_service.plan.bytes import checkpoint_format, Module, Options, graph_buckets, GRAPH_SLOTS
 
 F32 = 4
 # categories a V4 GPU plan shows (gpu_service.plan.bytes.CATEGORIES order; "kv_window" and "kv_state" are V4's)
@@ -112,12 +114,11 @@ def kv_bytes_per_token_v4(cfg: V4Config, eb: int = 2) -> float:
     return total
 
 
-def _attended_entries(cfg: V4Config, kv: int) -> int:
-    """Compressed entries one query's attention reads, the most over the layers. The torch attention
-    (gpu_service.model.v4.attention) concatenates every entry of its layer after the window keys and
-    masks the ones a query may not see (on CSA layers all but the indexer's picks), so a layer reads
-    ceil(kv/ratio)+1 entries, not index_topk: the smallest ratio gives the most."""
-    return max((entries(kv, r) for r in cfg.compress_ratios if r), default=0)
+def _hca_entries(cfg: V4Config, kv: int) -> int:
+    """Compressed entries an HCA query block reads: its layer's every entry (masked to the complete
+    ones), the most over the HCA layers (the smallest HCA ratio). A CSA query reads its index_topk
+    picks, gathered (gpu_service.model.v4.attention)."""
+    return max((entries(kv, r) for r in cfg.compress_ratios if r and r != CSA_RATIO), default=0)
 
 
 def _rows(cfg: V4Config, e: int, mlp_width: int) -> int:
@@ -131,25 +132,34 @@ def _rows(cfg: V4Config, e: int, mlp_width: int) -> int:
 def layer_step_bytes_v4(cfg: V4Config, o: Options, *, rows: int, span: int, seqs: int, mlp_width: int) -> int:
     """Transient bytes of one layer over `rows` token rows of `seqs` sequences whose queries see at most
     `span` keys of their own chunk (prefill: T rows, span T, 1 sequence; decode: B rows, span 1, B
-    sequences), as the torch model computes it (docs/v4.md "Memory plan"): the streams and projections,
-    what attention holds beside its scores, then the largest of the attention core, the indexer and
-    the CSA compressor, which run one after the other."""
+    sequences), as the torch model computes it (docs/v4.md "Memory plan"): the streams and projections
+    over all rows, then one sequence at a time (r = rows / seqs) what attention holds beside its scores
+    and the largest of the attention core (ATTN_BLOCK queries at a time), the indexer (INDEX_BLOCK
+    queries at a time) and the compressor, which run one after the other."""
     e, kv, D, hc = o.eb, o.kv_tokens, cfg.hidden_size, cfg.hc_mult
     H, hd, W = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
     f32copy = 0 if e == F32 else F32  # a float32 copy of a 16-bit tensor (`.float()`)
-    Ea = _attended_entries(cfg, kv)
-    S = span + W + Ea  # key columns: the window's W - 1 keys, the chunk, the entries, the sink logit
+    r = rows // seqs  # one sequence's rows
+    Eh = _hca_entries(cfg, kv)
     topk = cfg.index_topk if CSA_RATIO in cfg.compress_ratios else 0
     streams = 2 * F32 * rows * hc * D + F32 * rows * (2 + hc) * hc  # X, X' (f32 at most), mixing coefficients
     act = rows * _rows(cfg, e, mlp_width)
-    held = seqs * e * (Ea + span + W) * hd + e * rows * (span + W) + 8 * rows * topk  # entries, window, mask, picks
-    attn = 2 * e * rows * H * S + e * rows * S + seqs * e * S * hd  # logits and probabilities, bias, keys ++ entries
+    widest = max((compressor_width(cfg, r) for r in cfg.compress_ratios if r), default=0)
+    # alive through the layer's attention: the compressors' and the indexer's row-wise projections of all rows
+    proj = e * rows * (2 * widest + (4 * cfg.index_head_dim + cfg.index_n_heads * (cfg.index_head_dim + 1)
+                                     if topk else 0))
+    held = proj + e * (span + W) * hd + e * r * (span + W) + 16 * r * topk  # window keys, window mask, picks (+ cat)
+    b = min(r, ATTN_BLOCK)
+    S = span + W + max(Eh, topk)  # a block's key columns: window (W-1), chunk, HCA entries or CSA picks, sink
+    attn = (2 * e * b * H * S + e * r * H * hd  # a block's logits and probabilities; the blocks' outputs
+            + 2 * e * Eh * hd + e * r * Eh  # HCA: entries read, keys ++ entries, their mask
+            + e * b * topk * (hd + 1))  # CSA: a block's gathered picks and their mask
     index = 0
     if topk:
         E4, nI, dI = entries(kv, CSA_RATIO), cfg.index_n_heads, cfg.index_head_dim
-        index = (2 * F32 * rows * nI * E4 + 2 * F32 * rows * E4 + 20 * rows * topk  # head scores, summed, top-k
-                 + (e + f32copy) * rows * nI * dI + seqs * f32copy * E4 * dI)  # queries, f32 copies
-    widest = max((compressor_width(cfg, r) for r in cfg.compress_ratios if r), default=0)
+        bi = min(r, INDEX_BLOCK)
+        index = ((e + f32copy) * E4 * dI + e * r * nI * dI + F32 * r * nI  # keys read (+ f32), queries, weights
+                 + bi * (f32copy * nI * dI + F32 * nI * E4 + F32 * E4 + 28 * topk))  # a block: scores, top-k
     comp = (4 * e + 3 * F32) * rows * widest  # kv, gate (+ the chunk's rows), gate + ape, slots, softmax: f32
     return streams + act + held + max(attn, index, comp)
 
@@ -157,8 +167,12 @@ def layer_step_bytes_v4(cfg: V4Config, o: Options, *, rows: int, span: int, seqs
 def workspace_bytes_v4(cfg: V4Config, o: Options, *, mlp_width: int, lm_head: bool, scratch: int = 0,
                        layers: int = 0) -> int:
     """Activation workspace of one GPU running V4 layers (docs/v4.md "Memory plan"): the larger of a
-    prefill chunk's and a decode batch's layer step, the MoE routing, the logits, scratch and graphs."""
+    prefill chunk's and a decode batch's layer step, the MoE routing, the logits, scratch, graphs and a
+    quantised wo_a dequantised whole for its grouped product (gpu_service.model.qlinear.weight_of)."""
     T, B, e, D = o.chunk_tokens, o.max_batch, o.eb, cfg.hidden_size
+    wo_a = checkpoint_format(cfg, "layers.0.attn.wo_a.weight") if o.attention_weights == "checkpoint" \
+        else o.attention_weights
+    wo_a_dq = e * cfg.num_attention_heads * cfg.head_dim * cfg.o_lora_rank if wo_a != "bf16" else 0
     prefill = layer_step_bytes_v4(cfg, o, rows=T, span=T, seqs=1, mlp_width=mlp_width)
     decode = layer_step_bytes_v4(cfg, o, rows=B, span=1, seqs=B, mlp_width=mlp_width)
     moe = F32 * T * D + 12 * T * cfg.num_experts_per_tok
@@ -167,7 +181,7 @@ def workspace_bytes_v4(cfg: V4Config, o: Options, *, mlp_width: int, lm_head: bo
     if o.cuda_graphs and layers:
         row = 2 * 2 * F32 * cfg.hc_mult * D + 2 * _rows(cfg, e, mlp_width) + 8 * cfg.n_routed_experts
         graphs = GRAPH_SLOTS * sum(graph_buckets(B)) * row
-    return max(prefill, decode) + moe + logits + scratch + graphs
+    return max(prefill, decode) + moe + logits + scratch + graphs + wo_a_dq
 
 
 def native_expert_format_v4(cfg: V4Config) -> str | None:

@@ -7,12 +7,14 @@ The tower runs on the first GPU (beside the embeddings), one image at a time:
   the MLP's two [inter] activations in the compute dtype, plus float32 LayerNorm and RoPE
   temporaries (5 x hidden); the attention itself is a fused kernel on CUDA (no patches^2 scores).
   The largest image: the most padded patches any size can give (at most 16384 before padding);
-- the embedding cache (gpu_service.runtime.images.ImageEmbeddings): EMBED_CACHE_BYTES.
+- the embedding cache (gpu_service.runtime.images.ImageEmbeddings): EMBED_CACHE_BYTES (its size, set here).
 """
 from __future__ import annotations
 
 from checkpoint import kimi_k25
-from gpu_service.model.image_inputs import EMBED_CACHE_BYTES, MAX_PATCHES, MAX_SIDE_PATCHES, MERGE, PATCH
+from checkpoint.kimi_k25 import MAX_PATCHES, MAX_SIDE_PATCHES, MERGE, PATCH
+
+EMBED_CACHE_BYTES = 256 << 20  # the image-embedding cache on the GPU (runtime.images.ImageEmbeddings)
 
 
 def max_image_patches() -> int:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpu_service.model.image_inputs import EMBED_CACHE_BYTES
+from gpu_service.plan.vision import EMBED_CACHE_BYTES
 from gpu_service.runtime.requests import RequestError
 
 

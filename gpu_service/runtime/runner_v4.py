@@ -8,7 +8,8 @@ and the router's final weights) or in-process experts. A step runs the engine's 
 `DeepseekV4.forward_batch`, each chunk continuing its sequence's paged cache; a chunk that ends on a
 page boundary keeps the sequence's bounded state for the prefix cache. Not built for V4 (refused by
 name, or off and logged): CUDA graphs, executing a memory plan (multi-GPU split, hot experts,
-weight formats), the prefix cache's host tier, MTP (not loaded).
+weight formats other than the checkpoint's: its FP8 linears stay FP8, `Fp8Linear`), the prefix cache's
+host tier, MTP (not loaded).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch
 
 from gpu_service.model.kv import Chunk
 from gpu_service.model.v4.load import model_from_reader
-from gpu_service.model.v4.paged import V4Pool, V4PrefixCache, V4Seq
+from gpu_service.model.v4.paged import default_page_size, V4Pool, V4PrefixCache, V4Seq
 from gpu_service.runtime.runner import ModelRunner
 
 log = logging.getLogger("moesplit.runner")
@@ -31,11 +32,11 @@ class V4Runner:
     generate = ModelRunner.generate  # the one-request loop over new_seq / step
 
     def __init__(self, reader, experts, device: torch.device | None = None, dtype: torch.dtype | None = None,
-                 kv_tokens: int = 4096, page_size: int = 64, placement=None, prefix_cache: bool = True,
+                 kv_tokens: int = 4096, page_size: int | None = None, placement=None, prefix_cache: bool = True,
                  host_kv_bytes: int = 0, cuda_graphs: bool = True, graph_buckets: tuple[int, ...] | None = None):
         if placement is not None:
             raise ValueError("DeepSeek-V4: the V4 runner does not execute a memory plan yet (multi-GPU split, "
-                             "hot GPU experts, FP8 weights as stored): drop --gpu / the plan options and size the "
+                             "hot GPU experts, other weight formats than the checkpoint's): drop --gpu / the plan options and size the "
                              "cache with --kv-tokens")
         if host_kv_bytes:
             raise ValueError("--host-kv-cache: DeepSeek-V4's prefix cache has no host tier (its boundary snapshots "
@@ -49,8 +50,8 @@ class V4Runner:
         t0 = time.perf_counter()
         self.model = model_from_reader(reader, self.dtype, self.device)
         self.load_s = time.perf_counter() - t0
-        self.page_size = page_size
-        self.pool = V4Pool(self.cfg, -(-kv_tokens // page_size), page_size, self.dtype, self.device)
+        self.page_size = page_size or default_page_size(self.cfg)  # None: whole compression blocks of every layer
+        self.pool = V4Pool(self.cfg, -(-kv_tokens // self.page_size), self.page_size, self.dtype, self.device)
         self.prefix_cache = V4PrefixCache(self.pool) if prefix_cache else None
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda":

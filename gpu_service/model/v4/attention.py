@@ -2,7 +2,8 @@
 norm), one shared key = value head (wkv, kv_norm), interleaved RoPE on the last qk_rope_head_dim
 dims, a sliding window over the recent tokens, per-head sinks, the layer's compressed entries (HCA:
 every complete one; CSA: the indexer's picks), the output's rope dims rotated back at the query
-position and the grouped low-rank output projection (wo_a per head group, then wo_b).
+position and the grouped low-rank output projection (wo_a per head group, then wo_b). A CSA query
+attends its window keys and its own picked entries (gathered, not a mask over every entry).
 
 `AttnState` is one sequence's cache of this layer: the last window - 1 keys and the compressors'
 states; a chunk of any length continues it (one-shot prefill, chunked prefill and decode alike).
@@ -12,8 +13,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gpu_service.attention.sink_torch import compressed_bias, sink_attention, window_bias
+from gpu_service.attention.sink_torch import compressed_bias, picks_bias, sink_attention, window_bias
 from gpu_service.model.layers import RMSNorm, Rope
+from gpu_service.model.qlinear import weight_of
+from gpu_service.model.v4.blocks import ATTN_BLOCK
 from gpu_service.model.v4.compressor import Compressor, CompressorState, Indexer
 from gpu_service.model.v4.pieces import grouped_out, rms_unit, rope_tail
 
@@ -104,21 +107,34 @@ class Attention(nn.Module):
         o = [self._attend(x[a:b], qr[a:b], q[a:b], kv[a:b], p, st, _rows(cp, a, b), _rows(ip, a, b))
              for (a, b, p), st in zip(segs, states)]
         o = rope_tail(o[0] if len(o) == 1 else torch.cat(o), cos, -sin)
-        return self.wo_b(grouped_out(o.reshape(T, -1), self.wo_a.weight, self.groups))
+        return self.wo_b(grouped_out(o.reshape(T, -1), weight_of(self.wo_a, dt), self.groups))
 
     def _attend(self, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor,
                 st: AttnState, cp=None, ip=None) -> torch.Tensor:
         """One sequence's chunk: its window keys and compressed entries (`st` extended by the chunk;
         cp / ip: the compressor's / indexer's projections of its rows) -> the attention output
-        [n, H, D] (before the inverse RoPE)."""
+        [n, H, D] (before the inverse RoPE). HCA reads every entry of its layer (masked to the complete
+        ones); CSA gathers each query's picks; ATTN_BLOCK queries at a time."""
         n, dt = x.shape[0], x.dtype
         keys = kv if st.keys is None else torch.cat([st.keys, kv])
         k_pos = torch.arange(st.length + n - keys.shape[0], st.length + n, device=x.device)
         bias = window_bias(pos, k_pos, self.window, dt)  # [n, S]
-        st.keys, st.length = keys[-(self.window - 1):] if self.window > 1 else keys[:0], st.length + n
+        # a copy: a view would keep the whole chunk's (or batch's) keys alive in the state
+        st.keys, st.length = keys[-(self.window - 1):].clone() if self.window > 1 else keys[:0], st.length + n
+        picks = None
         if self.compressor is not None:
-            entries = self.compressor.extend(x, st.comp, cp)  # [W, D]
-            picks = self.indexer.pick(x, qr, pos, st.index, ip) if self.indexer is not None else None
-            keys = torch.cat([keys, entries])
-            bias = torch.cat([bias, compressed_bias(pos, entries.shape[0], self.ratio, dt, picks)], dim=-1)
-        return sink_attention(q, keys, bias, self.attn_sink, self.D ** -0.5)  # [n, H, D]
+            count = self.compressor.extend(x, st.comp, cp)
+            if self.indexer is None:  # HCA: every complete entry of the layer
+                keys = torch.cat([keys, st.comp.store.read(count, kv)])
+                bias = torch.cat([bias, compressed_bias(pos, count, self.ratio, dt)], dim=-1)
+            else:  # CSA: each query's own picks
+                picks = self.indexer.pick(x, qr, pos, st.index, ip)  # [n, k], -1: none
+        out, B = [], ATTN_BLOCK
+        for a in range(0, n, B):
+            own = own_bias = None
+            if picks is not None:
+                own = st.comp.store.gather(picks[a:a + B].clamp(min=0), kv)  # [b, k, D]
+                own_bias = picks_bias(picks[a:a + B], dt)
+            out.append(sink_attention(q[a:a + B], keys, bias[a:a + B], self.attn_sink, self.D ** -0.5, own, own_bias))
+            del own
+        return out[0] if len(out) == 1 else torch.cat(out)  # [n, H, D]

@@ -9,13 +9,14 @@ window w's (2 * ratio slots); without it (HCA) one window, d channels.
 The compressors run over a sequence chunk by chunk with a `CompressorState` per sequence (tokens
 of an unfinished window, the previous window's first half for the overlap, the count of entries so
 far), so one-shot prefill, chunked prefill and decode run the same code and give the same entries.
-The entries themselves live in the state's `store`: `TensorEntries` (one tensor grown per chunk, the
+The entries themselves live in the state's `store`: `TensorEntries` (one tensor grown by doubling, the
 model alone) or the engine's paged pool (gpu_service.model.v4.paged.PagedEntries); both `write` the
-new entries at their index and `read` the first W back.
+new entries at their index, `read` the first W back and `gather` given ones (a CSA query's picks).
 
 `Indexer` (CSA layers): its own overlapping compressor at `index_head_dim`, queries
 wq_b(q_lora) as index_n_heads heads with RoPE, score(t, s) = sum_h weights_proj(x)_h n_h^-1/2
-d^-1/2 relu(q_h . k_s); each query keeps its top `index_topk` complete entries.
+d^-1/2 relu(q_h . k_s); each query keeps its top `index_topk` complete entries. It scores
+INDEX_BLOCK queries at a time, so the float32 scores alive are [block, heads, W], not [n, heads, W].
 """
 from __future__ import annotations
 
@@ -24,24 +25,39 @@ from torch import nn
 
 from gpu_service.attention.sink_torch import complete_entries
 from gpu_service.model.layers import RMSNorm, Rope
+from gpu_service.model.v4.blocks import INDEX_BLOCK
 from gpu_service.model.v4.pieces import rope_tail
 
 
 class TensorEntries:
-    """A sequence's entries of one compressor in one tensor [W, d], grown as they come."""
+    """A sequence's entries of one compressor in one tensor [capacity, d], its capacity doubled when
+    full (not copied at every chunk)."""
 
-    __slots__ = ("t",)
+    __slots__ = ("t", "n")
 
     def __init__(self):
-        self.t = None
+        self.t, self.n = None, 0
 
     def write(self, first: int, new: torch.Tensor) -> None:
         """Entries first .. first + len(new) (first = those held so far)."""
-        self.t = new if self.t is None else torch.cat([self.t, new])
+        end = first + new.shape[0]
+        if self.t is None or end > self.t.shape[0]:
+            grown = new.new_empty((max(end, 2 * (self.t.shape[0] if self.t is not None else 0)), new.shape[1]))
+            if self.n:
+                grown[:self.n] = self.t[:self.n]
+            self.t = grown
+        self.t[first:end] = new
+        self.n = end
 
     def read(self, count: int, like: torch.Tensor) -> torch.Tensor:
         """The first `count` entries [count, d] (like: a tensor of the entries' dtype and device)."""
         return self.t[:count] if self.t is not None else like.new_zeros((0, like.shape[-1]))
+
+    def gather(self, idx: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """Entries at indices idx (any shape, each < those held) -> [*idx.shape, d]."""
+        if self.t is None:
+            return like.new_zeros((*idx.shape, like.shape[-1]))
+        return self.t[idx]
 
 
 class CompressorState:
@@ -87,17 +103,17 @@ class Compressor(nn.Module):
         """The row-wise projections (kv, score before ape) of hidden states x [T, hidden]."""
         return self.wkv(x), self.wgate(x)
 
-    def extend(self, x: torch.Tensor, st: CompressorState, proj=None) -> torch.Tensor:
+    def extend(self, x: torch.Tensor, st: CompressorState, proj=None) -> int:
         """Feed the chunk's hidden states x [n, hidden] (the tokens after those already fed; `proj`:
-        their `projections` when already computed over a batch's rows); returns all entries so far
-        [W, d] (W = complete windows)."""
+        their `projections` when already computed over a batch's rows); returns W, the entries so far
+        (complete windows), which `st.store` holds."""
         kv, gate = proj if proj is not None else self.projections(x)
         if st.buf_kv is not None and st.buf_kv.shape[0]:
             kv, gate = torch.cat([st.buf_kv, kv]), torch.cat([st.buf_gate, gate])
         usable = kv.shape[0] // self.ratio * self.ratio
-        st.buf_kv, st.buf_gate = kv[usable:], gate[usable:]
+        st.buf_kv, st.buf_gate = kv[usable:].clone(), gate[usable:].clone()  # not the chunk's whole storage
         if usable == 0:
-            return st.store.read(st.count, kv[:0, :self.d])
+            return st.count
         n_w, first = usable // self.ratio, st.count * self.ratio
         kv = kv[:usable].view(n_w, self.ratio, -1)
         gate = gate[:usable].view(n_w, self.ratio, -1) + self.ape
@@ -109,7 +125,7 @@ class Compressor(nn.Module):
         new = rope_tail(pooled, cos.to(pooled.dtype), sin.to(pooled.dtype))
         st.store.write(st.count, new)
         st.count += n_w
-        return st.store.read(st.count, new)
+        return st.count
 
 
 class Indexer(nn.Module):
@@ -129,30 +145,36 @@ class Indexer(nn.Module):
         queries before RoPE, the head weights)."""
         return self.compressor.projections(x), self.wq_b(qr), self.weights_proj(x)
 
-    def score(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, st: CompressorState, proj=None) \
+    def score(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, ready: torch.Tensor) \
             -> tuple[torch.Tensor, torch.Tensor]:
-        """x [n, hidden], qr [n, q_lora] (the query's normed low-rank), pos [n] (`proj`: their
-        `projections` when already computed) -> (scores [n, W] float32 of every entry so far, -inf for
-        those not complete at the query; complete entries per query [n]). The indexer's keys now
-        hold the chunk's complete windows too."""
-        comp, qb, wp = proj if proj is not None else self.projections(x, qr)
-        keys = self.compressor.extend(x, st, comp)  # [W, d]
-        W = keys.shape[0]
-        cos, sin = self.rope.cos_sin(pos, torch.float32)
-        q = rope_tail(qb.view(-1, self.heads, self.d), cos.to(x.dtype), sin.to(x.dtype))  # [n, h, d]
-        scores = torch.relu(torch.matmul(q.float(), keys.t().float())) * self.d ** -0.5  # [n, h, W]
-        w = wp.float() * self.heads ** -0.5  # [n, h]
-        scores = (scores * w.unsqueeze(-1)).sum(dim=1)  # [n, W]
-        ready = complete_entries(pos, self.ratio)  # [n]
-        return scores.masked_fill(torch.arange(W, device=x.device)[None, :] >= ready[:, None], float("-inf")), ready
+        """A block of queries: q [b, h, d] (after RoPE), w [b, h] float32 (head weights, n_h^-1/2
+        applied), keys [d, W] float32 (every entry so far, transposed), ready [b] (complete entries
+        per query) -> (scores [b, W] float32, -inf for entries not complete at the query; ready)."""
+        scores = torch.matmul(q.float(), keys).relu_().mul_(self.d ** -0.5)  # [b, h, W]: the one big tensor
+        scores = scores.mul_(w.unsqueeze(-1)).sum(dim=1)  # [b, W]
+        cols = torch.arange(keys.shape[1], device=q.device)
+        return scores.masked_fill_(cols[None, :] >= ready[:, None], float("-inf")), ready
 
     def pick(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, st: CompressorState,
-             proj=None) -> torch.Tensor:
-        """x [n, hidden], qr [n, q_lora], pos [n] (`proj` as for `score`) -> picks [n, k]: each
-        query's top entries by `score` among the complete ones, -1 where fewer are complete."""
-        scores, ready = self.score(x, qr, pos, st, proj)
-        W = scores.shape[1]
+             proj=None, block: int = INDEX_BLOCK) -> torch.Tensor:
+        """x [n, hidden], qr [n, q_lora] (the query's normed low-rank), pos [n] (`proj`: their
+        `projections` when already computed) -> picks [n, k]: each query's top entries by `score`
+        among the complete ones, -1 where fewer are complete. The indexer's keys now hold the chunk's
+        complete windows too. Queries are scored `block` at a time (each query's math is the same)."""
+        comp, qb, wp = proj if proj is not None else self.projections(x, qr)
+        W = self.compressor.extend(x, st, comp)
+        n = x.shape[0]
         if W == 0:
-            return torch.empty((x.shape[0], 0), dtype=torch.long, device=x.device)
-        picks = scores.topk(min(self.topk, W), dim=-1).indices
-        return torch.where(picks >= ready[:, None], torch.full_like(picks, -1), picks)
+            return torch.empty((n, 0), dtype=torch.long, device=x.device)
+        keys = st.store.read(W, qb).t().float()  # [d, W]
+        cos, sin = self.rope.cos_sin(pos, torch.float32)
+        q = rope_tail(qb.view(-1, self.heads, self.d), cos.to(x.dtype), sin.to(x.dtype))  # [n, h, d]
+        w = wp.float() * self.heads ** -0.5  # [n, h]
+        ready, k = complete_entries(pos, self.ratio), min(self.topk, W)
+        out = []
+        for a in range(0, n, block):
+            scores, r = self.score(q[a:a + block], w[a:a + block], keys, ready[a:a + block])
+            picks = scores.topk(k, dim=-1).indices
+            del scores
+            out.append(torch.where(picks >= r[:, None], torch.full_like(picks, -1), picks))
+        return out[0] if len(out) == 1 else torch.cat(out)

@@ -2,8 +2,9 @@
 
 `load_v4(model_dir, dtype, device)` reads config.json as `checkpoint.config_v4.V4Config` (the one
 config type the V4 model reads), builds `DeepseekV4` with `build_v4` from `CheckpointReader` (block
-FP8 attention / shared-expert / indexer projections dequantised exactly to float32, then cast to
-`dtype`; bf16 and float32 tensors as stored; `tid2eid` as int64), and wraps the routed experts
+FP8 attention / shared-expert / indexer projections kept as stored in `Fp8Linear`, the V3 model's
+quantised linear, with the ue8m0 scales as float32 powers of two, so their dequantised rows are
+exact; bf16 and float32 tensors as stored; `tid2eid` as int64), and wraps the routed experts
 (MXFP4 or FP8, dequantised on first use per expert) in the in-process `ReferenceExperts`. The MTP
 block is not loaded (the model does not use it). A non-expert, non-MTP tensor of the checkpoint the
 model did not ask for is an error: a weight is never silently dropped.
@@ -21,6 +22,7 @@ import torch
 
 from checkpoint import names_v4 as N4
 from checkpoint.config_v4 import V4Config, load_v4_config
+from checkpoint.formats_v4 import e8m0_to_f32
 from checkpoint.reader import CheckpointReader
 from gpu_service.model.v4.model import DeepseekV4, build_v4
 from gpu_service.model.v4.moe import ReferenceExperts
@@ -47,11 +49,27 @@ def _getter(reader: CheckpointReader):
     return get
 
 
+def _fp8_stored(reader: CheckpointReader):
+    """stored(name) -> (e4m3 weight, float32 block scales) of a block-FP8 (ue8m0-scaled) weight, as
+    gpu_service.model.qlinear.Fp8Linear holds it (the scales 2**(e-127), exact); None for others."""
+    def stored(name: str):
+        """The FP8 arrays of one logical weight, or None."""
+        if reader.format_of(name) != "fp8_e8m0":
+            return None
+        st = reader.get_stored(name)
+        q = torch.from_numpy(np.array(st.arrays["weight"]).view(np.uint8)).view(torch.float8_e4m3fn)
+        return q, torch.from_numpy(e8m0_to_f32(st.arrays["scale"]))
+    return stored
+
+
 def model_from_reader(reader: CheckpointReader, dtype: torch.dtype = torch.float32,
-                      device: torch.device | str = "cpu") -> DeepseekV4:
+                      device: torch.device | str = "cpu", fp8: bool = True) -> DeepseekV4:
     """The model minus the routed experts from a reader over a V4 checkpoint (reader.config a
-    V4Config); a tensor it does not use (other than routed experts and MTP) is an error."""
-    model, loaded = build_v4(reader.config, _getter(reader), dtype=dtype, device=device)
+    V4Config); a tensor it does not use (other than routed experts and MTP) is an error. With `fp8`,
+    block-FP8 linears stay FP8 (`Fp8Linear`), else they are dequantised to `dtype`."""
+    block = tuple(reader.config.quantization.block_size) if reader.config.quantization is not None else (128, 128)
+    model, loaded = build_v4(reader.config, _getter(reader), dtype=dtype, device=device,
+                             stored=_fp8_stored(reader) if fp8 else None, fp8_block=block)
     unused = sorted(n for n in reader.names() if n not in loaded and N4.parse_expert(n) is None)
     if unused:
         raise ValueError(f"{reader.model_dir}: tensor(s) the V4 model does not use: {', '.join(unused[:5])}"

@@ -21,6 +21,7 @@ from torch import nn
 from checkpoint.config_v4 import V4Config
 from gpu_service.model.experts_api import ExpertsFn
 from gpu_service.model.layers import RMSNorm
+from gpu_service.model.qlinear import make_quantized, reserve_scratch
 from gpu_service.model.v4.attention import Attention, AttnState
 from gpu_service.model.v4.moe import MoE
 from gpu_service.model.v4.pieces import hc_head, hc_post, hc_pre, v4_ropes
@@ -171,19 +172,32 @@ def greedy(model: DeepseekV4, prompt: list[int], steps: int, experts: ExpertsFn,
 
 
 def build_v4(cfg: V4Config, get: Callable[[str], "np.ndarray | torch.Tensor"], dtype: torch.dtype = torch.float32,
-             device: torch.device | str = "cpu") -> tuple[DeepseekV4, set[str]]:
+             device: torch.device | str = "cpu", stored: Callable | None = None,
+             fp8_block: tuple[int, int] = (128, 128)) -> tuple[DeepseekV4, set[str]]:
     """The model on `device` with every parameter and buffer filled from `get(name)` (original
     checkpoint names; float weights dequantised; routed experts are not asked for). Mixing and
-    sink parameters, `ape` and the gate stay float32. Returns the model and the names loaded."""
+    sink parameters, `ape` and the gate stay float32. `stored(name)` -> (e4m3 weight, float32
+    block scales) or None: a linear it gives arrays for is an `Fp8Linear` (gpu_service.model.qlinear)
+    holding them. Returns the model and the names loaded."""
     with torch.device("meta"):
         model = DeepseekV4(cfg)
     loaded: set[str] = set()
     tensors = list(model.named_parameters()) + list(model.named_buffers())
     for name, p in tensors:
+        mod_name, _, attr = name.rpartition(".")
+        q = stored(name) if stored is not None and attr == "weight" and \
+            isinstance(model.get_submodule(mod_name), nn.Linear) else None
+        if q is not None:
+            if tuple(q[0].shape) != tuple(p.shape):
+                raise ValueError(f"tensor {name!r} has shape {tuple(q[0].shape)}, expected {tuple(p.shape)} from "
+                                 "config.json")
+            parent, _, child = mod_name.rpartition(".")
+            setattr(model.get_submodule(parent), child, make_quantized(None, "fp8", device, stored=q, fp8_block=fp8_block))
+            loaded.add(name)
+            continue
         t = torch.as_tensor(get(name))
         if tuple(t.shape) != tuple(p.shape):
             raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(p.shape)} from config.json")
-        mod_name, _, attr = name.rpartition(".")
         mod = model.get_submodule(mod_name)
         if p.dtype == torch.long:
             mod._buffers[attr] = t.to(device=device, dtype=torch.long)
@@ -193,4 +207,5 @@ def build_v4(cfg: V4Config, get: Callable[[str], "np.ndarray | torch.Tensor"], d
                                                  requires_grad=False)
         loaded.add(name)
     model.prepare()
+    reserve_scratch(model, dtype)  # the FP8 linears' dequantisation buffer, sized once
     return model.eval(), loaded

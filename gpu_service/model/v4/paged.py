@@ -41,6 +41,13 @@ def page_block(cfg) -> int:
     return math.lcm(CSA, *[r for r in cfg.compress_ratios[:cfg.num_hidden_layers] if r])
 
 
+def default_page_size(cfg, usual: int = 64) -> int:
+    """The page size V4 serves with when none is given: the smallest multiple of `page_block` that is
+    at least the usual default (64 tokens; 128 for a release whose HCA ratio is 128)."""
+    block = page_block(cfg)
+    return -(-usual // block) * block
+
+
 class V4Pool(KVPool):
     """Pages of compressed entries (module docstring); the accounting is KVPool's."""
 
@@ -78,8 +85,12 @@ class PagedEntries:
         self.t, self.seq, self.per_page = t, seq, seq.pool.page_size // ratio
 
     def _slots(self, a: int, b: int) -> torch.Tensor:
-        w = torch.arange(a, b)
-        pages = torch.tensor(self.seq.pages, dtype=torch.long)[w // self.per_page]
+        """Pool rows of entries a .. b - 1."""
+        return self._rows(torch.arange(a, b))
+
+    def _rows(self, w: torch.Tensor) -> torch.Tensor:
+        """Pool rows of the entries at indices w (any shape, any device)."""
+        pages = torch.tensor(self.seq.pages, dtype=torch.long, device=w.device)[w // self.per_page]
         return (pages * self.per_page + w % self.per_page).to(self.t.device)
 
     def write(self, first: int, new: torch.Tensor) -> None:
@@ -89,6 +100,11 @@ class PagedEntries:
     def read(self, count: int, like: torch.Tensor) -> torch.Tensor:
         """The first `count` entries [count, d] in like's dtype."""
         return self.t.index_select(0, self._slots(0, count)).to(like.dtype)
+
+    def gather(self, idx: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """The entries at indices idx (any shape, each < those written) -> [*idx.shape, d] in like's dtype."""
+        rows = self._rows(idx.reshape(-1))
+        return self.t.index_select(0, rows).view(*idx.shape, self.t.shape[1]).to(like.dtype)
 
 
 @dataclass(eq=False)
