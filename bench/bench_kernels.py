@@ -175,22 +175,14 @@ def torch_bf16_gflops(budget_s: float = 20.0) -> tuple[float | None, int]:
 
 
 def peaks_per_cpu_second(iters: int = 2 * 10**7, passes: int = 3) -> dict:
-    """Each dot-peak probe on this one thread, divided by the thread's CPU time (best of `passes`):
-    what one core does per second it actually runs, so a shared machine's other load (which takes
-    whole time slices from the wall-clock probes and from our calls alike) cancels in the ratio
-    against a record's *_per_core figure. Keys as the ceilings', in G ops per CPU-second."""
-    from cpu_expert_service.kernels import _moe
-
+    """Each dot-peak probe on this one thread per CPU-second (probes.probe_gops_per_cpu_second):
+    a shared machine's other load cancels in the ratio against a record's *_per_core figure. Keys
+    as the ceilings', in G ops per CPU-second."""
     out = {}
     for kind, (key, _) in probes.PROBES.items():
-        if not _moe.cpu_has(_moe.PROBES[kind][0]):
-            continue
-        best = 0.0
-        for _ in range(passes):
-            t = time.thread_time()
-            ops = _moe.probe_peak(kind, iters)
-            best = max(best, ops / max(time.thread_time() - t, 1e-9) / 1e9)
-        out[key] = round(best, 1)
+        g = probes.probe_gops_per_cpu_second(kind, iters, passes)
+        if g is not None:
+            out[key] = round(g, 1)
     return out
 
 

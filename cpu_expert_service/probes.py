@@ -111,6 +111,22 @@ def probe_gops(kind: str, threads: int | None = None, iters: int = PEAK_ITERS, p
     return best
 
 
+def probe_gops_per_cpu_second(kind: str, iters: int = 2 * 10**7, passes: int = 3) -> float | None:
+    """One instruction kind's peak on this one thread in G ops per second of the thread's CPU time
+    (best of `passes`): what a core does per second it actually runs, so a shared machine's other
+    load cancels in a ratio against a record timed the same way; None when the CPU lacks it."""
+    from cpu_expert_service.kernels import _moe
+
+    if not _moe.cpu_has(_moe.PROBES[kind][0]):
+        return None
+    best = 0.0
+    for _ in range(passes):
+        t = time.thread_time()
+        ops = _moe.probe_peak(kind, iters)
+        best = max(best, ops / max(time.thread_time() - t, 1e-9) / 1e9)
+    return best
+
+
 def cpu_clock_ghz() -> tuple[float | None, str]:
     """The core clock the nominal peaks use: cpufreq's maximum, else /proc/cpuinfo's MHz."""
     try:
