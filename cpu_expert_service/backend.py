@@ -169,19 +169,49 @@ def available_backends() -> list[str]:
     return (["kernels"] if _kernels_factory() is not None else []) + ["numpy"]
 
 
-def make_backend(name: str = "auto", weight_format: str = "f32", swiglu_limit: float | None = None) -> ExpertBackend:
+ACT_BITS = (16, 8)  # --act-bits: activation quantisation of the integer kernels (16 = two int8 levels)
+INT_ACT_FORMATS = ("int8", "int4", "mxfp4")  # weight formats whose kernels quantise activations
+
+
+def held_format(weight_format: str) -> str:
+    """How the kernels' make_backend holds experts stored as `weight_format`: int4/int8/mxfp4 as is,
+    the rest (bf16, fp8, f16, f32, fp8_e8m0) as bf16."""
+    return weight_format if weight_format in INT_ACT_FORMATS else "bf16"
+
+
+def check_act_bits(act_bits: int, backend: str, weight_format: str) -> int:
+    """`act_bits` if the backend `backend` ("numpy"/"kernels") holding `weight_format` can honour it,
+    else ValueError naming --act-bits: 8 needs the kernels and an integer format (int8/int4/mxfp4)."""
+    if act_bits not in ACT_BITS:
+        raise ValueError(f"--act-bits {act_bits}: choose 16 (default) or 8")
+    if act_bits == 8 and backend == "numpy":
+        raise ValueError("--act-bits 8 quantises the activations of the integer kernels; the numpy backend computes "
+                         "in float: use --backend kernels (or auto where built), or --act-bits 16")
+    if act_bits == 8 and weight_format not in INT_ACT_FORMATS:
+        raise ValueError(f"--act-bits 8 applies to int8/int4/mxfp4 experts; these are held as {weight_format} "
+                         "(bf16 activations): use --weight-format int8|int4|mxfp4, or --act-bits 16")
+    return act_bits
+
+
+def make_backend(name: str = "auto", weight_format: str = "f32", swiglu_limit: float | None = None,
+                 act_bits: int = 16) -> ExpertBackend:
     """Pick the expert backend once, at start-up.
 
     name: "numpy" (reference), "kernels" (Cython, when built) or "auto" (best available;
     the environment variable MOESPLIT_CPU_BACKEND overrides "auto"). swiglu_limit: the model's
-    (DeepSeek-V4 config.json `swiglu_limit`), None for models without one."""
+    (DeepSeek-V4 config.json `swiglu_limit`), None for models without one. act_bits: 16, or 8 for
+    the kernels' 8-bit activations (int8/int4/mxfp4 only; check_act_bits)."""
     if name == "auto":
         name = os.environ.get(BACKEND_ENV) or available_backends()[0]
     if name == "numpy":
+        check_act_bits(act_bits, name, weight_format)
         return NumpyExperts(weight_format=weight_format, swiglu_limit=swiglu_limit)
     if name == "kernels":
         factory = _kernels_factory()
         if factory is None:
             raise ValueError("backend 'kernels' is not built on this machine; run `make build` or use --backend numpy")
-        return factory(weight_format=weight_format, swiglu_limit=swiglu_limit)
+        if act_bits == 16:
+            return factory(weight_format=weight_format, swiglu_limit=swiglu_limit)
+        check_act_bits(act_bits, name, held_format(weight_format))
+        return factory(weight_format=weight_format, swiglu_limit=swiglu_limit, act_bits=act_bits)
     raise ValueError(f"unknown expert backend {name!r}; choose 'auto', 'numpy' or 'kernels'")

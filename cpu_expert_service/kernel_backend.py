@@ -171,10 +171,13 @@ class KernelExperts:
 
 
 def make_backend(weight_format: str = "bf16", num_threads: int | None = None,
-                 swiglu_limit: float | None = None) -> KernelExperts:
+                 swiglu_limit: float | None = None, act_bits: int = 16) -> KernelExperts:
     """Backend for a checkpoint storage format: int4, int8 and mxfp4 (DeepSeek-V4) keep their width
     (mxfp4: e2m1 nibbles + a power-of-two scale per 32, as stored), everything else (bf16, fp8, f16,
     f32, DeepSeek-V4's fp8_e8m0) runs as bf16. For fp8_e8m0 that is exact: e4m3 (4 significant bits)
-    times a power of two fits bf16's 8-bit significand (load_shard checks every weight)."""
-    fmt = weight_format if weight_format in ("int4", "int8", "mxfp4") else "bf16"
-    return KernelExperts(weight_format=fmt, num_threads=num_threads, swiglu_limit=swiglu_limit)
+    times a power of two fits bf16's 8-bit significand (load_shard checks every weight). act_bits: as
+    KernelExperts (8 only for int8/int4/mxfp4)."""
+    from cpu_expert_service.backend import held_format
+
+    return KernelExperts(weight_format=held_format(weight_format), num_threads=num_threads,
+                         swiglu_limit=swiglu_limit, act_bits=act_bits)

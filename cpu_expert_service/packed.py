@@ -270,7 +270,7 @@ def packed_config(packed_dir: str, model_dir: str | None = None) -> tuple[ModelC
 
 # ---- loading a shard ---------------------------------------------------------------------------
 def load_packed(packed_dir: str, shard_index: int, backend: str = "numpy", weight_format: str = "auto",
-                model_dir: str | None = None):
+                model_dir: str | None = None, act_bits: int = 16):
     """Load shard `shard_index` of a packed directory into a backend: (cfg, backend, info), as
     cpu_expert_service.shard_load.load_shard. weight_format auto = the packed format. INT4 files go
     into INT4 kernels as stored (add_expert_int4); everything else is dequantised (int8: q * scale)
@@ -278,7 +278,7 @@ def load_packed(packed_dir: str, shard_index: int, backend: str = "numpy", weigh
     convert writes are fl(amax/127), and fl(fl(127 * s) / 127) == s for those); the numpy backend
     with an explicit other format rounds through it (checkpoint.formats.as_format). MXFP4 files
     (DeepSeek-V4) go into mxfp4 kernels as stored (add_mxfp4_expert); with --weight-format bf16 they
-    are dequantised exactly and held as bf16, exactly (bf16_exact)."""
+    are dequantised exactly and held as bf16, exactly (bf16_exact). act_bits: as load_shard."""
     from checkpoint.reader import CheckpointReader
     from cpu_expert_service.backend import make_backend
 
@@ -307,7 +307,7 @@ def load_packed(packed_dir: str, shard_index: int, backend: str = "numpy", weigh
         raise PackedError(f"{sdir}: {len(bad)} layer file(s) missing or incomplete ({', '.join(bad[:4])}"
                           f"{' …' if len(bad) > 4 else ''}); the conversion did not finish: re-run "
                           f"`moesplit convert` with the same arguments (it resumes)")
-    be = make_backend(backend, weight_format=serve, swiglu_limit=swiglu_limit_of(cfg))
+    be = make_backend(backend, weight_format=serve, swiglu_limit=swiglu_limit_of(cfg), act_bits=act_bits)
     kernels = hasattr(be, "add_expert_int4")
     native_int4 = kernels and fmt == "int4" and be.weight_format == "int4"
     native_mxfp4 = kernels and fmt == "mxfp4" and be.weight_format == "mxfp4"
@@ -342,7 +342,7 @@ def load_packed(packed_dir: str, shard_index: int, backend: str = "numpy", weigh
                 slice_index=shard_index if m["split"] == "intermediate" else 0,
                 slice_count=n if m["split"] == "intermediate" else 1,
                 intermediate_start=i0, intermediate_stop=i1, weight_format=fmt,
-                serve_format=be.weight_format if weight_format == "auto" else serve,
+                serve_format=be.weight_format if weight_format == "auto" else serve, act_bits=act_bits,
                 packed=os.path.abspath(packed_dir), load_s=time.perf_counter() - t0)
     return cfg, be, info
 

@@ -8,7 +8,8 @@ tensor by tensor, through `CheckpointReader.get`, so its memory is its share of 
     moesplit expert-server --model DIR (--experts 0-7,9 | --slice 1/2) [--host H] [--port P]
                            [--port-file F] [--shard-id NAME] [--backend auto|kernels|numpy]
                            [--tls-cert F --tls-key F --tls-ca F] [--metrics-port N] [--shm-dir DIR]
-                           [--weight-format auto|bf16|int8|int4|mxfp4] [--auth-token-file F]
+                           [--weight-format auto|bf16|int8|int4|mxfp4] [--act-bits 16|8]
+                           [--auth-token-file F]
     moesplit expert-server --packed OUTDIR --shard-index I [--model DIR] ...   (moesplit convert output)
     python -m cpu_expert_service.server ...   (same arguments)
 
@@ -245,6 +246,7 @@ class ExpertServicer(experts_pb2_grpc.ExpertServiceServicer):
             pid=os.getpid(),
             loaded_modules=[m for m in WATCHED_MODULES if m in sys.modules],
             swiglu_limit=getattr(self.backend, "swiglu_limit", None) or 0.0,
+            act_bits=int(i.get("act_bits", 16)),
         )
 
 
@@ -275,12 +277,14 @@ def create_server(
     shard_index: int | None = None,
     data_port: int | None = None,
     auth_token: bytes | None = None,
+    act_bits: int = 16,
 ) -> tuple[grpc.Server, int]:
     """Load this shard's experts and return a started server and its bound port.
     With `tls`, the port requires a client certificate signed by `tls.ca` (mutual TLS).
     With `packed` (a `moesplit convert` output), shard `shard_index` is read from its layer files
     (cpu_expert_service.packed.load_packed; `model_dir`, if given, must be the model converted).
-    With `auth_token`, every ExpertService call must carry it (cpu_expert_service.auth)."""
+    With `auth_token`, every ExpertService call must carry it (cpu_expert_service.auth).
+    `act_bits` 8: the integer kernels' 8-bit activations (shard_load.load_shard; Describe reports it)."""
     creds = transport.server_credentials(tls) if tls is not None else None  # bad files: fail before loading
     if packed is not None:
         from cpu_expert_service.packed import load_packed
@@ -290,11 +294,11 @@ def create_server(
                              "drop --experts / --slice")
         if shard_index is None:
             raise ValueError("--packed needs --shard-index I (which packed shard this process serves)")
-        cfg, be, info = load_packed(packed, shard_index, backend, weight_format, model_dir)
+        cfg, be, info = load_packed(packed, shard_index, backend, weight_format, model_dir, act_bits)
         shard_id = shard_id or _default_shard_id(
             info["experts"], (info["slice_index"], info["slice_count"]) if info["slice_count"] > 1 else None)
     else:
-        cfg, be, info = load_shard(model_dir, experts, slice_spec, backend, weight_format)
+        cfg, be, info = load_shard(model_dir, experts, slice_spec, backend, weight_format, act_bits)
     shard_id = shard_id or _default_shard_id(experts, slice_spec)
     from cpu_expert_service.rpc_limits import server_kwargs, StreamLimits
 
@@ -351,6 +355,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how the experts are held: auto (the checkpoint's / packed files': int4 stays int4, V4 "
                         "MXFP4 stays mxfp4 as stored, the rest runs as bf16) | bf16 | int8 | int4 (kernels "
                         "quantise at load) | mxfp4 (MXFP4 checkpoints only)")
+    p.add_argument("--act-bits", type=int, choices=(16, 8), default=16,
+                   help="activation quantisation of the int8/int4/mxfp4 kernels per group of 32: 16 (default, two "
+                        "int8 levels, ~2^-15 relative) | 8 (one level, ~2^-8; faster AVX-512 prefill). Every replica "
+                        "of a shard group must use the same value; refused with bf16 or --backend numpy")
     p.add_argument("--experts", help="routed expert ids to serve, e.g. '0-7,9' (default: all)")
     p.add_argument("--slice", dest="slice_spec", help="intermediate slice i/n to serve (0-based), e.g. 1/2")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -403,6 +411,7 @@ def run(args: argparse.Namespace) -> int:
             shard_id=args.shard_id, tls=tls, metrics_registry=registry,
             shm_dir=_shm_dir(args.shm_dir), weight_format=args.weight_format, packed=args.packed,
             shard_index=args.shard_index, data_port=args.data_port, auth_token=token,
+            act_bits=args.act_bits,
         )
     except (CheckpointError, KeyError, ValueError, OSError) as e:  # never reported ready
         print(f"moesplit expert-server: {e}", file=sys.stderr)

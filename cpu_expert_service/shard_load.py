@@ -78,6 +78,7 @@ def load_shard(
     slice_spec: tuple[int, int] | None,
     backend: str = "numpy",
     weight_format: str = "auto",
+    act_bits: int = 16,
 ) -> tuple[ModelConfig, ExpertBackend, dict]:
     """Read this shard's expert weights (only those) into a backend. Returns (cfg, backend, info).
 
@@ -89,7 +90,10 @@ def load_shard(
     by the kernels as stored (e2m1 nibbles + e8m0 group scales: add_expert_mxfp4; slices on groups
     of 32); with --weight-format bf16, and for FP8-e8m0, they are dequantised exactly
     (checkpoint.formats_v4) and held as bf16, which is exact (checked per weight: bf16_exact). The
-    numpy backend holds the exact f32 values. The backend applies the config's swiglu_limit."""
+    numpy backend holds the exact f32 values. The backend applies the config's swiglu_limit.
+
+    act_bits: 16, or 8 (`--act-bits 8`: the kernels' 8-bit activations, int8/int4/mxfp4 only; any
+    other combination is refused before reading weights); reported in info["act_bits"]."""
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"--weight-format {weight_format!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
     from checkpoint.formats import as_format
@@ -117,7 +121,7 @@ def load_shard(
         raise ValueError(f"--weight-format mxfp4 holds MXFP4 experts as stored; {model_dir} stores {fmt}: "
                          "choose auto, bf16, int8 or int4")
     be = make_backend(backend, weight_format=fmt if weight_format == "auto" else weight_format,
-                      swiglu_limit=swiglu_limit_of(cfg))
+                      swiglu_limit=swiglu_limit_of(cfg), act_bits=act_bits)
     # V4 formats held as bf16 by the kernels: exact, checked per weight below
     check_bf16 = fmt in V4_EXACT_IN_BF16 and be.name != "numpy" and be.weight_format == "bf16"
     # numpy with an explicit format holds the values the kernels would hold in it
@@ -182,6 +186,7 @@ def load_shard(
         intermediate_stop=i1,
         weight_format=fmt,
         serve_format=be.weight_format if weight_format == "auto" else weight_format,
+        act_bits=act_bits,
         load_s=time.perf_counter() - t0,
     )
     return cfg, be, info

@@ -172,6 +172,8 @@ class ExpertsClient:
                     "GPU service; it is not used", [], [])
             g = _Group(desc, self.cfg)
             groups.append(g)
+        else:
+            g.check_equivalent(r.address, info)
         r.desc, r.group = desc, g
         if r not in g.replicas:
             g.replicas.append(r)

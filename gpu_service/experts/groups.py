@@ -113,6 +113,11 @@ def _coverage_key(info: experts_pb2.ShardInfo) -> tuple:
             int(info.intermediate_start), int(info.intermediate_stop))
 
 
+def act_bits_of(info: experts_pb2.ShardInfo) -> int:
+    """The shard's --act-bits (16 or 8); 0 from a shard that predates the field means 16."""
+    return int(info.act_bits) or 16
+
+
 class _Group:
     """Replicas serving the same (layers, experts, intermediate slice); any one answers a call."""
 
@@ -142,6 +147,20 @@ class _Group:
             if not peek:
                 self.rr += 1
             return r
+
+    def check_equivalent(self, address: str, info: experts_pb2.ShardInfo) -> None:
+        """Replicas of one group must compute the same numbers (a greedy answer must not depend on which
+        replica served a call): a replica whose --act-bits differs from the group's other replicas' is
+        refused (CoverageError naming the flag)."""
+        have = act_bits_of(info)
+        others = [o for o in self.replicas if o.address != address and o.desc is not None]
+        bad = [o.address for o in others if act_bits_of(o.desc.info) != have]
+        if bad:
+            want = act_bits_of(next(o for o in others if o.address in bad).desc.info)
+            raise CoverageError(
+                f"expert shard {address} runs --act-bits {have} but its replicas {', '.join(bad)} of {self.label()} "
+                f"run --act-bits {want}; replicas of a group must compute the same outputs: start every replica "
+                "of the group with the same --act-bits", [], [])
 
     def advance(self) -> None:
         """Take the round-robin turn (after a peeked pick was sent)."""

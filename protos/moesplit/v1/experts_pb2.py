@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/moesplit/v1/experts.proto\x12\x0bmoesplit.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xa1\x01\n\x0cLayerRequest\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\x05\x12#\n\x06hidden\x18\x03 \x01(\x0b\x32\x13.moesplit.v1.Tensor\x12%\n\x08topk_ids\x18\x04 \x01(\x0b\x32\x13.moesplit.v1.Tensor\x12)\n\x0ctopk_weights\x18\x05 \x01(\x0b\x32\x13.moesplit.v1.Tensor\"w\n\rLayerResponse\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\x05\x12#\n\x06output\x18\x03 \x01(\x0b\x32\x13.moesplit.v1.Tensor\x12\x12\n\ncompute_us\x18\x04 \x01(\x04\x12\x11\n\tserver_us\x18\x05 \x01(\x04\"\x11\n\x0f\x44\x65scribeRequest\"\x92\x03\n\tShardInfo\x12\x10\n\x08shard_id\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x03(\x05\x12\x0f\n\x07\x65xperts\x18\x03 \x03(\x05\x12\x13\n\x0bslice_index\x18\x04 \x01(\x05\x12\x13\n\x0bslice_count\x18\x05 \x01(\x05\x12\x1a\n\x12intermediate_start\x18\x06 \x01(\x03\x12\x19\n\x11intermediate_stop\x18\x07 \x01(\x03\x12\x15\n\rweight_format\x18\x08 \x01(\t\x12\x0e\n\x06kernel\x18\t \x01(\t\x12\x19\n\x11model_fingerprint\x18\n \x01(\t\x12\x13\n\x0bhidden_size\x18\x0b \x01(\x03\x12\x18\n\x10n_routed_experts\x18\x0c \x01(\x03\x12\x1b\n\x13num_experts_per_tok\x18\r \x01(\x03\x12\x14\n\x0cweight_bytes\x18\x0e \x01(\x03\x12\x12\n\nmax_tokens\x18\x0f \x01(\x03\x12\x0b\n\x03pid\x18\x10 \x01(\x05\x12\x16\n\x0eloaded_modules\x18\x11 \x03(\t\x12\x14\n\x0cswiglu_limit\x18\x12 \x01(\x02\"D\n\x10\x41ttachShmRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\x13\n\x0bsocket_path\x18\x03 \x01(\t\"5\n\x11\x41ttachShmResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x12\n\x10\x41ttachTcpRequest\"R\n\x11\x41ttachTcpResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\x05\x12\r\n\x05token\x18\x04 \x01(\x0c\x32\xf4\x02\n\rExpertService\x12\x44\n\x07\x46orward\x12\x19.moesplit.v1.LayerRequest\x1a\x1a.moesplit.v1.LayerResponse(\x01\x30\x01\x12\x43\n\nForwardOne\x12\x19.moesplit.v1.LayerRequest\x1a\x1a.moesplit.v1.LayerResponse\x12@\n\x08\x44\x65scribe\x12\x1c.moesplit.v1.DescribeRequest\x1a\x16.moesplit.v1.ShardInfo\x12J\n\tAttachShm\x12\x1d.moesplit.v1.AttachShmRequest\x1a\x1e.moesplit.v1.AttachShmResponse\x12J\n\tAttachTcp\x12\x1d.moesplit.v1.AttachTcpRequest\x1a\x1e.moesplit.v1.AttachTcpResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/moesplit/v1/experts.proto\x12\x0bmoesplit.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xa1\x01\n\x0cLayerRequest\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\x05\x12#\n\x06hidden\x18\x03 \x01(\x0b\x32\x13.moesplit.v1.Tensor\x12%\n\x08topk_ids\x18\x04 \x01(\x0b\x32\x13.moesplit.v1.Tensor\x12)\n\x0ctopk_weights\x18\x05 \x01(\x0b\x32\x13.moesplit.v1.Tensor\"w\n\rLayerResponse\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\x05\x12#\n\x06output\x18\x03 \x01(\x0b\x32\x13.moesplit.v1.Tensor\x12\x12\n\ncompute_us\x18\x04 \x01(\x04\x12\x11\n\tserver_us\x18\x05 \x01(\x04\"\x11\n\x0f\x44\x65scribeRequest\"\xa4\x03\n\tShardInfo\x12\x10\n\x08shard_id\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x03(\x05\x12\x0f\n\x07\x65xperts\x18\x03 \x03(\x05\x12\x13\n\x0bslice_index\x18\x04 \x01(\x05\x12\x13\n\x0bslice_count\x18\x05 \x01(\x05\x12\x1a\n\x12intermediate_start\x18\x06 \x01(\x03\x12\x19\n\x11intermediate_stop\x18\x07 \x01(\x03\x12\x15\n\rweight_format\x18\x08 \x01(\t\x12\x0e\n\x06kernel\x18\t \x01(\t\x12\x19\n\x11model_fingerprint\x18\n \x01(\t\x12\x13\n\x0bhidden_size\x18\x0b \x01(\x03\x12\x18\n\x10n_routed_experts\x18\x0c \x01(\x03\x12\x1b\n\x13num_experts_per_tok\x18\r \x01(\x03\x12\x14\n\x0cweight_bytes\x18\x0e \x01(\x03\x12\x12\n\nmax_tokens\x18\x0f \x01(\x03\x12\x0b\n\x03pid\x18\x10 \x01(\x05\x12\x16\n\x0eloaded_modules\x18\x11 \x03(\t\x12\x14\n\x0cswiglu_limit\x18\x12 \x01(\x02\x12\x10\n\x08\x61\x63t_bits\x18\x13 \x01(\x05\"D\n\x10\x41ttachShmRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\x13\n\x0bsocket_path\x18\x03 \x01(\t\"5\n\x11\x41ttachShmResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x12\n\x10\x41ttachTcpRequest\"R\n\x11\x41ttachTcpResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\x05\x12\r\n\x05token\x18\x04 \x01(\x0c\x32\xf4\x02\n\rExpertService\x12\x44\n\x07\x46orward\x12\x19.moesplit.v1.LayerRequest\x1a\x1a.moesplit.v1.LayerResponse(\x01\x30\x01\x12\x43\n\nForwardOne\x12\x19.moesplit.v1.LayerRequest\x1a\x1a.moesplit.v1.LayerResponse\x12@\n\x08\x44\x65scribe\x12\x1c.moesplit.v1.DescribeRequest\x1a\x16.moesplit.v1.ShardInfo\x12J\n\tAttachShm\x12\x1d.moesplit.v1.AttachShmRequest\x1a\x1e.moesplit.v1.AttachShmResponse\x12J\n\tAttachTcp\x12\x1d.moesplit.v1.AttachTcpRequest\x1a\x1e.moesplit.v1.AttachTcpResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,15 +40,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBEREQUEST']._serialized_start=388
   _globals['_DESCRIBEREQUEST']._serialized_end=405
   _globals['_SHARDINFO']._serialized_start=408
-  _globals['_SHARDINFO']._serialized_end=810
-  _globals['_ATTACHSHMREQUEST']._serialized_start=812
-  _globals['_ATTACHSHMREQUEST']._serialized_end=880
-  _globals['_ATTACHSHMRESPONSE']._serialized_start=882
-  _globals['_ATTACHSHMRESPONSE']._serialized_end=935
-  _globals['_ATTACHTCPREQUEST']._serialized_start=937
-  _globals['_ATTACHTCPREQUEST']._serialized_end=955
-  _globals['_ATTACHTCPRESPONSE']._serialized_start=957
-  _globals['_ATTACHTCPRESPONSE']._serialized_end=1039
-  _globals['_EXPERTSERVICE']._serialized_start=1042
-  _globals['_EXPERTSERVICE']._serialized_end=1414
+  _globals['_SHARDINFO']._serialized_end=828
+  _globals['_ATTACHSHMREQUEST']._serialized_start=830
+  _globals['_ATTACHSHMREQUEST']._serialized_end=898
+  _globals['_ATTACHSHMRESPONSE']._serialized_start=900
+  _globals['_ATTACHSHMRESPONSE']._serialized_end=953
+  _globals['_ATTACHTCPREQUEST']._serialized_start=955
+  _globals['_ATTACHTCPREQUEST']._serialized_end=973
+  _globals['_ATTACHTCPRESPONSE']._serialized_start=975
+  _globals['_ATTACHTCPRESPONSE']._serialized_end=1057
+  _globals['_EXPERTSERVICE']._serialized_start=1060
+  _globals['_EXPERTSERVICE']._serialized_end=1432
 # @@protoc_insertion_point(module_scope)

@@ -49,7 +49,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ShardInfo(_message.Message):
-    __slots__ = ("shard_id", "layers", "experts", "slice_index", "slice_count", "intermediate_start", "intermediate_stop", "weight_format", "kernel", "model_fingerprint", "hidden_size", "n_routed_experts", "num_experts_per_tok", "weight_bytes", "max_tokens", "pid", "loaded_modules", "swiglu_limit")
+    __slots__ = ("shard_id", "layers", "experts", "slice_index", "slice_count", "intermediate_start", "intermediate_stop", "weight_format", "kernel", "model_fingerprint", "hidden_size", "n_routed_experts", "num_experts_per_tok", "weight_bytes", "max_tokens", "pid", "loaded_modules", "swiglu_limit", "act_bits")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class ShardInfo(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     LOADED_MODULES_FIELD_NUMBER: _ClassVar[int]
     SWIGLU_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    ACT_BITS_FIELD_NUMBER: _ClassVar[int]
     shard_id: str
     layers: _containers.RepeatedScalarFieldContainer[int]
     experts: _containers.RepeatedScalarFieldContainer[int]
@@ -86,7 +87,8 @@ class ShardInfo(_message.Message):
     pid: int
     loaded_modules: _containers.RepeatedScalarFieldContainer[str]
     swiglu_limit: float
-    def __init__(self, shard_id: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., experts: _Optional[_Iterable[int]] = ..., slice_index: _Optional[int] = ..., slice_count: _Optional[int] = ..., intermediate_start: _Optional[int] = ..., intermediate_stop: _Optional[int] = ..., weight_format: _Optional[str] = ..., kernel: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., hidden_size: _Optional[int] = ..., n_routed_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., max_tokens: _Optional[int] = ..., pid: _Optional[int] = ..., loaded_modules: _Optional[_Iterable[str]] = ..., swiglu_limit: _Optional[float] = ...) -> None: ...
+    act_bits: int
+    def __init__(self, shard_id: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., experts: _Optional[_Iterable[int]] = ..., slice_index: _Optional[int] = ..., slice_count: _Optional[int] = ..., intermediate_start: _Optional[int] = ..., intermediate_stop: _Optional[int] = ..., weight_format: _Optional[str] = ..., kernel: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., hidden_size: _Optional[int] = ..., n_routed_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., max_tokens: _Optional[int] = ..., pid: _Optional[int] = ..., loaded_modules: _Optional[_Iterable[str]] = ..., swiglu_limit: _Optional[float] = ..., act_bits: _Optional[int] = ...) -> None: ...
 
 class AttachShmRequest(_message.Message):
     __slots__ = ("path", "token", "socket_path")
