@@ -15,7 +15,7 @@ experts — a 100-token prompt (past the window of 8, 25 CSA blocks of 4, 6 HCA 
 - the HTTP completions endpoint (and gRPC Generate) returns the runner's greedy run, a JSON schema
   constrains its output (structured outputs), chat is served on both through the built-in V4 encoder;
   `moesplit generate` (shards, no --in-process) gives transformers' tokens; `moesplit gpu-server` over
-  the shards serves V4 completions and chat;
+  the shards serves V4 completions and chat, executing a memory plan split over 2 (simulated) GPUs;
   options that cannot apply to V4 are refused by name.
 """
 from __future__ import annotations
@@ -255,7 +255,8 @@ def test_options_that_cannot_apply_are_refused_by_name():
     serve.add_arguments(p)
     base = ["--model", d, "--page-size", "32"]
     assert check_serving_args(p.parse_args(base)) is None
-    for extra, word in ((["--gpu", "24GiB"], "--gpu"), (["--gpu-experts", "4"], "--gpu-experts"),
+    assert check_serving_args(p.parse_args(base + ["--gpu", "24GiB", "--embeddings", "cpu"])) is None  # a plan: executed
+    for extra, word in ((["--attention-weights", "int8"], "--attention-weights"), (["--gpu-experts", "4"], "--gpu-experts"),
                         (["--host-kv-cache", "1GiB"], "--host-kv-cache"),
                         (["--page-size", "8"], "multiple of 16")):
         err = check_serving_args(p.parse_args(base + extra))
@@ -277,9 +278,10 @@ def test_gpu_server_cli_serves_v4_completions():
             "--port", "0", "--grpc-port", "0", "--kv-tokens", "512", "--page-size", str(PAGE), "--dtype", "float32",
             "--device", "cpu", "--log-level", "WARNING"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    bad = subprocess.run(base + ["--gpu", "24GiB"], cwd=root, capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "--gpu" in bad.stderr and "DeepSeek-V4" in bad.stderr
-    p = subprocess.Popen(base, cwd=root, stderr=subprocess.PIPE, text=True)
+    bad = subprocess.run(base + ["--gpu-experts", "4"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--gpu-experts" in bad.stderr and "DeepSeek-V4" in bad.stderr
+    # a memory plan split over 2 GPUs (simulated by the CPU) is executed: the tokens of the one-device runner
+    p = subprocess.Popen(base + ["--gpu", "1GiB", "--gpu", "1GiB"], cwd=root, stderr=subprocess.PIPE, text=True)
     try:
         url, deadline, lines = None, time.monotonic() + 90, []
         while url is None and time.monotonic() < deadline:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -63,9 +64,10 @@ def _fp8_stored(reader: CheckpointReader):
 
 
 def model_from_reader(reader: CheckpointReader, dtype: torch.dtype = torch.float32,
-                      device: torch.device | str = "cpu", fp8: bool = True) -> DeepseekV4:
+                      device: "torch.device | str | Callable[[str], torch.device]" = "cpu",
+                      fp8: bool = True) -> DeepseekV4:
     """The model minus the routed experts from a reader over a V4 checkpoint (reader.config a
-    V4Config); a tensor it does not use (other than routed experts and MTP) is an error. With `fp8`,
+    V4Config), on `device` or each tensor on `device(name)` (a placement's); a tensor it does not use (other than routed experts and MTP) is an error. With `fp8`,
     block-FP8 linears stay FP8 (`Fp8Linear`), else they are dequantised to `dtype`."""
     block = tuple(reader.config.quantization.block_size) if reader.config.quantization is not None else (128, 128)
     model, loaded = build_v4(reader.config, _getter(reader), dtype=dtype, device=device,

@@ -130,14 +130,19 @@ class DeepseekV4(nn.Module):
             n = t.shape[0]
             segs.append((a, a + n, torch.arange(c.length, c.length + n, device=tokens.device)))
             a += n
-        x = self.embed(tokens)  # [T, D]
+        x = self.embed(tokens.to(self.embed.weight.device))  # [T, D]
         X = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, hc, D]
+        on: dict[torch.device, tuple] = {}  # (tokens, segs) per device of a layer split (the plan's)
         for i, blk in enumerate(self.layers):
-            X = blk(X, segs, [c.layers[i] for _, c in chunks], tokens, experts)
+            dev = blk.attn_norm.weight.device
+            if dev not in on:
+                on[dev] = (tokens.to(dev), [(a, b, p.to(dev)) for a, b, p in segs])
+            X = X.to(dev)  # the hidden streams hop to the next GPU of the split (as DeepseekV3's layers)
+            X = blk(X, on[dev][1], [c.layers[i] for _, c in chunks], on[dev][0], experts)
         for t, c in chunks:
             c.length += t.shape[0]
         rows = torch.arange(X.shape[0]) if all_logits else torch.tensor([b - 1 for _, b, _ in segs])
-        X = X[rows.to(X.device)]
+        X = X[rows.to(X.device)].to(self.head.weight.device)
         h = self.norm.norm(hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg))
         logits = self.head(h).float()
         if not all_logits:
@@ -172,9 +177,10 @@ def greedy(model: DeepseekV4, prompt: list[int], steps: int, experts: ExpertsFn,
 
 
 def build_v4(cfg: V4Config, get: Callable[[str], "np.ndarray | torch.Tensor"], dtype: torch.dtype = torch.float32,
-             device: torch.device | str = "cpu", stored: Callable | None = None,
+             device: "torch.device | str | Callable[[str], torch.device]" = "cpu", stored: Callable | None = None,
              fp8_block: tuple[int, int] = (128, 128)) -> tuple[DeepseekV4, set[str]]:
-    """The model on `device` with every parameter and buffer filled from `get(name)` (original
+    """The model on `device` (or each tensor on `device(name)`: a memory plan's placement) with every
+    parameter and buffer filled from `get(name)` (original
     checkpoint names; float weights dequantised; routed experts are not asked for). Mixing and
     sink parameters, `ape` and the gate stay float32. `stored(name)` -> (e4m3 weight, float32
     block scales) or None: a linear it gives arrays for is an `Fp8Linear` (gpu_service.model.qlinear)
@@ -183,8 +189,10 @@ def build_v4(cfg: V4Config, get: Callable[[str], "np.ndarray | torch.Tensor"], d
         model = DeepseekV4(cfg)
     loaded: set[str] = set()
     tensors = list(model.named_parameters()) + list(model.named_buffers())
+    device_of = device if callable(device) else (lambda name, d=torch.device(device): d)
     for name, p in tensors:
         mod_name, _, attr = name.rpartition(".")
+        device = device_of(name)
         q = stored(name) if stored is not None and attr == "weight" and \
             isinstance(model.get_submodule(mod_name), nn.Linear) else None
         if q is not None:
