@@ -9,9 +9,11 @@ On a make-tiny V4 checkpoint (Flash-like, MXFP4 experts computed in process):
   weight bytes equal the plan's weight items of that GPU, to the byte, and /metrics' actual bytes
   tell the same per device (the pool's too);
 - attention-weights bf16 (the FP8 linears dequantised) gives the same tokens too;
-- what the V4 model cannot execute (hot GPU experts, re-quantised attention) is refused by name, and
-  the serving / generate option checks accept --gpu, --embeddings, --min-kv-tokens and
-  --attention-weights checkpoint for V4 but refuse --gpu-experts, --hot-experts and fp8 / int8.
+- the plan's hot experts (3 per layer, over 2 GPUs) held as stored MXFP4 give the tokens of the run
+  without them, with each device's weight bytes the plan's (hot experts included);
+- what the V4 model cannot execute (hot experts of an FP8-expert checkpoint, re-quantised attention)
+  is refused by name, and the serving / generate option checks accept --gpu, --embeddings,
+  --min-kv-tokens, --attention-weights checkpoint and --gpu-experts (MXFP4) for V4 but refuse fp8 / int8.
 """
 from __future__ import annotations
 
@@ -59,8 +61,9 @@ def _plan(reader, gpus, **kw):
     """A plan of the tiny checkpoint in float32 for `gpus`."""
     kw.setdefault("embeddings", "gpu")
     kw.setdefault("attention_weights", "checkpoint")
+    kw.setdefault("gpu_experts", 0)
     return P.make_plan(reader.config, gpus, kv_tokens=KV, min_kv_tokens=KV, chunk_tokens=64, max_batch=4,
-                       gpu_experts=0, dtype="float32", **kw)
+                       dtype="float32", **kw)
 
 
 def _runner(reader, experts, plan):
@@ -109,18 +112,66 @@ def test_dequantised_attention_weights_give_the_same_tokens(ckpt, alone):
     assert runner.generate(_prompt(), STEPS).token_ids == alone
 
 
-def test_what_v4_cannot_execute_is_refused_by_name(ckpt):
+class _Recording:
+    """An ExpertsFn passing calls through, keeping the weights each call sent."""
+
+    def __init__(self, inner):
+        self.inner, self.sent = inner, []
+
+    def __call__(self, layer, h, ids, w):
+        """Record (ids, weights) and call the wrapped experts."""
+        self.sent.append((layer, ids.clone(), w.clone()))
+        return self.inner(layer, h, ids, w)
+
+
+def test_hot_mxfp4_experts_give_the_shards_only_tokens(ckpt, alone):
+    """The plan's hot experts held as stored MXFP4 (Mxfp4Linear), computed here on their layer's
+    device and sent to the experts with weight 0: the tokens of the run without them, the weight
+    bytes of each planned device equal to the plan's items (gpu_experts included)."""
+    from gpu_service.model.qlinear import Mxfp4Linear
+
     _, reader, experts = ckpt
-    hot = Placement.from_plan(P.make_plan(reader.config, ["1GiB"], kv_tokens=KV, min_kv_tokens=KV, chunk_tokens=64,
-                                          max_batch=4, gpu_experts=2, dtype="float32", embeddings="gpu",
-                                          attention_weights="checkpoint"), [torch.device("cpu")])
-    assert hot.hot_experts
-    with pytest.raises(ValueError, match="--gpu-experts"):
-        V4Runner(reader, experts, dtype=torch.float32, placement=hot, page_size=PAGE)
+    plan = _plan(reader, ["1GiB", "1GiB"], gpu_experts=3)
+    assert plan.fits and plan.options.expert_format == "mxfp4" and all(g.items["gpu_experts"] for g in plan.gpus)
+    rec = _Recording(experts)
+    runner, placement = _runner(reader, rec, plan)
+    assert placement.hot_experts and all(len(v) == 3 for v in placement.hot_experts.values())
+    mx = [n for n, m in runner.model.named_modules() if isinstance(m, Mxfp4Linear)]
+    assert len(mx) == 3 * 3 * len(placement.hot_experts) and all(".ffn.experts." in n for n in mx)
+    got: dict[int, int] = {}
+    for name, t in list(runner.model.named_parameters()) + list(runner.model.named_buffers()):
+        got[placement.gpu_index_of(name)] = got.get(placement.gpu_index_of(name), 0) + t.untyped_storage().nbytes()
+    for g, gp in enumerate(plan.gpus):
+        assert got[g] == sum(v for k, v in gp.items.items() if k not in NOT_WEIGHTS), (g, got, gp.items)
+    assert runner.generate(_prompt(), STEPS).token_ids == alone
+    hot_sent = sum(int(((ids[..., None] == torch.tensor(placement.hot_experts[layer])).any(-1) & (w == 0)).sum())
+                   for layer, ids, w in rec.sent)
+    assert hot_sent > 0  # hot experts were chosen, and computed here (weight 0 to the experts)
+    assert all(bool((w[~(ids[..., None] == torch.tensor(placement.hot_experts[layer])).any(-1)] > 0).all())
+               for layer, ids, w in rec.sent)  # every other expert keeps its weight
+
+
+def test_what_v4_cannot_execute_is_refused_by_name(ckpt, tmp_path):
+    from gpu_service.local import tiny
+
+    _, reader, experts = ckpt
     for aw in ("fp8", "int8"):
         placement = Placement.from_plan(_plan(reader, ["1GiB"], attention_weights=aw), [torch.device("cpu")])
         with pytest.raises(ValueError, match=f"--attention-weights {aw}"):
             V4Runner(reader, experts, dtype=torch.float32, placement=placement, page_size=PAGE)
+    d = str(tmp_path / "pro")  # FP8 routed experts: no hot GPU experts
+    tiny.make_tiny(d, fmt="fp8", arch="deepseek_v4", v4_schedule="pro", seed=11)
+    pro = CheckpointReader(d, any_architecture=True)
+    hot = Placement.from_plan(_plan(pro, ["1GiB"], gpu_experts=2), [torch.device("cpu")])
+    assert hot.hot_experts and hot.expert_format != "mxfp4"
+    with pytest.raises(ValueError, match="--gpu-experts"):
+        V4Runner(pro, experts, dtype=torch.float32, placement=hot, page_size=PAGE)
+    from gpu_service.entrypoints import generate
+
+    g = argparse.ArgumentParser()
+    generate.add_arguments(g)
+    assert generate.run(g.parse_args(["--model", d, "--prompt-ids", "1,2", "--max-new-tokens", "1",
+                                      "--gpu-experts", "2"])) == 2
 
 
 def test_serving_and_generate_options(ckpt, capsys):
@@ -132,18 +183,16 @@ def test_serving_and_generate_options(ckpt, capsys):
     serve.add_arguments(p)
     base = ["--model", d, "--page-size", str(PAGE), "--kv-tokens", str(KV), "--device", "cpu"]
     ok = base + ["--gpu", "1GiB", "--gpu", "1GiB", "--embeddings", "cpu", "--min-kv-tokens", "256",
-                 "--attention-weights", "checkpoint"]
+                 "--attention-weights", "checkpoint", "--gpu-experts", "2"]
     args = p.parse_args(ok)
     assert check_serving_args(args) is None
     placement = plan_or_exit(args)
     assert placement is not None and set(placement.layer_gpu) == {0, 1} and placement.embeddings_on_cpu
-    assert placement.kv_tokens == KV
-    for extra, word in ((["--gpu-experts", "2"], "--gpu-experts"), (["--hot-experts", "x.json"], "--hot-experts"),
-                        (["--attention-weights", "int8"], "--attention-weights int8")):
-        err = check_serving_args(p.parse_args(base + extra))
-        assert err is not None and word in err and "DeepSeek-V4" in err
+    assert placement.kv_tokens == KV and all(len(v) == 2 for v in placement.hot_experts.values())
+    err = check_serving_args(p.parse_args(base + ["--attention-weights", "int8"]))
+    assert err is not None and "--attention-weights int8" in err and "DeepSeek-V4" in err
     g = argparse.ArgumentParser()
     generate.add_arguments(g)
-    for extra, word in ((["--gpu-experts", "2"], "--gpu-experts"), (["--attention-weights", "fp8"], "fp8")):
-        assert generate.run(g.parse_args(["--model", d, "--prompt-ids", "1,2", "--max-new-tokens", "1"] + extra)) == 2
-        assert word in capsys.readouterr().err
+    assert generate.run(g.parse_args(["--model", d, "--prompt-ids", "1,2", "--max-new-tokens", "1",
+                                      "--attention-weights", "fp8"])) == 2
+    assert "fp8" in capsys.readouterr().err

@@ -11,8 +11,8 @@ import time
 import torch
 
 from gpu_service.local.stack import add_local_shard_arguments
-from gpu_service.model.placement import (add_device_arguments, add_plan_arguments, options_set, placement_from_args,
-                                         V4_ATTENTION_WEIGHTS, V4_PLAN_OPTIONS)
+from gpu_service.model.placement import (add_device_arguments, add_plan_arguments, placement_from_args,
+                                         V4_ATTENTION_WEIGHTS, v4_refused_options)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,10 +61,10 @@ def run(args: argparse.Namespace) -> int:
     if args.in_process and not v4:
         print("moesplit generate: --in-process runs DeepSeek-V4 checkpoints only; drop it", file=sys.stderr)
         return 2
-    bad = options_set(args, V4_PLAN_OPTIONS) if v4 and not args.in_process else []
+    bad = v4_refused_options(args, cfg) if v4 and not args.in_process else []
     if bad:
-        print(f"moesplit generate: {', '.join(bad)}: not available for DeepSeek-V4 yet (its runner keeps no "
-              "routed experts on the GPU); drop them", file=sys.stderr)
+        print(f"moesplit generate: {', '.join(bad)}: not available for this DeepSeek-V4 checkpoint (its runner keeps "
+              "hot GPU experts only as stored MXFP4, and these experts are not MXFP4); drop them", file=sys.stderr)
         return 2
     if v4 and not args.in_process and args.attention_weights not in V4_ATTENTION_WEIGHTS:
         print(f"moesplit generate: --attention-weights {args.attention_weights}: DeepSeek-V4's model runs its "

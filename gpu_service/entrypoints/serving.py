@@ -150,7 +150,7 @@ def plan_or_exit(args: argparse.Namespace):
 
 def v4_option_error(args: argparse.Namespace, cfg) -> str | None:
     """The serving options set that a DeepSeek-V4 model (`cfg`) cannot honour, as an error; None if none."""
-    from gpu_service.model.placement import options_set, V4_ATTENTION_WEIGHTS, V4_PLAN_OPTIONS
+    from gpu_service.model.placement import V4_ATTENTION_WEIGHTS, v4_refused_options
     from gpu_service.model.v4.paged import page_block
     from gpu_service.plan.bytes import parse_size
 
@@ -163,14 +163,15 @@ def v4_option_error(args: argparse.Namespace, cfg) -> str | None:
     if aw not in V4_ATTENTION_WEIGHTS:
         return (f"--attention-weights {aw}: DeepSeek-V4's model runs its linears as stored (checkpoint: block "
                 "FP8) or dequantised (bf16), not re-quantised; pass --attention-weights checkpoint or bf16")
-    bad = options_set(args, V4_PLAN_OPTIONS)
+    bad = v4_refused_options(args, cfg)
     host = getattr(args, "host_kv_cache", "auto")
     if host != "auto" and parse_size(host):
         bad.append("--host-kv-cache")
     if not bad:
         return None
-    return (f"{', '.join(bad)}: not available for DeepSeek-V4 yet (its runner keeps no routed experts on the GPU; "
-            "its prefix cache has no host tier); drop them")
+    why = (["its runner keeps hot GPU experts only as stored MXFP4, and these experts are not MXFP4"]
+           if bad != ["--host-kv-cache"] else []) + (["its prefix cache has no host tier"] if "--host-kv-cache" in bad else [])
+    return f"{', '.join(bad)}: not available for this DeepSeek-V4 checkpoint ({'; '.join(why)}); drop them"
 
 
 def check_serving_args(args: argparse.Namespace) -> str | None:

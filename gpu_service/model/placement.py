@@ -198,9 +198,16 @@ def add_plan_arguments(p) -> None:
                         "shards' activation counts; default: the lowest ids)")
 
 
-# memory-plan options a DeepSeek-V4 model cannot use yet (its runner keeps no hot experts on the GPU):
-# (dest, default, flag); --attention-weights fp8 / int8 are refused by V4_ATTENTION_WEIGHTS
+# memory-plan options a DeepSeek-V4 model uses only when its experts are MXFP4 (its runner keeps hot experts
+# as stored): (dest, default, flag); --attention-weights fp8 / int8 are refused by V4_ATTENTION_WEIGHTS
 V4_PLAN_OPTIONS = (("gpu_experts", "0", "--gpu-experts"), ("hot_experts", None, "--hot-experts"))
+
+
+def v4_refused_options(args, cfg) -> list[str]:
+    """The flags of V4_PLAN_OPTIONS set for a DeepSeek-V4 `cfg` whose routed experts are not MXFP4."""
+    from gpu_service.plan.bytes_v4 import native_expert_format_v4
+
+    return [] if native_expert_format_v4(cfg) == "mxfp4" else options_set(args, V4_PLAN_OPTIONS)
 # the attention-weights formats the V4 model executes: its block-FP8 linears as stored, or dequantised
 V4_ATTENTION_WEIGHTS = ("auto", "checkpoint", "bf16")
 

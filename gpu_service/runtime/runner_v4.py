@@ -12,8 +12,9 @@ With a placement (`gpu_service.model.placement.Placement.from_plan`) it executes
 the pool holds the plan's KV tokens, each layer and its pool tensors on the layer's device (the
 hidden streams hop between devices at the split), the embeddings on the CPU or the first device,
 norm / hc_head / head on the last, the attention weights as the plan chose ("checkpoint": the FP8
-linears as stored, `Fp8Linear`; "bf16": dequantised to the compute dtype). Not built for V4
-(refused by name, or off and logged): CUDA graphs, hot GPU experts, re-quantised attention weights
+linears as stored, `Fp8Linear`; "bf16": dequantised to the compute dtype). The plan's hot
+experts (MXFP4 checkpoints) are held as stored (`Mxfp4Linear`) and computed on their layer's device.
+Not built for V4 (refused by name, or off and logged): CUDA graphs, hot experts of other formats, re-quantised attention weights
 (fp8 / int8 of a plan), the prefix cache's host tier, MTP (not loaded).
 """
 from __future__ import annotations
@@ -55,7 +56,8 @@ class V4Runner:
         layer_devices = placement.layer_devices if placement else self.device
         t0 = time.perf_counter()
         self.model = model_from_reader(reader, self.dtype, placement.device_of if placement else self.device,
-                                       fp8=placement is None or placement.attention_weights == "checkpoint")
+                                       fp8=placement is None or placement.attention_weights == "checkpoint",
+                                       hot_experts=placement.hot_experts if placement else None)
         self.load_s = time.perf_counter() - t0
         self.page_size = page_size or default_page_size(self.cfg)  # None: whole compression blocks of every layer
         self.pool = V4Pool(self.cfg, -(-kv_tokens // self.page_size), self.page_size, self.dtype, layer_devices)
@@ -113,9 +115,9 @@ class V4Runner:
 
 def _check_placement(placement) -> None:
     """Refuse, by name, what of a memory plan the V4 model cannot execute."""
-    if placement.hot_experts:
-        raise ValueError("--gpu-experts: DeepSeek-V4's runner keeps no routed experts on the GPU yet (the shards "
-                         "compute them all); plan with --gpu-experts 0")
+    if placement.hot_experts and placement.expert_format != "mxfp4":
+        raise ValueError(f"--gpu-experts with expert format {placement.expert_format}: DeepSeek-V4's runner keeps hot "
+                         "experts only as the checkpoint's MXFP4 (a Flash-style MXFP4 checkpoint); plan with --gpu-experts 0 for this checkpoint")
     if placement.attention_weights not in ("checkpoint", "bf16"):
         raise ValueError(f"--attention-weights {placement.attention_weights}: DeepSeek-V4's model runs its linears "
                          "as stored (checkpoint: block FP8) or dequantised (bf16), not re-quantised; pass "
