@@ -192,9 +192,18 @@ def actual_bytes(runner, placement=None) -> dict[tuple[str, str], int]:
     the placement's map (`placement.placed_bytes`)."""
     from gpu_service.model.placement import Placement, placed_bytes
 
-    if getattr(runner.cfg, "is_v4", False):  # one device, no plan categories yet: weights and the pool
-        weights = sum(t.numel() * t.element_size() for t in list(runner.model.parameters()) + list(runner.model.buffers()))
-        return {("weights", device_label(0)): weights, ("kv_cache", device_label(0)): runner.pool.bytes()}
+    if getattr(runner.cfg, "is_v4", False):  # no plan categories yet: weights and the pool per planned device
+        placement = placement or getattr(runner, "placement", None)
+        where = placement.gpu_index_of if placement is not None else (lambda name: 0)
+        out = {}
+        for name, t in list(runner.model.named_parameters()) + list(runner.model.named_buffers()):
+            k = ("weights", device_label(where(name)))
+            out[k] = out.get(k, 0) + t.numel() * t.element_size()
+        pool = runner.pool
+        for i, ts in enumerate(zip(pool.entries, pool.index_k)):
+            k = ("kv_cache", device_label(placement.layer_gpu[i] if placement is not None else 0))
+            out[k] = out.get(k, 0) + sum(t.numel() * t.element_size() for t in ts if t is not None)
+        return out
     placement = placement or getattr(runner, "placement", None) or Placement.single(runner.cfg, runner.device)
     mods = _module_categories(runner.cfg)
     out: dict[tuple[str, str], int] = {}
@@ -224,7 +233,7 @@ def planned_bytes(runner, plan=None, placement=None) -> dict[tuple[str, str], in
         return out
     cfg = runner.cfg
     if getattr(cfg, "is_v4", False):
-        return out  # the V4 runner executes no memory plan yet
+        return out  # V4 without a plan: no byte model applied to the runner (a plan gives its items above)
     placement = placement or getattr(runner, "placement", None) or Placement.single(cfg, runner.device)
     dt = getattr(runner, "dtype", None)
     eb = dt.itemsize if dt is not None else 2  # the compute dtype's bytes per element

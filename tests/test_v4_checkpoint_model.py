@@ -173,14 +173,14 @@ def test_generate_in_process_equals_transformers(capsys):
 
 def test_generate_refuses_what_it_would_ignore(capsys):
     """Options the in-process path cannot honour (--chat among them: the engine path renders chat
-    with the V4 encoder), and the memory-plan options without --in-process (the V4 runner executes
-    no plan) are refused by name."""
+    with the V4 encoder), and without --in-process the memory-plan choices the V4 runner cannot
+    execute (re-quantised attention weights) are refused by name."""
     from moesplit.cli import main as cli_main
 
     d = _case("flash-mxfp4")[0]
     base = ["generate", "--model", d, "--prompt-ids", "5,6,7"]
-    assert cli_main(base + ["--gpu", "24GiB"]) == 2
-    assert "--gpu" in capsys.readouterr().err
+    assert cli_main(base + ["--gpu", "24GiB", "--attention-weights", "int8"]) == 2
+    assert "--attention-weights int8" in capsys.readouterr().err
     for extra, word in ((["--temperature", "0.7"], "--temperature"), (["--shards", "3"], "--shards"),
                         (["--kv-tokens", "64"], "--kv-tokens"), (["--chat"], "--chat")):
         assert cli_main(base + ["--in-process"] + extra) == 2

@@ -15,7 +15,8 @@ experts — a 100-token prompt (past the window of 8, 25 CSA blocks of 4, 6 HCA 
 - the HTTP completions endpoint (and gRPC Generate) returns the runner's greedy run, a JSON schema
   constrains its output (structured outputs), chat is served on both through the built-in V4 encoder;
   `moesplit generate` (shards, no --in-process) gives transformers' tokens; `moesplit gpu-server` over
-  the shards serves V4 completions and chat;
+  the shards serves V4 completions and chat, executing a memory plan split over 2 (simulated) GPUs
+  with hot MXFP4 experts;
   options that cannot apply to V4 are refused by name.
 """
 from __future__ import annotations
@@ -255,11 +256,16 @@ def test_options_that_cannot_apply_are_refused_by_name():
     serve.add_arguments(p)
     base = ["--model", d, "--page-size", "32"]
     assert check_serving_args(p.parse_args(base)) is None
-    for extra, word in ((["--gpu", "24GiB"], "--gpu"), (["--gpu-experts", "4"], "--gpu-experts"),
+    plan = ["--gpu", "24GiB", "--embeddings", "cpu", "--gpu-experts", "4"]
+    assert check_serving_args(p.parse_args(base + plan)) is None  # a plan with hot MXFP4 experts: executed
+    for extra, word in ((["--attention-weights", "int8"], "--attention-weights"),
                         (["--host-kv-cache", "1GiB"], "--host-kv-cache"),
                         (["--page-size", "8"], "multiple of 16")):
         err = check_serving_args(p.parse_args(base + extra))
         assert err is not None and word in err and "DeepSeek-V4" in err
+    pro = ["--model", _served("pro-fp8")[0], "--page-size", "32"]  # FP8 experts: no hot GPU experts
+    err = check_serving_args(p.parse_args(pro + ["--gpu-experts", "4"]))
+    assert err is not None and "--gpu-experts" in err and "MXFP4" in err
     with pytest.raises(ValueError, match="multiple of 16"):
         V4Pool(runner.cfg, 4, 24, torch.float32, torch.device("cpu"))
 
@@ -277,9 +283,12 @@ def test_gpu_server_cli_serves_v4_completions():
             "--port", "0", "--grpc-port", "0", "--kv-tokens", "512", "--page-size", str(PAGE), "--dtype", "float32",
             "--device", "cpu", "--log-level", "WARNING"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    bad = subprocess.run(base + ["--gpu", "24GiB"], cwd=root, capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "--gpu" in bad.stderr and "DeepSeek-V4" in bad.stderr
-    p = subprocess.Popen(base, cwd=root, stderr=subprocess.PIPE, text=True)
+    bad = subprocess.run(base + ["--attention-weights", "int8"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--attention-weights int8" in bad.stderr and "DeepSeek-V4" in bad.stderr
+    # a memory plan split over 2 GPUs (simulated by the CPU) with 2 hot MXFP4 experts per layer is executed
+    # (the shards skip the hot experts): the tokens of the one-device runner without hot experts
+    p = subprocess.Popen(base + ["--gpu", "1GiB", "--gpu", "1GiB", "--gpu-experts", "2"], cwd=root,
+                         stderr=subprocess.PIPE, text=True)
     try:
         url, deadline, lines = None, time.monotonic() + 90, []
         while url is None and time.monotonic() < deadline:

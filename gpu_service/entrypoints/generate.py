@@ -11,8 +11,8 @@ import time
 import torch
 
 from gpu_service.local.stack import add_local_shard_arguments
-from gpu_service.model.placement import (add_device_arguments, add_plan_arguments, options_set, placement_from_args,
-                                         V4_PLAN_OPTIONS)
+from gpu_service.model.placement import (add_device_arguments, add_plan_arguments, placement_from_args,
+                                         V4_ATTENTION_WEIGHTS, v4_refused_options)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,10 +61,15 @@ def run(args: argparse.Namespace) -> int:
     if args.in_process and not v4:
         print("moesplit generate: --in-process runs DeepSeek-V4 checkpoints only; drop it", file=sys.stderr)
         return 2
-    bad = options_set(args, V4_PLAN_OPTIONS) if v4 and not args.in_process else []
+    bad = v4_refused_options(args, cfg) if v4 and not args.in_process else []
     if bad:
-        print(f"moesplit generate: {', '.join(bad)}: not available for DeepSeek-V4 yet (its runner executes no "
-              "memory plan); drop them", file=sys.stderr)
+        print(f"moesplit generate: {', '.join(bad)}: not available for this DeepSeek-V4 checkpoint (its runner keeps "
+              "hot GPU experts only as stored MXFP4, and these experts are not MXFP4); drop them", file=sys.stderr)
+        return 2
+    if v4 and not args.in_process and args.attention_weights not in V4_ATTENTION_WEIGHTS:
+        print(f"moesplit generate: --attention-weights {args.attention_weights}: DeepSeek-V4's model runs its "
+              "linears as stored (checkpoint) or dequantised (bf16), not re-quantised; pass one of those",
+              file=sys.stderr)
         return 2
     tok = None
     if args.prompt is not None:
@@ -92,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
 
     # the memory plan comes first: a plan that cannot fit stops here, before anything is loaded
     kv = args.kv_tokens or max(len(ids) + args.max_new_tokens, 64)
-    placement = None if v4 else placement_from_args(args, cfg, kv, device=device)
+    placement = placement_from_args(args, cfg, kv, device=device)
 
     from gpu_service.experts.client import expert_client_tls
 

@@ -134,16 +134,14 @@ def server_limits(args: argparse.Namespace) -> ServerLimits:
 
 
 def plan_or_exit(args: argparse.Namespace):
-    """The memory plan, made before anything is loaded; None on a CPU-only machine without
-    --gpu, and for DeepSeek-V4 (its runner executes no plan yet: v4_option_error refuses the plan
-    options). A plan that cannot fit exits here with the table and the options that would fit."""
+    """The memory plan, made before anything is loaded (DeepSeek-V4 too: v4_option_error has refused
+    the plan options its runner cannot execute); None on a CPU-only machine without --gpu. A plan
+    that cannot fit exits here with the table and the options that would fit."""
     import torch
 
     from checkpoint.config_v4 import load_any_config
 
     cfg = load_any_config(args.model)
-    if cfg.is_v4:
-        return None
     return placement_from_args(args, cfg, args.kv_tokens, args.chunk_tokens, args.max_batch,
                                device=torch.device(args.device) if args.device else None)
 
@@ -152,7 +150,7 @@ def plan_or_exit(args: argparse.Namespace):
 
 def v4_option_error(args: argparse.Namespace, cfg) -> str | None:
     """The serving options set that a DeepSeek-V4 model (`cfg`) cannot honour, as an error; None if none."""
-    from gpu_service.model.placement import options_set, V4_PLAN_OPTIONS
+    from gpu_service.model.placement import V4_ATTENTION_WEIGHTS, v4_refused_options
     from gpu_service.model.v4.paged import page_block
     from gpu_service.plan.bytes import parse_size
 
@@ -161,15 +159,19 @@ def v4_option_error(args: argparse.Namespace, cfg) -> str | None:
         return (f"--page-size {args.page_size}: a DeepSeek-V4 page must hold whole compression blocks of every "
                 f"layer; use a multiple of {block} (lcm of 4 and the HCA ratios)")
 
-    bad = options_set(args, V4_PLAN_OPTIONS)
+    aw = getattr(args, "attention_weights", "auto")
+    if aw not in V4_ATTENTION_WEIGHTS:
+        return (f"--attention-weights {aw}: DeepSeek-V4's model runs its linears as stored (checkpoint: block "
+                "FP8) or dequantised (bf16), not re-quantised; pass --attention-weights checkpoint or bf16")
+    bad = v4_refused_options(args, cfg)
     host = getattr(args, "host_kv_cache", "auto")
     if host != "auto" and parse_size(host):
         bad.append("--host-kv-cache")
     if not bad:
         return None
-    return (f"{', '.join(bad)}: not available for DeepSeek-V4 yet (its runner executes no memory plan: no multi-GPU "
-            "split, hot experts or weight formats; its prefix cache has no host tier); drop them (--kv-tokens sizes "
-            "its cache)")
+    why = (["its runner keeps hot GPU experts only as stored MXFP4, and these experts are not MXFP4"]
+           if bad != ["--host-kv-cache"] else []) + (["its prefix cache has no host tier"] if "--host-kv-cache" in bad else [])
+    return f"{', '.join(bad)}: not available for this DeepSeek-V4 checkpoint ({'; '.join(why)}); drop them"
 
 
 def check_serving_args(args: argparse.Namespace) -> str | None:

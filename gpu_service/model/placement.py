@@ -76,10 +76,11 @@ class Placement:
 
     # ---- per-parameter decisions ---------------------------------------------------------------
     def gpu_index_of(self, param_name: str) -> int:
-        """Index into `devices` of the GPU holding this parameter; -1 for the CPU."""
-        if param_name.startswith("model.layers."):
-            return self.layer_gpu[int(param_name.split(".")[2])]
-        if param_name.startswith("model.embed_tokens"):
+        """Index into `devices` of the GPU holding this parameter; -1 for the CPU. DeepSeek-V4's
+        checkpoint names too (`layers.N.`, `embed.`; its `norm`, `hc_head_*` and `head` go last)."""
+        if param_name.startswith(("model.layers.", "layers.")):
+            return self.layer_gpu[int(param_name.split(".")[1 if param_name.startswith("layers.") else 2])]
+        if param_name.startswith(("model.embed_tokens", "embed.")):
             return -1 if self.embeddings_on_cpu else 0
         return len(self.devices) - 1  # final norm and lm_head
 
@@ -197,10 +198,18 @@ def add_plan_arguments(p) -> None:
                         "shards' activation counts; default: the lowest ids)")
 
 
-# memory-plan options a DeepSeek-V4 model cannot use yet (its runner executes no plan): (dest, default, flag)
-V4_PLAN_OPTIONS = (("gpu", None, "--gpu"), ("attention_weights", "auto", "--attention-weights"),
-                   ("embeddings", "auto", "--embeddings"), ("gpu_experts", "0", "--gpu-experts"),
-                   ("min_kv_tokens", None, "--min-kv-tokens"), ("hot_experts", None, "--hot-experts"))
+# memory-plan options a DeepSeek-V4 model uses only when its experts are MXFP4 (its runner keeps hot experts
+# as stored): (dest, default, flag); --attention-weights fp8 / int8 are refused by V4_ATTENTION_WEIGHTS
+V4_PLAN_OPTIONS = (("gpu_experts", "0", "--gpu-experts"), ("hot_experts", None, "--hot-experts"))
+
+
+def v4_refused_options(args, cfg) -> list[str]:
+    """The flags of V4_PLAN_OPTIONS set for a DeepSeek-V4 `cfg` whose routed experts are not MXFP4."""
+    from gpu_service.plan.bytes_v4 import native_expert_format_v4
+
+    return [] if native_expert_format_v4(cfg) == "mxfp4" else options_set(args, V4_PLAN_OPTIONS)
+# the attention-weights formats the V4 model executes: its block-FP8 linears as stored, or dequantised
+V4_ATTENTION_WEIGHTS = ("auto", "checkpoint", "bf16")
 
 
 def options_set(args, options) -> list[str]:

@@ -210,6 +210,42 @@ class Int4Linear(_Blockwise):
             w[:, gf * g: inn].mul_(self.weight_scale[r0:r1, gf:gf + 1])
 
 
+class Mxfp4Linear(_Blockwise):
+    """DeepSeek-V4's MXFP4 weight as stored (checkpoint.formats_v4): e2m1 codes two a byte, low nibble
+    first [out, in/2], and each 32 inputs' ue8m0 scale held as bf16 2**(e-127) [out, in/32] (exact; the
+    2 bytes the plan's "mxfp4" format counts per scale)."""
+
+    GROUP = 32
+
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, bias=None):
+        super().__init__()
+        if packed.shape[1] * 2 != scale.shape[1] * self.GROUP:
+            raise ValueError(f"Mxfp4Linear: packed {tuple(packed.shape)} and scales {tuple(scale.shape)} disagree "
+                             f"(one scale per {self.GROUP} inputs)")
+        self.weight_packed = nn.Parameter(packed, requires_grad=False)  # [out, in/2] uint8
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)  # [out, in/32] bf16 powers of two
+        self.out_features, self.in_features, self.bias = packed.shape[0], packed.shape[1] * 2, bias
+
+    @staticmethod
+    def from_stored(packed: np.ndarray, e8m0: np.ndarray, device) -> "Mxfp4Linear":
+        """From the checkpoint's arrays (I8 [out, in/2], ue8m0 [out, in/32]) on `device`."""
+        from checkpoint.formats_v4 import e8m0_to_f32
+
+        q = torch.from_numpy(np.array(packed).view(np.uint8))  # a writable copy
+        s = torch.from_numpy(e8m0_to_f32(e8m0)).to(torch.bfloat16)
+        return Mxfp4Linear(q.to(device), s.to(device))
+
+    def _dequant_rows(self, w: torch.Tensor, r0: int, r1: int) -> None:
+        from checkpoint.formats_v4 import E2M1_VALUES
+
+        rows, packed = r1 - r0, self.weight_packed[r0:r1].long()
+        table = torch.from_numpy(E2M1_VALUES).to(device=w.device, dtype=w.dtype)
+        w2 = w.view(rows, self.in_features // 2, 2)
+        w2[..., 0].copy_(table[packed & 0xF])
+        w2[..., 1].copy_(table[packed >> 4])
+        w.view(rows, -1, self.GROUP).mul_(self.weight_scale[r0:r1, :, None].to(w.dtype))
+
+
 def reserve_scratch(model: nn.Module, dtype: torch.dtype) -> None:
     """At load: the dequantisation scratch of every device sized for the model's widest quantised
     linear there (the plan's qlinear_scratch_bytes), before any step runs or any graph is captured."""
@@ -224,7 +260,7 @@ def reserve_scratch(model: nn.Module, dtype: torch.dtype) -> None:
 
 def weight_of(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     """The (dequantised) weight of a plain or quantised linear, in `dtype`."""
-    if isinstance(linear, (Fp8Linear, Int8Linear, Int4Linear)):
+    if isinstance(linear, _Blockwise):
         return linear.dequant_weight(dtype)
     return linear.weight.to(dtype)
 

@@ -6,10 +6,16 @@ Built from a reader over a V4 checkpoint (reader.config a V4Config) and an Exper
 (`RemoteExperts`, the V3 client path: the wire carries hidden [T, D], global expert ids [T, top_k]
 and the router's final weights) or in-process experts. A step runs the engine's chunks through
 `DeepseekV4.forward_batch`, each chunk continuing its sequence's paged cache; a chunk that ends on a
-page boundary keeps the sequence's bounded state for the prefix cache. Not built for V4 (refused by
-name, or off and logged): CUDA graphs, executing a memory plan (multi-GPU split, hot experts,
-weight formats other than the checkpoint's: its FP8 linears stay FP8, `Fp8Linear`), the prefix cache's
-host tier, MTP (not loaded).
+page boundary keeps the sequence's bounded state for the prefix cache.
+
+With a placement (`gpu_service.model.placement.Placement.from_plan`) it executes the memory plan:
+the pool holds the plan's KV tokens, each layer and its pool tensors on the layer's device (the
+hidden streams hop between devices at the split), the embeddings on the CPU or the first device,
+norm / hc_head / head on the last, the attention weights as the plan chose ("checkpoint": the FP8
+linears as stored, `Fp8Linear`; "bf16": dequantised to the compute dtype). The plan's hot
+experts (MXFP4 checkpoints) are held as stored (`Mxfp4Linear`) and computed on their layer's device.
+Not built for V4 (refused by name, or off and logged): CUDA graphs, hot experts of other formats, re-quantised attention weights
+(fp8 / int8 of a plan), the prefix cache's host tier, MTP (not loaded).
 """
 from __future__ import annotations
 
@@ -35,9 +41,9 @@ class V4Runner:
                  kv_tokens: int = 4096, page_size: int | None = None, placement=None, prefix_cache: bool = True,
                  host_kv_bytes: int = 0, cuda_graphs: bool = True, graph_buckets: tuple[int, ...] | None = None):
         if placement is not None:
-            raise ValueError("DeepSeek-V4: the V4 runner does not execute a memory plan yet (multi-GPU split, "
-                             "hot GPU experts, other weight formats than the checkpoint's): drop --gpu / the plan options and size the "
-                             "cache with --kv-tokens")
+            _check_placement(placement)
+            kv_tokens = placement.kv_tokens
+            device = device or placement.devices[0]
         if host_kv_bytes:
             raise ValueError("--host-kv-cache: DeepSeek-V4's prefix cache has no host tier (its boundary snapshots "
                              "stay on the device); pass --host-kv-cache 0")
@@ -45,13 +51,16 @@ class V4Runner:
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.experts = experts
-        self.placement = self.plan = None
-        self.chunk_tokens = 2048  # ModelRunner.generate's default prefill chunk
+        self.placement, self.plan = placement, getattr(placement, "plan", None)
+        self.chunk_tokens = placement.chunk_tokens if placement else 2048  # ModelRunner.generate's default
+        layer_devices = placement.layer_devices if placement else self.device
         t0 = time.perf_counter()
-        self.model = model_from_reader(reader, self.dtype, self.device)
+        self.model = model_from_reader(reader, self.dtype, placement.device_of if placement else self.device,
+                                       fp8=placement is None or placement.attention_weights == "checkpoint",
+                                       hot_experts=placement.hot_experts if placement else None)
         self.load_s = time.perf_counter() - t0
         self.page_size = page_size or default_page_size(self.cfg)  # None: whole compression blocks of every layer
-        self.pool = V4Pool(self.cfg, -(-kv_tokens // self.page_size), self.page_size, self.dtype, self.device)
+        self.pool = V4Pool(self.cfg, -(-kv_tokens // self.page_size), self.page_size, self.dtype, layer_devices)
         self.prefix_cache = V4PrefixCache(self.pool) if prefix_cache else None
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda":
@@ -102,3 +111,14 @@ class V4Runner:
                 if seq.length % self.page_size == 0:
                     seq.take_snapshot()
         return out
+
+
+def _check_placement(placement) -> None:
+    """Refuse, by name, what of a memory plan the V4 model cannot execute."""
+    if placement.hot_experts and placement.expert_format != "mxfp4":
+        raise ValueError(f"--gpu-experts with expert format {placement.expert_format}: DeepSeek-V4's runner keeps hot "
+                         "experts only as the checkpoint's MXFP4 (a Flash-style MXFP4 checkpoint); plan with --gpu-experts 0 for this checkpoint")
+    if placement.attention_weights not in ("checkpoint", "bf16"):
+        raise ValueError(f"--attention-weights {placement.attention_weights}: DeepSeek-V4's model runs its linears "
+                         "as stored (checkpoint: block FP8) or dequantised (bf16), not re-quantised; pass "
+                         "--attention-weights checkpoint or bf16")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -54,6 +55,9 @@ def _fp8_stored(reader: CheckpointReader):
     gpu_service.model.qlinear.Fp8Linear holds it (the scales 2**(e-127), exact); None for others."""
     def stored(name: str):
         """The FP8 arrays of one logical weight, or None."""
+        if reader.format_of(name) == "mxfp4" and N4.parse_expert(name) is not None:  # a hot expert: as stored
+            st = reader.get_stored(name)
+            return "mxfp4", st.arrays["weight"], st.arrays["scale"]
         if reader.format_of(name) != "fp8_e8m0":
             return None
         st = reader.get_stored(name)
@@ -63,13 +67,16 @@ def _fp8_stored(reader: CheckpointReader):
 
 
 def model_from_reader(reader: CheckpointReader, dtype: torch.dtype = torch.float32,
-                      device: torch.device | str = "cpu", fp8: bool = True) -> DeepseekV4:
+                      device: "torch.device | str | Callable[[str], torch.device]" = "cpu",
+                      fp8: bool = True, hot_experts: dict[int, list[int]] | None = None) -> DeepseekV4:
     """The model minus the routed experts from a reader over a V4 checkpoint (reader.config a
-    V4Config); a tensor it does not use (other than routed experts and MTP) is an error. With `fp8`,
+    V4Config), on `device` or each tensor on `device(name)` (a placement's); a tensor it does not use (other than routed experts and MTP) is an error. With `fp8`,
     block-FP8 linears stay FP8 (`Fp8Linear`), else they are dequantised to `dtype`."""
     block = tuple(reader.config.quantization.block_size) if reader.config.quantization is not None else (128, 128)
-    model, loaded = build_v4(reader.config, _getter(reader), dtype=dtype, device=device,
-                             stored=_fp8_stored(reader) if fp8 else None, fp8_block=block)
+    stored = _fp8_stored(reader)
+    keep = stored if fp8 else (lambda name: stored(name) if N4.parse_expert(name) is not None else None)
+    model, loaded = build_v4(reader.config, _getter(reader), dtype=dtype, device=device, stored=keep,
+                             fp8_block=block, hot_experts=hot_experts)
     unused = sorted(n for n in reader.names() if n not in loaded and N4.parse_expert(n) is None)
     if unused:
         raise ValueError(f"{reader.model_dir}: tensor(s) the V4 model does not use: {', '.join(unused[:5])}"

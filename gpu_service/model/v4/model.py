@@ -21,7 +21,7 @@ from torch import nn
 from checkpoint.config_v4 import V4Config
 from gpu_service.model.experts_api import ExpertsFn
 from gpu_service.model.layers import RMSNorm
-from gpu_service.model.qlinear import make_quantized, reserve_scratch
+from gpu_service.model.qlinear import make_quantized, Mxfp4Linear, reserve_scratch
 from gpu_service.model.v4.attention import Attention, AttnState
 from gpu_service.model.v4.moe import MoE
 from gpu_service.model.v4.pieces import hc_head, hc_post, hc_pre, v4_ropes
@@ -57,7 +57,7 @@ class SeqCache:
 class Block(nn.Module):
     """One decoder layer with its two hyper-connections (`hc_attn_*`, `hc_ffn_*`)."""
 
-    def __init__(self, cfg, layer: int, ropes):
+    def __init__(self, cfg, layer: int, ropes, hot=()):
         super().__init__()
         n, D = cfg.hc_mult, cfg.hidden_size
         self.cfg = cfg
@@ -68,7 +68,7 @@ class Block(nn.Module):
             setattr(self, f"hc_{s}_base", nn.Parameter(torch.zeros((2 + n) * n)))
             setattr(self, f"hc_{s}_scale", nn.Parameter(torch.zeros(3)))
         self.attn = Attention(cfg, cfg.compress_ratios[layer], ropes)
-        self.ffn = MoE(cfg, layer)
+        self.ffn = MoE(cfg, layer, hot)
 
     def forward(self, X: torch.Tensor, segs: list[tuple[int, int, torch.Tensor]], states: list[AttnState],
                 tokens: torch.Tensor, experts: ExpertsFn) -> torch.Tensor:
@@ -86,14 +86,16 @@ class Block(nn.Module):
 class DeepseekV4(nn.Module):
     """Everything but the routed experts (module docstring)."""
 
-    def __init__(self, cfg: V4Config):
+    def __init__(self, cfg: V4Config, hot_experts: dict[int, list[int]] | None = None):
+        """`hot_experts`: layer -> routed experts held and computed here (a memory plan's)."""
         super().__init__()
         check_config(cfg)
+        hot_experts = hot_experts or {}
         n, D = cfg.hc_mult, cfg.hidden_size
         self.cfg = cfg
         ropes = v4_ropes(cfg)
         self.embed = nn.Embedding(cfg.vocab_size, D)
-        self.layers = nn.ModuleList(Block(cfg, i, ropes) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, ropes, hot_experts.get(i, ())) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(D, cfg.rms_norm_eps)
         self.hc_head_fn = nn.Parameter(torch.zeros(n, n * D))
         self.hc_head_base = nn.Parameter(torch.zeros(n))
@@ -130,14 +132,19 @@ class DeepseekV4(nn.Module):
             n = t.shape[0]
             segs.append((a, a + n, torch.arange(c.length, c.length + n, device=tokens.device)))
             a += n
-        x = self.embed(tokens)  # [T, D]
+        x = self.embed(tokens.to(self.embed.weight.device))  # [T, D]
         X = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, hc, D]
+        on: dict[torch.device, tuple] = {}  # (tokens, segs) per device of a layer split (the plan's)
         for i, blk in enumerate(self.layers):
-            X = blk(X, segs, [c.layers[i] for _, c in chunks], tokens, experts)
+            dev = blk.attn_norm.weight.device
+            if dev not in on:
+                on[dev] = (tokens.to(dev), [(a, b, p.to(dev)) for a, b, p in segs])
+            X = X.to(dev)  # the hidden streams hop to the next GPU of the split (as DeepseekV3's layers)
+            X = blk(X, on[dev][1], [c.layers[i] for _, c in chunks], on[dev][0], experts)
         for t, c in chunks:
             c.length += t.shape[0]
         rows = torch.arange(X.shape[0]) if all_logits else torch.tensor([b - 1 for _, b, _ in segs])
-        X = X[rows.to(X.device)]
+        X = X[rows.to(X.device)].to(self.head.weight.device)
         h = self.norm.norm(hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg))
         logits = self.head(h).float()
         if not all_logits:
@@ -172,21 +179,35 @@ def greedy(model: DeepseekV4, prompt: list[int], steps: int, experts: ExpertsFn,
 
 
 def build_v4(cfg: V4Config, get: Callable[[str], "np.ndarray | torch.Tensor"], dtype: torch.dtype = torch.float32,
-             device: torch.device | str = "cpu", stored: Callable | None = None,
-             fp8_block: tuple[int, int] = (128, 128)) -> tuple[DeepseekV4, set[str]]:
-    """The model on `device` with every parameter and buffer filled from `get(name)` (original
+             device: "torch.device | str | Callable[[str], torch.device]" = "cpu", stored: Callable | None = None,
+             fp8_block: tuple[int, int] = (128, 128),
+             hot_experts: dict[int, list[int]] | None = None) -> tuple[DeepseekV4, set[str]]:
+    """The model on `device` (or each tensor on `device(name)`: a memory plan's placement) with every
+    parameter and buffer filled from `get(name)` (original
     checkpoint names; float weights dequantised; routed experts are not asked for). Mixing and
     sink parameters, `ape` and the gate stay float32. `stored(name)` -> (e4m3 weight, float32
     block scales) or None: a linear it gives arrays for is an `Fp8Linear` (gpu_service.model.qlinear)
-    holding them. Returns the model and the names loaded."""
+    holding them; a hot routed expert (`hot_experts`: layer -> ids) is an `Mxfp4Linear` of the arrays
+    `stored` gives for it as ("mxfp4", packed, e8m0). Returns the model and the names loaded."""
     with torch.device("meta"):
-        model = DeepseekV4(cfg)
+        model = DeepseekV4(cfg, hot_experts)
     loaded: set[str] = set()
     tensors = list(model.named_parameters()) + list(model.named_buffers())
+    device_of = device if callable(device) else (lambda name, d=torch.device(device): d)
     for name, p in tensors:
         mod_name, _, attr = name.rpartition(".")
+        device = device_of(name)
         q = stored(name) if stored is not None and attr == "weight" and \
             isinstance(model.get_submodule(mod_name), nn.Linear) else None
+        mxfp4 = q is not None and isinstance(q[0], str) and q[0] == "mxfp4"
+        if mxfp4:
+            parent, _, child = mod_name.rpartition(".")
+            setattr(model.get_submodule(parent), child, Mxfp4Linear.from_stored(q[1], q[2], device))
+            loaded.add(name)
+            continue
+        if ".ffn.experts." in name:
+            raise ValueError(f"{name}: a hot GPU expert must be MXFP4 as stored (the plan's expert format mxfp4); "
+                             "plan with --gpu-experts 0 for this checkpoint")
         if q is not None:
             if tuple(q[0].shape) != tuple(p.shape):
                 raise ValueError(f"tensor {name!r} has shape {tuple(q[0].shape)}, expected {tuple(p.shape)} from "

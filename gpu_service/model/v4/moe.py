@@ -3,6 +3,10 @@
 the correction bias; weights are the chosen scores normalised, times routed_scaling_factor) and the
 shared expert with the clamped SwiGLU. Routed experts go through the `ExpertsFn`.
 
+Hot experts (a memory plan's `--gpu-experts`) are held here as `Mxfp4Linear` (their stored MXFP4)
+and run through the V3 MoE's hot path (`remote_weights`: weight 0 to the shards, which skip them;
+`hot_output`: their weighted sum here), with the clamped SwiGLU of `SharedExpert`.
+
 `ReferenceExperts` computes the routed experts in process from float weights, with the same clamp
 (`swiglu_limited`): the rule the CPU expert shards apply for V4.
 """
@@ -12,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_service.model.deepseek import MoE as MoEV3
 from gpu_service.model.experts_api import ExpertsFn, Ready
 from gpu_service.model.v4.pieces import swiglu_limited
 
@@ -55,24 +60,33 @@ class SharedExpert(nn.Module):
         """x [T, hidden] -> [T, hidden]."""
         return self.w2(swiglu_limited(self.w1(x), self.w3(x), self.limit))
 
+    run = forward  # the V3 MoE's hot_output calls expert.run(x)
+
 
 class MoE(nn.Module):
     """gate + shared_experts (the checkpoint's `ffn.*`); routed experts via the ExpertsFn."""
 
-    def __init__(self, cfg, layer: int):
+    _hot_ids, remote_weights, hot_output = MoEV3._hot_ids, MoEV3.remote_weights, MoEV3.hot_output  # one hot path
+
+    def __init__(self, cfg, layer: int, hot=()):
         super().__init__()
         self.layer = layer
         self.gate = Gate(cfg, layer < cfg.num_hash_layers)
         self.shared_experts = SharedExpert(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
                                            cfg.swiglu_limit) if cfg.n_shared_experts else None
+        self.hot = list(hot)  # routed experts computed here (checkpoint names ffn.experts.E.w1/w2/w3)
+        self.experts = nn.ModuleDict({str(e): SharedExpert(cfg.hidden_size, cfg.moe_intermediate_size,
+                                                           cfg.swiglu_limit) for e in self.hot}) if self.hot else None
 
     def forward(self, h: torch.Tensor, tokens: torch.Tensor, experts: ExpertsFn) -> torch.Tensor:
         """h [T, hidden] (post-attention normed), tokens [T] -> routed + shared [T, hidden]; the
-        shared expert runs while the routed experts are in flight."""
+        shared expert (and the hot experts) run while the routed experts are in flight."""
         ids, w = self.gate.route(h, tokens)
-        handle = experts(self.layer, h, ids, w)
+        handle = experts(self.layer, h, ids, w if self.experts is None else self.remote_weights(ids, w))
         shared = self.shared_experts(h) if self.shared_experts is not None else None
+        hot = self.hot_output(h, ids, w, h) if self.experts is not None else None
         routed = handle.wait()
+        routed = routed if hot is None else routed + hot
         return routed if shared is None else routed + shared
 
 

@@ -51,7 +51,9 @@ def default_page_size(cfg, usual: int = 64) -> int:
 class V4Pool(KVPool):
     """Pages of compressed entries (module docstring); the accounting is KVPool's."""
 
-    def __init__(self, cfg, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg, num_pages: int, page_size: int, dtype: torch.dtype,
+                 device: "torch.device | list[torch.device]"):
+        """`device`: of every layer, or one per layer (a memory plan's split: each layer's tensors on its GPU)."""
         block = page_block(cfg)
         if page_size < 1 or page_size % block:
             raise ValueError(f"--page-size {page_size}: a DeepSeek-V4 page must hold whole compression blocks of "
@@ -59,10 +61,11 @@ class V4Pool(KVPool):
         self.cfg, self.page_size, self.num_pages = cfg, page_size, num_pages
         ratios = cfg.compress_ratios[:cfg.num_hidden_layers]
         self.ratios = tuple(ratios)
-        self.entries = [torch.zeros(num_pages * page_size // r + 1, cfg.head_dim, dtype=dtype, device=device)
-                        if r else None for r in ratios]
-        self.index_k = [torch.zeros(num_pages * page_size // CSA + 1, cfg.index_head_dim, dtype=dtype, device=device)
-                        if r == CSA else None for r in ratios]
+        devs = list(device) if isinstance(device, (list, tuple)) else [device] * len(ratios)
+        self.entries = [torch.zeros(num_pages * page_size // r + 1, cfg.head_dim, dtype=dtype, device=d)
+                        if r else None for r, d in zip(ratios, devs)]
+        self.index_k = [torch.zeros(num_pages * page_size // CSA + 1, cfg.index_head_dim, dtype=dtype, device=d)
+                        if r == CSA else None for r, d in zip(ratios, devs)]
         self.kv = [t for t in self.entries + self.index_k if t is not None]  # every paged tensor
         self.free_pages: list[int] = list(range(num_pages - 1, -1, -1))
         self.cache = None
