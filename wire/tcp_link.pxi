@@ -56,10 +56,14 @@ cdef class Link:
             raise OSError(f"cannot duplicate the data connection's descriptor {fd}")
 
     def __dealloc__(self):
-        self.close()
+        self._release()
 
     def close(self):
         """The TLS state freed and this end's descriptor closed (shut the socket down to end the connection)."""
+        self._release()
+
+    cdef void _release(self) noexcept:
+        """close(), callable from __dealloc__."""
         if self.io.fd >= 0:
             _close(self.io.fd)
         tio_free(&self.io)

@@ -1,6 +1,6 @@
 /* moe_tcp.c: the TCP data path's shard loop (moe_shm.h: moe_tcp_serve; wire/tcp.py has the frames).
  *
- * One connection, without the GIL: a frame's first byte (bounded spin, then wait: the connection
+ * One connection, without the GIL: a frame's first bytes (bounded spin, then wait: the connection
  * may idle between frames), the rest of its header and its payload under one deadline, the call
  * validated and computed by moe_shm_answer (the shared-memory loop's own path, so both answer alike),
  * the answer sent under a deadline as long (plaintext: one sendmsg). The bytes move through
@@ -18,15 +18,16 @@
 enum { REQ_BYTES = 28, RESP_BYTES = 36 }; /* wire.tcp.REQUEST "<QiIIII", RESPONSE "<QIQQII" */
 enum { CODE_F32 = 0, CODE_F16 = 2, CODE_I64 = 4 };
 
-/* a frame's first byte: polled for spin_s, then waited for without a deadline (the connection may idle
- * between frames). 1, or 0 at EOF / an error */
-static int recv_first(const MoeShm *s, TcpIo *io, unsigned char *p) {
+/* a frame's first bytes (its whole header when it is there: one recv), at most n: polled for spin_s, then
+ * waited for without a deadline (the connection may idle between frames). How many came, or 0 at EOF /
+ * an error */
+static long recv_first(const MoeShm *s, TcpIo *io, unsigned char *p, size_t n) {
     int64_t end = s->spin_s > 0 ? shm_now_ns() + (int64_t)(s->spin_s * 1e9) : 0;
     for (;;) {
         short want = POLLIN;
-        long n = tio_recv_some(io, p, 1, &want);
-        if (n == 1) return 1;
-        if (n != TIO_AGAIN) return 0;
+        long got = tio_recv_some(io, p, n, &want);
+        if (got > 0) return got;
+        if (got != TIO_AGAIN) return 0;
         if (end && want == POLLIN && shm_now_ns() < end) {
             sched_yield();
             continue;
@@ -52,9 +53,10 @@ int moe_tcp_serve(MoeShm *s, TcpIo *io, unsigned char *req, size_t req_cap, unsi
                   double frame_timeout_s) {
     unsigned char h[REQ_BYTES];
     for (;;) {
-        if (!recv_first(s, io, h)) return MOE_SHM_CLOSED;
+        long got = recv_first(s, io, h, REQ_BYTES);
+        if (!got) return MOE_SHM_CLOSED;
         int64_t deadline = shm_now_ns() + (int64_t)(frame_timeout_s * 1e9);
-        int r = tio_recv_all(io, h + 1, REQ_BYTES - 1, deadline, 0);
+        int r = tio_recv_all(io, h + got, REQ_BYTES - (size_t)got, deadline, 0);
         if (r != TIO_OK) return r == TIO_TIMEOUT ? MOE_TCP_STALLED : MOE_SHM_CLOSED;
         int64_t arrived = shm_now_ns();
         uint64_t seq;

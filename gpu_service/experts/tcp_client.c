@@ -36,10 +36,11 @@ int tc_send(TcpClient *c, uint64_t seq, int32_t layer, const void *h, int h_wire
 
 int tc_wait(TcpClient *c, int64_t spin_end_ns, int64_t deadline_ns, int64_t frame_ns, TcpAnswer *a) {
     unsigned char h[TC_RESPONSE_BYTES];
-    for (;;) { /* the first byte: spin, then wait to the deadline */
+    long got;
+    for (;;) { /* the first bytes (the whole header when it is there: one recv): spin, then wait to the deadline */
         short want = POLLIN;
-        long r = tio_recv_some(c->io, h, 1, &want);
-        if (r == 1) break;
+        long r = got = tio_recv_some(c->io, h, sizeof h, &want);
+        if (r > 0) break;
         if (r != TIO_AGAIN) return sc_of(c, (int)r, SC_NONE);
         if (want == POLLIN && shm_now_ns() < spin_end_ns) {
             sched_yield();
@@ -50,7 +51,7 @@ int tc_wait(TcpClient *c, int64_t spin_end_ns, int64_t deadline_ns, int64_t fram
         if (w != TIO_OK) return sc_of(c, w, SC_NONE);
     }
     int64_t frame_end = shm_now_ns() + frame_ns;
-    int rc = sc_of(c, tio_recv_all(c->io, h + 1, sizeof h - 1, frame_end, 0), TC_STALLED);
+    int rc = sc_of(c, tio_recv_all(c->io, h + got, sizeof h - (size_t)got, frame_end, 0), TC_STALLED);
     if (rc != SC_OK) return rc;
     memcpy(&a->seq, h, 8), memcpy(&a->status, h + 8, 4), memcpy(&a->compute_us, h + 12, 8);
     memcpy(&a->server_us, h + 20, 8), memcpy(&a->mlen, h + 28, 4), memcpy(&a->T, h + 32, 4);

@@ -3,8 +3,9 @@
  * One TcpClient per replica's data connection (gpu_service/experts/tcp.py TcpPath keeps the
  * negotiation, pending calls, deadlines and breaks); its bytes move through wire/tcp_io.h, plaintext
  * or mutual TLS. tc_send writes one request frame (the hidden rows cast to the wire dtype on the way;
- * plaintext: one sendmsg), going on after a short write until timeout_ms; tc_wait receives one response: its first byte
- * polled without blocking until spin_end_ns, then poll() until deadline_ns; once it began, the rest
+ * plaintext: one sendmsg), going on after a short write until timeout_ms; tc_wait receives one
+ * response: its first bytes (up to its header, one recv) polled without blocking until spin_end_ns,
+ * then poll() until deadline_ns; once it began, the rest
  * of the frame must come by frame_end_ns (its length checked first: an OK answer's T rows at most
  * max_tokens, a message at most TC_MAX_MESSAGE bytes), into the client's own bounded buffer. The
  * binding releases the GIL around both. */
