@@ -25,7 +25,8 @@ void tio_free(TcpIo *io) {
     if (io->ssl) SSL_free(io->ssl);
     io->ssl = NULL;
     free(io->stage);
-    io->stage = NULL;
+    free(io->rbuf);
+    io->stage = io->rbuf = NULL;
     pthread_mutex_destroy(&io->lock);
 }
 
@@ -96,6 +97,7 @@ static int poll_fd(TcpIo *io, short events, int64_t deadline_ns) {
 
 int tio_wait(TcpIo *io, short events, int64_t deadline_ns) {
     if (io->ssl && (events & POLLIN)) { /* records OpenSSL holds already: poll() cannot see them */
+        if (io->roff < io->rlen) return TIO_OK;
         pthread_mutex_lock(&io->lock);
         int pending = SSL_has_pending(io->ssl);
         pthread_mutex_unlock(&io->lock);
@@ -142,16 +144,26 @@ long tio_recv_some(TcpIo *io, void *p, size_t n, short *want) {
             return errno == ECONNRESET ? TIO_EOF : TIO_ERR;
         }
     }
+    if (io->roff < io->rlen) { /* what the last record left */
+        size_t k = io->rlen - io->roff < n ? io->rlen - io->roff : n;
+        memcpy(p, io->rbuf + io->roff, k);
+        io->roff += k;
+        return (long)k;
+    }
+    int whole = n < TIO_RBUF; /* small: the record's plaintext into rbuf; large: straight into p */
     size_t got = 0;
     pthread_mutex_lock(&io->lock);
     ERR_clear_error();
     errno = 0;
-    int r = SSL_read_ex(io->ssl, p, n, &got);
+    int r = SSL_read_ex(io->ssl, whole ? io->rbuf : p, whole ? TIO_RBUF : n, &got);
     int e = r ? SSL_ERROR_NONE : SSL_get_error(io->ssl, 0), saved = errno;
     int rc = r ? (int)got : ssl_failed(io, e, saved, want, "TLS receive");
     pthread_mutex_unlock(&io->lock);
-    if (r) io->bytes_in += got;
-    return r ? (long)got : rc;
+    if (!r) return rc;
+    io->bytes_in += got;
+    if (!whole) return (long)got;
+    io->roff = 0, io->rlen = got;
+    return tio_recv_some(io, p, n, want);
 }
 
 int tio_recv_all(TcpIo *io, unsigned char *p, size_t n, int64_t deadline_ns, int intr) {
@@ -258,6 +270,7 @@ static void handshake_why(TcpIo *io, int server, const char *host, const char *c
 int tio_start_tls(TcpIo *io, SSL_CTX *ctx, int server, const char *host, int64_t deadline_ns) {
     int fl = fcntl(io->fd, F_GETFL);
     if (fl < 0 || fcntl(io->fd, F_SETFL, fl | O_NONBLOCK) < 0 || !(io->stage = malloc(TIO_STAGE))
+            || !(io->rbuf = malloc(TIO_RBUF))
             || !(io->ssl = SSL_new(ctx)) || SSL_set_fd(io->ssl, io->fd) != 1) {
         io->err = errno;
         ssl_why(io->why, sizeof io->why, "cannot start TLS on the data connection");

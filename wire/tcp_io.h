@@ -5,7 +5,9 @@
  * or over mutual TLS (OpenSSL) on the same socket, without blocking: a receive or send that cannot
  * go on waits in poll() under the caller's deadline (TLS: WANT_READ / WANT_WRITE wait for what
  * OpenSSL asks for, bytes OpenSSL already holds count as readable). A TLS send gathers the frame's
- * parts into a bounded staging buffer (one record per TIO_STAGE bytes, not one per part). One
+ * parts into a bounded staging buffer (one record per TIO_STAGE bytes, not one per part); a TLS
+ * receive smaller than TIO_RBUF takes a whole record's plaintext into a buffer of its own and the
+ * frame's pieces from there (one SSL_read a record: each is costly, above all with cold caches). One
  * thread may send while another receives (the GPU side does): TLS calls are serialized by a mutex,
  * held only around a non-blocking SSL call, never while waiting.
  *
@@ -24,7 +26,7 @@ typedef struct ssl_st SSL;
 typedef struct ssl_ctx_st SSL_CTX;
 
 enum { TIO_OK = 1, TIO_EOF = 0, TIO_ERR = -1, TIO_TIMEOUT = -2, TIO_INTR = -3, TIO_AGAIN = -4 };
-enum { TIO_STAGE = 64 * 1024, TIO_WHY = 512 };
+enum { TIO_STAGE = 64 * 1024, TIO_RBUF = 16 * 1024, TIO_WHY = 512 };
 #define TIO_FOREVER INT64_MAX
 
 typedef struct {
@@ -32,6 +34,8 @@ typedef struct {
     SSL *ssl;                  /* NULL: plaintext */
     pthread_mutex_t lock;      /* around SSL calls (a sender and a receiver thread) */
     unsigned char *stage;      /* [TIO_STAGE] TLS sends */
+    unsigned char *rbuf;       /* [TIO_RBUF] TLS receives: a record's plaintext, taken out in pieces */
+    size_t roff, rlen;         /* (the receiving thread's alone) */
     int err;                   /* errno of the last TIO_ERR (0: a TLS error, in why) */
     int server, peer_alert;    /* the TLS side; the last TLS error was an alert from the peer (it refused) */
     uint64_t bytes_in, bytes_out, tls_records_out;
