@@ -14,6 +14,8 @@ backend), all started by this script:
   tcp_tls    on host "shard", --tls-cert/--tls-key/--tls-ca (a CA, shard and client certificates made
              here, as tests/test_tls.py makes them): gRPC and the data path mutual TLS, the data path
              in C on both ends (wire/tcp_io.c over OpenSSL; asserted: the client's link is TLS);
+  tcp_tls_py the same TLS files, MOESPLIT_TCP_LOOP=python on the shard and the GPU side's Python code
+             (Python's ssl): the TLS data path as it was;
   tcp_c_1ms  tcp_c through the fault proxy (tests/nethosts.FaultProxy, user-space threads on the GPU
              host) adding 0.5 ms each way (1 ms a round trip), and tcp_c_proxy through it with none:
              the proxy's own cost, to subtract;
@@ -48,7 +50,8 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 LAYERS_BOUND = 58  # MoE layers of DeepSeek-V3 / Kimi-K2: the per-token bound a link's round trip implies
 RAW_SEQ = itertools.count()
-SHARDS = {"tcp_c": (50051, {}), "tcp_py": (50052, {"MOESPLIT_TCP_LOOP": "python"}), "tcp_tls": (50053, {})}
+SHARDS = {"tcp_c": (50051, {}), "tcp_py": (50052, {"MOESPLIT_TCP_LOOP": "python"}), "tcp_tls": (50053, {}),
+          "tcp_tls_py": (50054, {"MOESPLIT_TCP_LOOP": "python"})}
 
 
 def client(args) -> dict:
@@ -59,6 +62,7 @@ def client(args) -> dict:
     from gpu_service.experts.handoff import RemoteExperts
     from nethosts import FaultProxy
 
+    from gpu_service.experts import tcp as tcpmod
     from wire.channel import TLSFiles
 
     cfg = load_config(args.model)
@@ -76,10 +80,16 @@ def client(args) -> dict:
             if v == "tcp_c_1ms":
                 continue  # the same proxy, with latency: timed in its own phase
             tls = TLSFiles(*tls[0]) if tls else None
-            c = ExpertsClient([addr], cfg, transport=transport, wire_dtype="bfloat16", timeout_s=30, tls=tls,
-                              tls_server_name="localhost" if tls else None).connect()
+            built, tcpmod._C = tcpmod._C, (None if v == "tcp_tls_py" else tcpmod._C)  # tcp_tls_py: Python's ssl
+            try:
+                c = ExpertsClient([addr], cfg, transport=transport, wire_dtype="bfloat16", timeout_s=30, tls=tls,
+                                  tls_server_name="localhost" if tls else None).connect()
+            finally:
+                tcpmod._C = built
             assert c.fast.transport_of(addr) == transport, (v, c.fast.reasons)
-            if v in ("tcp_pyclient", "tcp_py"):  # frames sent and received by TcpPath's Python code
+            if v == "tcp_tls_py":
+                assert c.fast.paths[addr][0].c is None, c.fast.paths[addr][0].describe()
+            elif v in ("tcp_pyclient", "tcp_py"):  # frames sent and received by TcpPath's Python code
                 c.fast.paths[addr][0].c = None
             elif transport == "tcp":
                 assert c.fast.paths[addr][0].c is not None, f"{v}: the C client is not built"
@@ -137,6 +147,21 @@ def time_c_raw(fp, layer, h, ids, w, n: int) -> list[float]:
     return out
 
 
+def cpu_id() -> str:
+    """The CPU as /proc/cpuinfo gives it: family, model and the AVX-512 BF16 / VNNI flags."""
+    info = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                info.setdefault(k.strip(), v.strip())
+    except OSError:
+        return "unknown"
+    flags = set(info.get("flags", "").split())
+    has = [f for f in ("avx512_bf16", "avx512_vnni", "amx_tile") if f in flags]
+    return f"family {info.get('cpu family', '?')} model {info.get('model', '?')}, {' '.join(has) or 'no AVX-512 BF16/VNNI'}"
+
+
 def make_pki(work: str) -> dict:
     """A CA, a shard certificate (for localhost) and a GPU-service client certificate in work, made as
     tests/test_tls.py makes them: {"ca": path, "server": {cert, key}, "client": {cert, key}}."""
@@ -168,7 +193,7 @@ def orchestrate(args) -> dict:
         os.environ.update(spin)  # the client process's too
         for v, (port, extra) in SHARDS.items():
             tls = ["--tls-cert", pki["server"]["cert"], "--tls-key", pki["server"]["key"], "--tls-ca", pki["ca"]] \
-                if v == "tcp_tls" else []
+                if v.startswith("tcp_tls") else []
             procs.append(net.popen("shard", [sys.executable, "-m", "moesplit", "expert-server", "--model", model,
                                              "--host", net.addr["shard"], "--port", str(port), "--data-port",
                                              str(port + 10), "--port-file", f"{work}/{v}.port", "--backend", "auto",
@@ -189,7 +214,8 @@ def orchestrate(args) -> dict:
         targets = {"shm": (f"127.0.0.1:{GRPC_PORT + 2}", "shm"), "tcp_c": (f"{shard}:50051", "tcp"),
                    "tcp_pyclient": (f"{shard}:50051", "tcp"), "tcp_py": (f"{shard}:50052", "tcp"),
                    "tcp_c_proxy": (f"{net.addr['gpu']}:50051", "tcp"), "tcp_c_1ms": (f"{net.addr['gpu']}:50051", "tcp"),
-                   "tcp_tls": (f"{shard}:50053", "tcp", [pki["client"]["cert"], pki["client"]["key"], pki["ca"]])}
+                   "tcp_tls": (f"{shard}:50053", "tcp", [pki["client"]["cert"], pki["client"]["key"], pki["ca"]]),
+                   "tcp_tls_py": (f"{shard}:50054", "tcp", [pki["client"]["cert"], pki["client"]["key"], pki["ca"]])}
         runs = []
         for _ in range(args.runs):
             r = net.run("gpu", [sys.executable, os.path.abspath(__file__), "--client", "--model", model, "--targets",
@@ -204,7 +230,7 @@ def orchestrate(args) -> dict:
     per_token = {f"b{B}": round(LAYERS_BOUND * res["tcp_c_1ms"][f"b{B}"]["median_us"] / 1e3, 1) for B in (1, 8)}
     return {
         "definition": __doc__,
-        "cpu": cpu_name(), "cpus": os.cpu_count(), "loadavg": os.getloadavg(), "spin_us": args.spin_us,
+        "cpu": cpu_name(), "cpu_id": cpu_id(), "cpus": os.cpu_count(), "loadavg": os.getloadavg(), "spin_us": args.spin_us,
         "hidden_size": cfg.hidden_size, "top_k": cfg.num_experts_per_tok, "wire_dtype": "bfloat16",
         "runs": len(runs), "variants": res,
         "run_medians_us": {v: {b: [x[v][b]["median_us"] for x in runs] for b in ("b1", "b8")} for v in res},
@@ -214,6 +240,8 @@ def orchestrate(args) -> dict:
                                  for b in ("b1", "b8")},
         "ratio_tcp_tls_to_tcp_c": {b: round(res["tcp_tls"][b]["median_us"] / res["tcp_c"][b]["median_us"], 2)
                                    for b in ("b1", "b8")},
+        "ratio_tcp_tls_py_to_tcp_tls": {b: round(res["tcp_tls_py"][b]["median_us"] / res["tcp_tls"][b]["median_us"], 2)
+                                        for b in ("b1", "b8")},
         "ratio_tcp_py_to_tcp_c": {b: round(res["tcp_py"][b]["median_us"] / res["tcp_c"][b]["median_us"], 2)
                                   for b in ("b1", "b8")},
         "ratio_tcp_pyclient_to_tcp_c": {b: round(res["tcp_pyclient"][b]["median_us"] / res["tcp_c"][b]["median_us"], 2)

@@ -126,6 +126,29 @@ def test_tls_c_ends_refuse_naming_the_fix(model_dir, pki, monkeypatch, caplog, w
                    for m in logs), logs
 
 
+def test_tls_c_loop_closes_a_stalled_frame(model_dir, pki, monkeypatch):
+    """Through TLS the shard's C loop keeps its frame deadline: a frame that begins and stops is closed
+    after MOESPLIT_TCP_FRAME_TIMEOUT_S, not held open."""
+    from gpu_service.experts.tcp import negotiate_tcp
+
+    monkeypatch.delenv(tcp_transport.LOOP_ENV, raising=False)
+    monkeypatch.setenv(TT.FRAME_TIMEOUT_ENV, "0.5")
+    cfg = load_config(model_dir)
+    srv, addr = _shard(model_dir, pki)
+    try:
+        with make_channel(addr, [], tls=_files(pki, "client")) as ch:
+            path, why = negotiate_tcp(ch, addr, cfg.hidden_size, "bfloat16", 8, tls=_files(pki, "client"),
+                                      server_name="localhost")
+            assert path is not None and path.c.link.tls, why
+            path.c.link.send(TT.REQUEST.pack(1, cfg.moe_layers[0], 1, 1, 1, 1)[:10], 5)
+            t0 = time.monotonic()
+            assert path.c.link.recv(1, 10) == b""  # the shard closed the connection
+            assert 0.4 <= time.monotonic() - t0 < 3.0, time.monotonic() - t0
+            path.close()
+    finally:
+        srv.stop(0)
+
+
 def _tls_pair(pki, H=8, wire=1, max_tokens=4):
     """The GPU side's C client over TLS on one end of a socket pair, the shard's C link (TLS, the
     server's side) on the other, both handshakes done in C."""
