@@ -120,6 +120,7 @@ class DataServer:
             return None
 
     def _hello_and_serve(self, conn: socket.socket, peer) -> None:
+        """One accepted connection: its hello, a serving slot, the ACK, then its loop until it ends."""
         key = id(conn)
         got = self._hello(conn, peer)
         with self.lock:
