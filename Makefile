@@ -9,7 +9,8 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py $(filter-out cpu_expert_service/kernels/_moe.c,$(wildcard cpu_expert_service/kernels/*.pyx cpu_expert_service/kernels/*.c cpu_expert_service/kernels/*.h)) $(wildcard wire/*.h)
+$(STAMP): pyproject.toml setup.py $(filter-out cpu_expert_service/kernels/_moe.c,$(wildcard cpu_expert_service/kernels/*.pyx cpu_expert_service/kernels/*.c cpu_expert_service/kernels/*.h)) $(wildcard wire/*.h wire/*.c wire/*.pxi)
+	scripts/setup_build.sh
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	scripts/install_torch.sh $(PY)
@@ -24,6 +25,7 @@ protos: setup
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. protos/moesplit/v1/*.proto
 
 build: setup
+	scripts/setup_build.sh
 	$(PY) setup.py -q build_ext --inplace
 
 test: setup-test

@@ -51,6 +51,8 @@ class DataServer:
         self.evicted = 0
         self.frame_timeout_s = frame_timeout_s()
         self.loop = loop_kind()  # a bad MOESPLIT_TCP_LOOP stops the shard at start, naming it
+        # the C loop's ends (hello, TLS handshake and frames in C: kernels/moe_tcp.c over wire/tcp_io.c), or why not
+        self.c_why, self.c_tls = _c_ends(self.loop, tls)
         threading.Thread(target=self._accept, name=f"tcp-data-{self.port}", daemon=True).start()
 
     def offer(self) -> tuple[int, bytes]:
@@ -81,65 +83,90 @@ class DataServer:
             threading.Thread(target=self._hello_and_serve, args=(conn, peer), name=f"tcp-data-{peer[0]}:{peer[1]}",
                              daemon=True).start()
 
-    def _hello_and_serve(self, conn: socket.socket, peer) -> None:
-        key = id(conn)
+    def _hello(self, conn: socket.socket, peer):
+        """The connection's handshake (TLS: the client's certificate required) and token: (conn, link)
+        past it, link the C end (None: the Python loop serves, conn TLS-wrapped when TLS); None when
+        refused (closed, logged)."""
+        link = None
         try:
             conn.settimeout(HELLO_TIMEOUT_S)
-            if self.ctx is not None:  # the handshake (client certificate required) before anything else
-                conn = self.ctx.wrap_socket(conn, server_side=True)
-            tok = bytearray(TOKEN_BYTES)
-            ok = recv_exact(conn, memoryview(tok))
+            if not self.c_why:  # the C loop's end: the handshake and the token through it
+                from cpu_expert_service.kernels import _moe
+
+                link = _moe.Link(conn.fileno())
+                if self.c_tls is not None:
+                    link.start_tls(self.c_tls, "", HELLO_TIMEOUT_S)
+                tok = link.recv(TOKEN_BYTES, HELLO_TIMEOUT_S)
+                ok = len(tok) == TOKEN_BYTES
+            else:
+                if self.ctx is not None:  # the handshake (client certificate required) before anything else
+                    conn = self.ctx.wrap_socket(conn, server_side=True)
+                tok = bytearray(TOKEN_BYTES)
+                ok = recv_exact(conn, memoryview(tok))
             with self.lock:
-                self.pending.pop(key, None)
                 expiry = self.tokens.pop(bytes(tok), 0.0) if ok else 0.0
             if expiry <= time.monotonic():
                 client_errors.warning(("token", peer[0]), "tcp data path: %s:%s presented no valid token; closed",
                                       *peer[:2])
-                conn.close()
-                return
-            conn.settimeout(None)
+                raise _Refused()
+            if link is None:
+                conn.settimeout(None)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError as e:  # ssl.SSLError included: no or a wrong client certificate
-            with self.lock:
-                self.pending.pop(key, None)
-            client_errors.warning(("hello", peer[0]), "tcp data path: %s:%s: %s; closed", peer[0], peer[1], e)
-            conn.close()
+            return conn, link
+        except (OSError, _Refused) as e:  # ssl.SSLError / ConnectionError: no or a wrong client certificate
+            if not isinstance(e, _Refused):
+                client_errors.warning(("hello", peer[0]), "tcp data path: %s:%s: %s; closed", peer[0], peer[1], e)
+            _close(conn, link)
+            return None
+
+    def _hello_and_serve(self, conn: socket.socket, peer) -> None:
+        """One accepted connection: its hello, a serving slot, the ACK, then its loop until it ends."""
+        key = id(conn)
+        got = self._hello(conn, peer)
+        with self.lock:
+            self.pending.pop(key, None)
+        if got is None:
             return
+        conn, link = got
         if not self.slots.acquire(blocking=False):
             client_errors.warning("full", "tcp data path: %s:%s closed: %d data connections open already",
                                   peer[0], peer[1], self.max_connections)
-            conn.close()
+            _close(conn, link)
             return
         try:
-            conn.sendall(ACK)
+            link.send(ACK, HELLO_TIMEOUT_S) if link is not None else conn.sendall(ACK)
         except OSError:
             self.slots.release()
-            conn.close()
+            _close(conn, link)
             return
         try:
-            self._log_and_serve(conn, peer)
+            self._log_and_serve(conn, peer, link)
         finally:
             self.slots.release()
 
-    def _log_and_serve(self, conn: socket.socket, peer) -> None:
-        """Serve one connection: the C loop (moe_tcp.c) for plaintext, the Python loop for TLS (the C loop
-        has no TLS: such a connection stays TLS, served here) or where MOESPLIT_TCP_LOOP=python."""
-        loop, why = None, ""
-        if self.ctx is not None:
-            why = "TLS: the Python loop (the C loop serves plaintext connections only)"
-        elif self.loop == "python":
-            why = f"the Python loop ({LOOP_ENV}=python)"
-        else:
+    def _log_and_serve(self, conn: socket.socket, peer, link) -> None:
+        """Serve one connection: the C loop (moe_tcp.c; plaintext or TLS, over link), or the Python loop
+        where MOESPLIT_TCP_LOOP=python or the kernels extension is not built."""
+        loop, why = None, self.c_why
+        if link is not None:
             try:
                 loop = _c_loop(self.servicer, conn.fileno())
-            except Exception as e:  # noqa: BLE001 - shm_transport.Refused (not built) or a bad backend: say so
+            except Exception as e:  # noqa: BLE001 - shm_transport.Refused or a bad backend: say so
                 why = f"the Python loop ({e})"
+                if link.tls:  # the session's keys are in C: no Python loop can take it over
+                    log.error("shard %s: tcp data path from %s:%s: the C loop cannot serve (%s); closed (set "
+                              "%s=python to serve TLS data connections in Python)", self.servicer.shard_id,
+                              peer[0], peer[1], e, LOOP_ENV)
+                    _close(conn, link)
+                    return
+                link.close()
+                conn.settimeout(None)
         log.info("shard %s: tcp data path from %s:%s, %s", self.servicer.shard_id, peer[0], peer[1],
-                 why or "the C loop")
+                 why or (f"the C loop, {link.version}" if link.tls else "the C loop"))
         if loop is None:
             _serve(self.servicer, conn, self.frame_timeout_s)
         else:
-            _serve_c(self.servicer, conn, self.frame_timeout_s, *loop)
+            _serve_c(self.servicer, conn, link, self.frame_timeout_s, *loop)
 
     def close(self) -> None:
         try:
@@ -148,11 +175,34 @@ class DataServer:
             pass
 
 
-LOOP_ENV = "MOESPLIT_TCP_LOOP"  # "c" (default): the C loop for plaintext connections; "python": the Python loop
+LOOP_ENV = "MOESPLIT_TCP_LOOP"  # "c" (default): the C loop (plaintext and TLS); "python": the Python loop
+
+
+class _Refused(Exception):
+    """A data connection's hello refused (logged already)."""
+
+
+def _close(conn: socket.socket, link) -> None:
+    """A data connection's ends closed: the C one (its own descriptor) and the socket."""
+    if link is not None:
+        link.close()
+    conn.close()
+
+
+def _c_ends(loop: str, tls) -> tuple:
+    """("", the C TLS context or None) when the C loop serves data connections; (why not, None) else.
+    A certificate file the C context cannot use stops the shard at start, naming it."""
+    if loop == "python":
+        return f"the Python loop ({LOOP_ENV}=python)", None
+    try:
+        from cpu_expert_service.kernels import _moe
+    except ImportError as e:
+        return f"the Python loop (the kernels extension is not built: {e}; build it with `make build`)", None
+    return "", (_moe.TlsContext(True, tls.cert, tls.key, tls.ca) if tls is not None else None)
 
 
 def loop_kind() -> str:
-    """Which loop serves a plaintext data connection: "c" or "python" (MOESPLIT_TCP_LOOP)."""
+    """Which loop serves a data connection: "c" or "python" (MOESPLIT_TCP_LOOP)."""
     raw = os.environ.get(LOOP_ENV, "c").strip().lower() or "c"
     if raw not in ("c", "python"):
         raise ValueError(f"{LOOP_ENV}={raw!r}: expected c or python")
@@ -171,15 +221,15 @@ def _c_loop(servicer, fd: int) -> tuple:
     return (*native_loop(servicer, req.ctypes.data, (1, T, K, 0, req.nbytes, 0, 0, 0, 0), fd), req, out)
 
 
-def _serve_c(servicer, conn: socket.socket, frame_timeout_s: float, loop, metrics, req, out) -> None:
-    """One connection served by the C loop (kernels/moe_tcp.c, the GIL released): it answers every call
+def _serve_c(servicer, conn: socket.socket, link, frame_timeout_s: float, loop, metrics, req, out) -> None:
+    """One connection served by the C loop (kernels/moe_tcp.c over link, the GIL released): it answers every call
     itself, refused ones included; returns here after a call answered INTERNAL (logged, then it serves
     on), a bad frame header (answered, then closed), a stalled frame or the client going."""
     from cpu_expert_service.kernels import _moe
 
     K = servicer.cfg.num_experts_per_tok
     try:
-        while (rc := loop.serve_tcp(req.ctypes.data, req.nbytes, out.ctypes.data, K, frame_timeout_s)) \
+        while (rc := loop.serve_tcp(link, req.ctypes.data, req.nbytes, out.ctypes.data, K, frame_timeout_s)) \
                 == _moe.SHM_INTERNAL:
             _, seq, msg = loop.last
             e = loop.error  # the backend's exception (None: the kernels failed)
@@ -192,7 +242,7 @@ def _serve_c(servicer, conn: socket.socket, frame_timeout_s: float, loop, metric
     finally:
         if metrics is not None:
             metrics.detach_native(loop)
-        conn.close()
+        _close(conn, link)
 
 
 def _serve(servicer, conn: socket.socket, frame_timeout_s: float = 10.0) -> None:

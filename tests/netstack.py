@@ -16,10 +16,31 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+import pytest
+
+from nethosts import skip_reason
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "tiny-net"
 GRPC_PORT, DATA_PORT, HTTP_PORT = 50051, 50061, 8000
+
+
+# Fixtures of the namespace test modules: `from netstack import model_dir, need_namespaces  # noqa: F401`.
+@pytest.fixture(scope="module", autouse=True)
+def need_namespaces():
+    """Skip the module, with the reason, where namespaces cannot be made."""
+    why = skip_reason()
+    if why is not None:
+        pytest.skip(why)
+
+
+@pytest.fixture(scope="module")
+def model_dir(request, tmp_path_factory):
+    """A tiny bf16 checkpoint (16 routed experts, 2 MoE layers) for the module; seed: the module's
+    MODEL_SEED."""
+    from gpu_service.local.tiny import make_tiny
+
+    return make_tiny(str(tmp_path_factory.mktemp("net") / MODEL), "bf16", seed=request.module.MODEL_SEED)
 
 
 def env() -> dict:

@@ -18,29 +18,15 @@ import time
 
 import pytest
 
-from nethosts import FaultProxy, NetHosts, skip_reason
+from nethosts import FaultProxy, NetHosts
 from netstack import (DATA_PORT, GRPC_PORT, MODEL, ROOT, all_serving, complete, metrics, restart, sample, shard_status,
                       start_gpu, start_shard, stream, wait)
+from netstack import model_dir, need_namespaces  # noqa: F401 - the module's checkpoint; skipped without namespaces
 
 N_TOK = 16
 TIMEOUT_S = 3.0  # --expert-timeout of the GPU service
 MAX_BATCH, MAX_WAITING = 4, 4  # the GPU service's running batch and queue bound
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _need_namespaces():
-    """Skip the module, with the reason, where namespaces cannot be made."""
-    why = skip_reason()
-    if why is not None:
-        pytest.skip(why)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A tiny bf16 checkpoint for the module."""
-    from gpu_service.local.tiny import make_tiny
-
-    return make_tiny(str(tmp_path_factory.mktemp("net") / MODEL), "bf16", seed=5)
+MODEL_SEED = 5  # model_dir's
 
 
 def _prompt(i: int) -> list[int]:

@@ -16,30 +16,16 @@ import time
 
 import pytest
 
-from nethosts import FaultProxy, NetHosts, skip_reason, start_in
+from nethosts import FaultProxy, NetHosts, start_in
 from netstack import (DATA_PORT, GRPC_PORT, all_serving, restart, shard_status, start_gpu, start_shard, stream_in_ns,
                       wait)
+from netstack import model_dir, need_namespaces  # noqa: F401 - the module's checkpoint; skipped without namespaces
 
 N_STREAMS, N_TOK = 8, 96
 TIMEOUT_S = 3.0  # --expert-timeout of the GPU service
 PARTITION_S = 5.0
 GROUPS = {"a0": "0-7", "a1": "0-7", "b0": "8-15", "b1": "8-15"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _need_namespaces():
-    """Skip the module, with the reason, where namespaces cannot be made."""
-    why = skip_reason()
-    if why is not None:
-        pytest.skip(why)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A tiny bf16 checkpoint (16 routed experts, 2 MoE layers) for the module."""
-    from gpu_service.local.tiny import make_tiny
-
-    return make_tiny(str(tmp_path_factory.mktemp("acc") / "tiny-net"), "bf16", seed=7)
+MODEL_SEED = 7  # model_dir's
 
 
 def _prompt(i: int) -> list[int]:

@@ -10,15 +10,8 @@ import time
 
 import pytest
 
-from nethosts import FaultProxy, NetHosts, skip_reason, start_in
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _need_namespaces():
-    """Skip the module, with the reason, where namespaces cannot be made."""
-    why = skip_reason()
-    if why is not None:
-        pytest.skip(why)
+from nethosts import FaultProxy, NetHosts, start_in
+from netstack import need_namespaces  # noqa: F401 - skipped without namespaces
 
 
 def _namespaces() -> str:

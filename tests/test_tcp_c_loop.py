@@ -3,8 +3,8 @@
 The shard's loop (cpu_expert_service/kernels/moe_tcp.c) against the Python one (tcp_transport._serve,
 MOESPLIT_TCP_LOOP=python): the same frames get byte-identical answers (float32 and bfloat16, refused
 calls' messages included), over the kernels backend and the numpy reference; a frame whose rest
-stalls is closed after the frame deadline; a bad header is answered, then closed; a TLS connection
-is served by the Python loop (the C loop has no TLS) and says so.
+stalls is closed after the frame deadline; a bad header is answered, then closed (TLS through the
+same C ends: tests/test_tcp_c_tls.py).
 
 The GPU side's client (gpu_service/experts/tcp_client.c) against a raw socket: its request frame is
 wire.tcp's byte for byte; nothing by the deadline, a stalled answer, and a header no request can
@@ -24,7 +24,6 @@ from cpu_expert_service.server import create_server
 from protos.moesplit.v1 import experts_pb2, experts_pb2_grpc
 from wire import shm as P
 from wire import tcp as TT
-from tests.test_tls import pki  # noqa: F401 - the test PKI fixture
 
 
 @pytest.fixture(scope="module")
@@ -154,33 +153,6 @@ def test_c_loop_frame_deadline_and_bad_header(model_dir, monkeypatch):
         s.close()
     finally:
         srv.stop(0)
-
-
-def test_tls_connection_stays_tls_on_the_python_loop(model_dir, pki, monkeypatch, caplog):
-    """The C loop has no TLS: a shard with --tls-* serves its (mutual TLS) data connections with the
-    Python loop, and says so; never a plaintext connection."""
-    from gpu_service.experts.client import ExpertsClient
-    from wire.channel import TLSFiles
-
-    monkeypatch.delenv("MOESPLIT_TCP_LOOP", raising=False)
-    caplog.set_level(logging.INFO, logger="moesplit.tcp")
-    cfg = load_config(model_dir)
-    s, c = pki["server"], pki["client"]
-    srv, port = create_server(model_dir, port=0, backend="auto", shard_id="s", shm_dir="", data_port=0,
-                              tls=TLSFiles(s["cert"], s["key"], pki["ca"]))
-    addr = f"127.0.0.1:{port}"
-    try:
-        x, ids, w = _frames(cfg)[1][2:5]
-        tls = TLSFiles(c["cert"], c["key"], pki["ca"])
-        with ExpertsClient([addr], cfg, tls=tls, transport="tcp") as t, \
-                ExpertsClient([addr], cfg, tls=tls, transport="grpc") as g:
-            assert t.fast.paths[addr][0].sock.version() is not None  # a TLS socket
-            np.testing.assert_array_equal(t.forward(cfg.moe_layers[0], x, ids, w),
-                                          g.forward(cfg.moe_layers[0], x, ids, w))
-    finally:
-        srv.stop(0)
-    logs = [r.getMessage() for r in caplog.records if "tcp data path from" in r.getMessage()]
-    assert logs and all("TLS: the Python loop" in m for m in logs), logs
 
 
 def _pair(H=8, wire=1, max_tokens=4):

@@ -40,10 +40,13 @@ and compute are the gRPC path's (`ExpertServicer.check_and_forward`).
 Receivers poll without blocking for MOESPLIT_SHM_SPIN_US before they block, as on the
 shared-memory path (wire.shm.recv_spin).
 
-The shard serves a plaintext data connection with a loop in C (cpu_expert_service/kernels/moe_tcp.c,
-the GIL released, the shared-memory loop's validation and compute: same answers byte for byte) and
-a TLS one with the Python loop (cpu_expert_service.tcp_transport._serve; the C loop has no TLS);
-MOESPLIT_TCP_LOOP=python serves plaintext with the Python loop too.
+The shard serves a data connection with a loop in C (cpu_expert_service/kernels/moe_tcp.c, the GIL
+released, the shared-memory loop's validation and compute: same answers byte for byte) and the GPU
+side sends and receives with a client in C (gpu_service/experts/tcp_client.c); both move their
+bytes through wire/tcp_io.c, plaintext or mutual TLS (OpenSSL, the handshake and the token hello in
+C too, with the same files as `server_context` / `client_context`). MOESPLIT_TCP_LOOP=python, or an
+unbuilt extension, serves with the Python loop (cpu_expert_service.tcp_transport._serve, Python's
+ssl for TLS); a Python end talks to a C end.
 """
 from __future__ import annotations
 

@@ -1,12 +1,18 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 """Cython binding of the C MoE kernels (moe.h): one `Engine` per backend, holding its thread
-pool, its kernel table (fixed at construction) and the packed experts of every layer.
+pool, its kernel table (fixed at construction) and the packed experts of every layer; `ShmServe`,
+the shard's C serving loops (shared memory, and the TCP data path over a `Link`, plaintext or
+mutual TLS: wire/tcp_link.pxi).
 
 Use cpu_expert_service.kernel_backend.KernelExperts, not this module directly."""
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t
 from libc.stdlib cimport calloc, free, realloc
 
+import os
+
 import numpy as np
+
+include "tcp_link.pxi"
 
 cdef extern from "moe.h" nogil:
     int MOE_FMT_BF16, MOE_FMT_INT8, MOE_FMT_INT4, MOE_FMT_MXFP4
@@ -361,7 +367,7 @@ cdef extern from "moe_shm.h" nogil:
     uint64_t moe_shm_dropped(const MoeShm *s)
     int moe_shm_kernels(MoeShm *s, int layer, int T, int k, char *err, size_t cap) noexcept
     int moe_shm_serve(MoeShm *s)
-    int moe_tcp_serve(MoeShm *s, unsigned char *req, size_t req_cap, unsigned char *out, int K,
+    int moe_tcp_serve(MoeShm *s, TcpIo *io, unsigned char *req, size_t req_cap, unsigned char *out, int K,
                       double frame_timeout_s)
 
 SHM_CLOSED, SHM_BAD_DOORBELL, SHM_INTERNAL = MOE_SHM_CLOSED, MOE_SHM_BAD_DOORBELL, MOE_SHM_INTERNAL
@@ -503,16 +509,17 @@ cdef class ShmServe:
             rc = moe_shm_serve(&self.S)
         return rc
 
-    def serve_tcp(self, size_t req, size_t req_cap, size_t out, int K, double frame_timeout_s):
-        """The TCP data path's loop on fd (moe_tcp_serve; built with layout (1, max_tokens, K, 0, req_cap,
-        0, 0, 0, 0)): frames' payloads into the buffer at `req` (req_cap bytes), answers from `out`
-        (max_tokens x H x 4 bytes); both kept alive by the caller. SHM_CLOSED when the client goes,
-        TCP_BAD_FRAME / TCP_STALLED (`last` says which seq), or SHM_INTERNAL after a call answered
+    def serve_tcp(self, Link link, size_t req, size_t req_cap, size_t out, int K, double frame_timeout_s):
+        """The TCP data path's loop on link (moe_tcp_serve: plaintext or TLS; built with layout (1,
+        max_tokens, K, 0, req_cap, 0, 0, 0, 0)): frames' payloads into the buffer at `req` (req_cap bytes),
+        answers from `out` (max_tokens x H x 4 bytes); both kept alive by the caller. SHM_CLOSED when
+        the client goes, TCP_BAD_FRAME / TCP_STALLED (`last` says which seq), or SHM_INTERNAL after a call answered
         INTERNAL (call serve_tcp() again)."""
         cdef int rc
         self.error = None
         with nogil:
-            rc = moe_tcp_serve(&self.S, <unsigned char *>req, req_cap, <unsigned char *>out, K, frame_timeout_s)
+            rc = moe_tcp_serve(&self.S, &link.io, <unsigned char *>req, req_cap, <unsigned char *>out, K,
+                               frame_timeout_s)
         return rc
 
     @property

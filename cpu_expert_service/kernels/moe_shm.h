@@ -19,6 +19,7 @@
 #define MOESPLIT_MOE_SHM_H
 #include "moe.h"
 #include "shm_wire.h"  /* wire/: the doorbell and slot constants */
+#include "tcp_io.h"    /* wire/: the TCP data path's byte transport (plaintext or TLS) */
 
 enum { MOE_SHM_CLOSED = 0, MOE_SHM_BAD_DOORBELL = 1, MOE_SHM_INTERNAL = 2, MOE_TCP_BAD_FRAME = 3, MOE_TCP_STALLED = 4 };
 
@@ -75,14 +76,16 @@ int moe_shm_kernels(MoeShm *s, int layer, int T, int k, char *err, size_t cap);
  * when not 0, s->msg holds "shard S: seq N: why" and *mlen its length. Shared by both loops. */
 uint32_t moe_shm_answer(MoeShm *s, const unsigned char *b, int32_t layer, uint32_t T, uint32_t k, const uint32_t *c,
                         unsigned char *out, uint64_t seq, int64_t arrived, uint64_t *compute_us, uint32_t *mlen);
-/* the TCP data path's loop over one connected socket s->fd (wire.tcp's frames): each frame's header,
+/* the TCP data path's loop over one connection io (wire.tcp's frames; plaintext or TLS): each frame's header,
  * then its payload into req (req_cap bytes; committed as it arrives), answered from out (the output
  * rows' buffer); K: the model's num_experts_per_tok (a header with k outside [1, K], T above
  * shard_max_tokens or an unknown dtype code is answered INVALID_ARGUMENT and ends the loop with
  * MOE_TCP_BAD_FRAME: its payload length cannot be trusted). Between frames the connection may idle;
- * once a frame's first byte came, the rest must within frame_timeout_s (else MOE_TCP_STALLED).
+ * once a frame's first byte came, the rest must within frame_timeout_s (else MOE_TCP_STALLED), and
+ * each answer must be taken within as long (else MOE_SHM_CLOSED).
  * Returns as moe_shm_serve does otherwise (MOE_SHM_CLOSED, MOE_SHM_INTERNAL after answering). */
-int moe_tcp_serve(MoeShm *s, unsigned char *req, size_t req_cap, unsigned char *out, int K, double frame_timeout_s);
+int moe_tcp_serve(MoeShm *s, TcpIo *io, unsigned char *req, size_t req_cap, unsigned char *out, int K,
+                  double frame_timeout_s);
 /* serve doorbells until the client goes (MOE_SHM_CLOSED) or a bad doorbell (MOE_SHM_BAD_DOORBELL:
  * slot / seq say which); returns MOE_SHM_INTERNAL after answering a call whose compute failed (msg
  * says why) so that the caller can log it and serve on */

@@ -1,9 +1,10 @@
 /* moe_tcp.c: the TCP data path's shard loop (moe_shm.h: moe_tcp_serve; wire/tcp.py has the frames).
  *
- * One connection, without the GIL: a frame's first byte (bounded spin, then block: the connection
+ * One connection, without the GIL: a frame's first bytes (bounded spin, then wait: the connection
  * may idle between frames), the rest of its header and its payload under one deadline, the call
  * validated and computed by moe_shm_answer (the shared-memory loop's own path, so both answer alike),
- * the answer sent as one sendmsg. */
+ * the answer sent under a deadline as long (plaintext: one sendmsg). The bytes move through
+ * wire/tcp_io.h: plaintext or mutual TLS, the same frames either way. */
 #define _GNU_SOURCE
 #include "moe_shm.h"
 
@@ -13,91 +14,50 @@
 #include <sched.h>
 #include <stdio.h>
 #include <string.h>
-#include <sys/socket.h>
-#include <sys/uio.h>
 
 enum { REQ_BYTES = 28, RESP_BYTES = 36 }; /* wire.tcp.REQUEST "<QiIIII", RESPONSE "<QIQQII" */
 enum { CODE_F32 = 0, CODE_F16 = 2, CODE_I64 = 4 };
 
-/* readable before deadline_ns: 1, 0 past it, -1 on an error */
-static int wait_readable(int fd, int64_t deadline_ns) {
-    for (;;) {
-        int64_t left = deadline_ns - shm_now_ns();
-        if (left <= 0) return 0;
-        struct pollfd p = {fd, POLLIN, 0};
-        int r = poll(&p, 1, (int)((left + 999999) / 1000000));
-        if (r > 0) return 1;
-        if (r < 0 && errno != EINTR) return -1;
-    }
-}
-
-/* n bytes into p before deadline_ns: 1, 0 at EOF, -1 on an error, -2 past the deadline */
-static int recv_all(int fd, unsigned char *p, size_t n, int64_t deadline_ns) {
-    while (n) {
-        int w = wait_readable(fd, deadline_ns);
-        if (w <= 0) return w == 0 ? -2 : -1;
-        ssize_t r = recv(fd, p, n, MSG_DONTWAIT);
-        if (r == 0) return 0;
-        if (r < 0) {
-            if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) continue;
-            return -1;
-        }
-        p += r, n -= (size_t)r;
-    }
-    return 1;
-}
-
-/* a frame's first byte: polled for spin_s, then blocking. 1, or 0 at EOF / an error */
-static int recv_first(const MoeShm *s, unsigned char *p) {
+/* a frame's first bytes (its whole header when it is there: one recv), at most n: polled for spin_s, then
+ * waited for without a deadline (the connection may idle between frames). How many came, or 0 at EOF /
+ * an error */
+static long recv_first(const MoeShm *s, TcpIo *io, unsigned char *p, size_t n) {
     int64_t end = s->spin_s > 0 ? shm_now_ns() + (int64_t)(s->spin_s * 1e9) : 0;
     for (;;) {
-        int spinning = end && shm_now_ns() < end;
-        ssize_t n = recv(s->fd, p, 1, spinning ? MSG_DONTWAIT : 0);
-        if (n == 1) return 1;
-        if (n == 0) return 0;
-        if (errno == EINTR) continue;
-        if (spinning && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        short want = POLLIN;
+        long got = tio_recv_some(io, p, n, &want);
+        if (got > 0) return got;
+        if (got != TIO_AGAIN) return 0;
+        if (end && want == POLLIN && shm_now_ns() < end) {
             sched_yield();
             continue;
         }
-        return 0;
+        int w = tio_wait(io, want, TIO_FOREVER);
+        if (w != TIO_OK && w != TIO_INTR) return 0;
     }
 }
 
-/* every byte of the iovecs (a short write goes on where it stopped): 0, or -1 */
-static int send_all(int fd, struct iovec *iov, int n) {
-    while (n > 0) {
-        struct msghdr m = {0};
-        m.msg_iov = iov, m.msg_iovlen = (size_t)n;
-        ssize_t w = sendmsg(fd, &m, MSG_NOSIGNAL);
-        if (w < 0) {
-            if (errno == EINTR) continue;
-            return -1;
-        }
-        while (n > 0 && (size_t)w >= iov->iov_len) w -= (ssize_t)iov->iov_len, iov++, n--;
-        if (n > 0) iov->iov_base = (char *)iov->iov_base + w, iov->iov_len -= (size_t)w;
-    }
-    return 0;
-}
-
-static int respond(MoeShm *s, uint64_t seq, uint32_t status, uint64_t compute_us, int64_t arrived, uint32_t T,
-                   const void *body, size_t len) {
+/* one answer frame by deadline_ns: 0, or -1 (the client stopped reading or went) */
+static int respond(MoeShm *s, TcpIo *io, int64_t deadline_ns, uint64_t seq, uint32_t status, uint64_t compute_us,
+                   int64_t arrived, uint32_t T, const void *body, size_t len) {
     unsigned char h[RESP_BYTES];
     uint64_t server_us = (uint64_t)((shm_now_ns() - arrived) / 1000);
     uint32_t mlen = status ? (uint32_t)len : 0;
     memcpy(h, &seq, 8), memcpy(h + 8, &status, 4), memcpy(h + 12, &compute_us, 8), memcpy(h + 20, &server_us, 8);
     memcpy(h + 28, &mlen, 4), memcpy(h + 32, &T, 4);
     struct iovec iov[2] = {{h, RESP_BYTES}, {(void *)body, len}};
-    return send_all(s->fd, iov, len ? 2 : 1);
+    return tio_send_all(io, iov, len ? 2 : 1, deadline_ns) == TIO_OK ? 0 : -1;
 }
 
-int moe_tcp_serve(MoeShm *s, unsigned char *req, size_t req_cap, unsigned char *out, int K, double frame_timeout_s) {
+int moe_tcp_serve(MoeShm *s, TcpIo *io, unsigned char *req, size_t req_cap, unsigned char *out, int K,
+                  double frame_timeout_s) {
     unsigned char h[REQ_BYTES];
     for (;;) {
-        if (!recv_first(s, h)) return MOE_SHM_CLOSED;
+        long got = recv_first(s, io, h, REQ_BYTES);
+        if (!got) return MOE_SHM_CLOSED;
         int64_t deadline = shm_now_ns() + (int64_t)(frame_timeout_s * 1e9);
-        int r = recv_all(s->fd, h + 1, REQ_BYTES - 1, deadline);
-        if (r <= 0) return r == -2 ? MOE_TCP_STALLED : MOE_SHM_CLOSED;
+        int r = tio_recv_all(io, h + got, REQ_BYTES - (size_t)got, deadline, 0);
+        if (r != TIO_OK) return r == TIO_TIMEOUT ? MOE_TCP_STALLED : MOE_SHM_CLOSED;
         int64_t arrived = shm_now_ns();
         uint64_t seq;
         int32_t layer;
@@ -112,18 +72,21 @@ int moe_tcp_serve(MoeShm *s, unsigned char *req, size_t req_cap, unsigned char *
                              " of at most %d, k %" PRIu32 " of 1-%d, dtype codes %" PRIu32 "/%" PRIu32
                              "); closing the data connection", s->shard_id, seq, T, s->shard_max_tokens, k, K, hc, oc);
             size_t len = m < 0 ? 0 : (size_t)m < SHM_MSG_MAX ? (size_t)m : SHM_MSG_MAX;
-            respond(s, seq, 3, 0, arrived, T, s->msg, len);
+            respond(s, io, shm_now_ns() + (int64_t)(frame_timeout_s * 1e9), seq, 3, 0, arrived, T, s->msg, len);
             return MOE_TCP_BAD_FRAME;
         }
-        r = recv_all(s->fd, req, n, deadline); /* the pages of req are committed as these bytes land */
-        if (r <= 0) return r == -2 ? MOE_TCP_STALLED : MOE_SHM_CLOSED;
+        r = tio_recv_all(io, req, n, deadline, 0); /* the pages of req are committed as these bytes land */
+        if (r != TIO_OK) return r == TIO_TIMEOUT ? MOE_TCP_STALLED : MOE_SHM_CLOSED;
         s->hidden_off = 0, s->ids_off = (long)hb, s->w_off = (long)(hb + (size_t)T * k * 8);
         uint32_t c[4] = {hc, CODE_I64, CODE_F32, oc};
         uint64_t compute_us;
         uint32_t mlen, status = moe_shm_answer(s, req, layer, T, k, c, out, seq, arrived, &compute_us, &mlen);
         const void *body = status ? (const void *)s->msg : (const void *)out;
         size_t len = status ? mlen : (size_t)T * s->H * (oc == CODE_F32 ? 4 : 2);
-        if (respond(s, seq, status, compute_us, arrived, T, body, len)) return MOE_SHM_CLOSED;
+        /* the answer under a deadline of its own: a client that stopped reading is given up */
+        if (respond(s, io, shm_now_ns() + (int64_t)(frame_timeout_s * 1e9), seq, status, compute_us, arrived, T, body,
+                    len))
+            return MOE_SHM_CLOSED;
         if (status == 13) return MOE_SHM_INTERNAL;
     }
 }

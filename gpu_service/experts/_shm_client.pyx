@@ -13,6 +13,8 @@ from posix.unistd cimport close, dup
 
 cnp.import_array()
 
+include "call_check.pxi"
+
 cdef extern from "shm_client.h" nogil:
     int SHM_DOORBELL_BYTES, SHM_OP_FORWARD, SHM_RESULT_OFFSET, SHM_MSG_OFFSET
     int SC_OK, SC_NONE, SC_CLOSED, SC_FAILED, SC_INTR, SC_FULL, SC_BAD, SC_OTHER
@@ -94,16 +96,7 @@ cdef class Client:
         dtype, ids [T, k] int64, w [T, k] float32 (C-contiguous: the caller checks). Raises
         ConnectionError when the doorbell failed, TimeoutError when it stayed full."""
         cdef int T = h.shape[0], k = ids.shape[1]
-        cdef int h_wire = cnp.PyArray_ITEMSIZE(h) == 2 or self.c.wire == 0
-        if (h.ndim != 2 or ids.ndim != 2 or w.ndim != 2 or h.shape[1] != self.c.H or ids.shape[0] != T
-                or w.shape[0] != T or w.shape[1] != k or cnp.PyArray_TYPE(ids) != cnp.NPY_INT64
-                or cnp.PyArray_TYPE(w) != cnp.NPY_FLOAT32
-                or (cnp.PyArray_TYPE(h) != cnp.NPY_FLOAT32 and (self.c.wire == 0 or cnp.PyArray_ITEMSIZE(h) != 2))
-                or not (cnp.PyArray_IS_C_CONTIGUOUS(h) and cnp.PyArray_IS_C_CONTIGUOUS(ids)
-                        and cnp.PyArray_IS_C_CONTIGUOUS(w))):
-            a, b, c = <object>h, <object>ids, <object>w
-            raise ValueError(f"send: expected C-contiguous h [T, {self.c.H}] float32 or the wire dtype, ids [T, k] "
-                             f"int64, w [T, k] float32; got {a.dtype}{a.shape}, {b.dtype}{b.shape}, {c.dtype}{c.shape}")
+        cdef int h_wire = check_call(h, ids, w, self.c.H, self.c.wire)
         self._send(slot, seq, layer, cnp.PyArray_DATA(h), h_wire, <const int64_t *>cnp.PyArray_DATA(ids),
                    <const float *>cnp.PyArray_DATA(w), T, k, timeout_ms)
 

@@ -1,7 +1,8 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 """Cython binding of the TCP data path's client in C (tcp_client.h): `Client` sends one layer call
-and receives answers for gpu_service.experts.tcp.TcpPath (plaintext connections), the GIL released
-while sending and waiting.
+and receives answers for gpu_service.experts.tcp.TcpPath, the GIL released while sending and
+waiting; its bytes go through a `Link` (wire/tcp_link.pxi: plaintext, or mutual TLS with a
+`TlsContext` over the gRPC path's certificate files).
 
 Use gpu_service.experts.tcp, not this module directly."""
 import os
@@ -11,15 +12,18 @@ cimport numpy as cnp
 from cpython.exc cimport PyErr_CheckSignals
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
-from posix.unistd cimport close, dup
 
 cnp.import_array()
+
+include "call_check.pxi"
+include "tcp_link.pxi"
 
 cdef extern from "tcp_client.h" nogil:
     int SC_OK, SC_NONE, SC_CLOSED, SC_FAILED, SC_INTR, SC_FULL, SC_BAD, TC_STALLED, TC_BAD_HEADER
     int TC_MAX_MESSAGE
     ctypedef struct TcpClient:
-        int fd, H, wire, max_tokens, err
+        TcpIo *io
+        int H, wire, max_tokens, err
         unsigned char *body
         size_t body_cap
         unsigned char *cast
@@ -45,17 +49,19 @@ MAX_MESSAGE = TC_MAX_MESSAGE
 
 
 cdef class Client:
-    """One plaintext data connection's C end. fd: the connected socket, duplicated here (closed with
-    this object: shut the socket down to wake a wait); wire: 0 float32, 1 bfloat16, 2 float16; answers
-    of at most max_tokens rows of hidden_size."""
+    """One data connection's C end. link: a Link (plaintext, or TLS after its start_tls()) or a connected
+    socket's fd (a plaintext Link of its own duplicate: shut the socket down to wake a wait); wire: 0
+    float32, 1 bfloat16, 2 float16; answers of at most max_tokens rows of hidden_size."""
 
     cdef TcpClient c
     cdef TcpAnswer ans
+    cdef readonly Link link
 
-    def __cinit__(self, int fd, int hidden_size, int wire, int max_tokens):
-        self.c.fd = -1
+    def __cinit__(self, link, int hidden_size, int wire, int max_tokens):
         if wire == 2 and not sc_has_f16():
             raise ValueError("float16 wire dtype: this build's compiler has no _Float16; use bfloat16")
+        self.link = link if isinstance(link, Link) else Link(link)
+        self.c.io = &self.link.io
         self.c.H, self.c.wire, self.c.max_tokens, self.c.err, self.c.sent, self.c.answered = \
             hidden_size, wire, max_tokens, 0, 0, 0
         self.c.body_cap = max(<size_t>max_tokens * hidden_size * 4, <size_t>TC_MAX_MESSAGE)
@@ -63,13 +69,8 @@ cdef class Client:
         self.c.cast = <unsigned char *>malloc(<size_t>max_tokens * hidden_size * 2 + 2)
         if self.c.body == NULL or self.c.cast == NULL:
             raise MemoryError()
-        self.c.fd = dup(fd)
-        if self.c.fd < 0:
-            raise OSError(f"cannot duplicate the data connection's descriptor {fd}")
 
     def __dealloc__(self):
-        if self.c.fd >= 0:
-            close(self.c.fd)
         free(self.c.body)
         free(self.c.cast)
 
@@ -88,23 +89,14 @@ cdef class Client:
         w [T, k] float32. Raises ConnectionError when the connection failed, TimeoutError when it
         stayed full (the frame may be cut: the connection is unusable either way)."""
         cdef int T = h.shape[0], k = ids.shape[1], rc
-        cdef int h_wire = cnp.PyArray_ITEMSIZE(h) == 2 or self.c.wire == 0
-        if (h.ndim != 2 or ids.ndim != 2 or w.ndim != 2 or h.shape[1] != self.c.H or ids.shape[0] != T
-                or w.shape[0] != T or w.shape[1] != k or cnp.PyArray_TYPE(ids) != cnp.NPY_INT64
-                or cnp.PyArray_TYPE(w) != cnp.NPY_FLOAT32
-                or (cnp.PyArray_TYPE(h) != cnp.NPY_FLOAT32 and (self.c.wire == 0 or cnp.PyArray_ITEMSIZE(h) != 2))
-                or not (cnp.PyArray_IS_C_CONTIGUOUS(h) and cnp.PyArray_IS_C_CONTIGUOUS(ids)
-                        and cnp.PyArray_IS_C_CONTIGUOUS(w))):
-            a, b, c = <object>h, <object>ids, <object>w
-            raise ValueError(f"send: expected C-contiguous h [T, {self.c.H}] float32 or the wire dtype, ids [T, k] "
-                             f"int64, w [T, k] float32; got {a.dtype}{a.shape}, {b.dtype}{b.shape}, {c.dtype}{c.shape}")
+        cdef int h_wire = check_call(h, ids, w, self.c.H, self.c.wire)
         cdef const void *hp = cnp.PyArray_DATA(h)
         cdef const int64_t *ip = <const int64_t *>cnp.PyArray_DATA(ids)
         cdef const float *wp = <const float *>cnp.PyArray_DATA(w)
         with nogil:
             rc = tc_send(&self.c, seq, layer, hp, h_wire, ip, wp, T, k, timeout_ms)
         if rc != SC_OK:
-            raise _error(rc, self.c.err, "data connection send")
+            raise _error(rc, self.c.err, "data connection send", self.link)
 
     def wait(self, int64_t spin_ns, int64_t deadline_ns, int64_t frame_ns):
         """One answer's header as (seq, status, compute_us, server_us, message length, T), its body
@@ -125,7 +117,7 @@ cdef class Client:
         if rc == TC_BAD_HEADER:
             raise ConnectionError(f"the shard sent a bad response header (status {self.ans.status}, "
                                   f"{self.ans.T} rows, a {self.ans.mlen}-byte message)")
-        raise _error(rc, self.c.err, "data connection")
+        raise _error(rc, self.c.err, "data connection", self.link)
 
     def read(self, int T):
         """A float32 copy [T, H] of the last answer's rows."""
@@ -169,7 +161,7 @@ cdef class Client:
         return (<char *>self.c.body)[:min(n, <uint32_t>TC_MAX_MESSAGE)]
 
 
-cdef object _error(int rc, int err, str what):
+cdef object _error(int rc, int err, str what, Link link):
     if rc == SC_CLOSED:
         return ConnectionError("the shard closed the data connection")
     if rc == SC_FULL:
@@ -178,4 +170,4 @@ cdef object _error(int rc, int err, str what):
         return ConnectionError(f"{what}: more rows than the connection takes")
     if rc == TC_STALLED:
         return ConnectionError(f"{what}: an answer began and its rest did not come in time")
-    return ConnectionError(f"{what} failed: {os.strerror(err)}")
+    return ConnectionError(f"{what} failed: {link._why(TIO_ERR) if err == 0 else os.strerror(err)}")

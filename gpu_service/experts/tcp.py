@@ -38,7 +38,8 @@ class TcpPath(_Path):
 
     kind = "tcp"
 
-    def __init__(self, address: str, sock: socket.socket, wire_dtype: str, hidden_size: int, max_tokens: int):
+    def __init__(self, address: str, sock: socket.socket, wire_dtype: str, hidden_size: int, max_tokens: int,
+                 link=None):
         super().__init__(address, sock)
         self.hc = P.code_of(wire_dtype)
         self.wire = P.DTYPES[self.hc]
@@ -46,15 +47,17 @@ class TcpPath(_Path):
         self.tx = threading.Lock()  # one frame at a time on the connection
         self.head = bytearray(T.RESPONSE.size)
         self.body = bytearray(0)
-        # plaintext: frames sent and received by the C client (the GIL released); TLS: Python's ssl here
-        self.c = None if isinstance(sock, ssl.SSLSocket) or _C is None else _C.Client(sock.fileno(), hidden_size,
-                                                                                      self.hc, max_tokens)
+        # frames sent and received by the C client (the GIL released) over link (TLS there: negotiate_tcp) or a
+        # plaintext socket's; Python's code only where the C client is not built (TLS: Python's ssl, sock wrapped)
+        conn = link if link is not None else (None if isinstance(sock, ssl.SSLSocket) or _C is None else sock.fileno())
+        self.c = None if conn is None else _C.Client(conn, hidden_size, self.hc, max_tokens)
         self.spin_ns = int(self.spin_s * 1e9)
 
     def describe(self) -> str:
         host, port = self.sock.getpeername()[:2]
-        how = "C client" if self.c is not None else ("TLS, Python client" if _C is not None else
-                                                     f"Python client: {NOT_BUILT}")
+        tls = isinstance(self.sock, ssl.SSLSocket) or (self.c is not None and self.c.link.tls)
+        how = ("C client" if self.c is not None else "Python client" if _C is not None else
+               f"Python client: {NOT_BUILT}") + (", TLS" if tls else "")
         return f"TCP data path ({host}:{port}, {how})"
 
     def send(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray, timeout_s: float,
@@ -273,16 +276,26 @@ def negotiate_tcp(channel: grpc.Channel, address: str, hidden_size: int, wire_dt
         sock = socket.create_connection((host, resp.port), timeout=timeout_s)
     except OSError as e:
         return None, f"cannot connect to the data port {host}:{resp.port}: {e}"
+    link = None
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if tls is not None:
-            sock = T.client_context(tls).wrap_socket(sock, server_hostname=server_name or host)
-        sock.sendall(resp.token)
-        ack = sock.recv(1)
+        if tls is not None and _C is not None:  # the handshake, the token and the frames through the C client
+            link = _C.Link(sock.fileno())
+            link.start_tls(_C.TlsContext(False, tls.cert, tls.key, tls.ca), server_name or host, timeout_s)
+            link.send(resp.token, timeout_s)
+            ack = link.recv(1, timeout_s)
+        else:
+            if tls is not None:
+                sock = T.client_context(tls).wrap_socket(sock, server_hostname=server_name or host)
+            sock.sendall(resp.token)
+            ack = sock.recv(1)
         if ack != T.ACK:
             raise OSError("the shard did not accept the token")
-        sock.settimeout(None)  # blocking: receivers poll with select() first (TcpPath._wait_readable)
-    except OSError as e:
+        if link is None:  # (a TLS link's socket stays non-blocking: OpenSSL waits in poll(), not in read())
+            sock.settimeout(None)  # blocking: receivers poll with select() first (TcpPath._wait_readable)
+    except (OSError, ValueError) as e:  # ValueError: a certificate file the C context cannot use
+        if link is not None:
+            link.close()
         sock.close()
         return None, f"data port {host}:{resp.port}: {e}"
-    return TcpPath(address, sock, wire_dtype, hidden_size, max_tokens), ""
+    return TcpPath(address, sock, wire_dtype, hidden_size, max_tokens, link), ""

@@ -6,21 +6,14 @@
 #include <poll.h>
 #include <sched.h>
 #include <string.h>
-#include <sys/socket.h>
-#include <sys/uio.h>
 
-/* poll fd for `events` until deadline_ns: 1 ready, 0 past the deadline, SC_INTR, -1 an error (c->err) */
-static int wait_fd(TcpClient *c, short events, int64_t deadline_ns) {
-    int64_t left = deadline_ns - shm_now_ns();
-    if (left <= 0) return 0;
-    struct pollfd p = {c->fd, events, 0};
-    int64_t ms = (left + 999999) / 1000000;
-    int r = poll(&p, 1, ms > 1000000 ? 1000000 : (int)ms);
-    if (r > 0) return 1;
-    if (r == 0) return shm_now_ns() >= deadline_ns ? 0 : 1; /* (woken early: try again) */
-    if (errno == EINTR) return -SC_INTR;
-    c->err = errno;
-    return -1;
+/* a transport result (wire/tcp_io.h) as an SC_* code; timed_out: the code for TIO_TIMEOUT */
+static int sc_of(TcpClient *c, int r, int timed_out) {
+    if (r == TIO_OK) return SC_OK;
+    if (r == TIO_TIMEOUT) return timed_out;
+    if (r == TIO_EOF) return SC_CLOSED;
+    c->err = c->io->err;
+    return SC_FAILED;
 }
 
 int tc_send(TcpClient *c, uint64_t seq, int32_t layer, const void *h, int h_wire, const int64_t *ids, const float *w,
@@ -36,74 +29,29 @@ int tc_send(TcpClient *c, uint64_t seq, int32_t layer, const void *h, int h_wire
     memcpy(hdr, &seq, 8), memcpy(hdr + 8, v, sizeof v);
     struct iovec iov[4] = {{hdr, sizeof hdr}, {(void *)h, n * es}, {(void *)ids, (size_t)T * k * 8},
                            {(void *)w, (size_t)T * k * 4}};
-    struct iovec *p = iov;
-    int left = 4;
-    int64_t end = shm_now_ns() + (int64_t)timeout_ms * 1000000;
-    while (left > 0) {
-        struct msghdr m = {0};
-        m.msg_iov = p, m.msg_iovlen = (size_t)left;
-        ssize_t sent = sendmsg(c->fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
-        if (sent < 0) {
-            if (errno == EINTR) continue;
-            if (errno != EAGAIN && errno != EWOULDBLOCK) {
-                c->err = errno;
-                return errno == EPIPE || errno == ECONNRESET ? SC_CLOSED : SC_FAILED;
-            }
-            int r = wait_fd(c, POLLOUT, end);
-            if (r == 0) return SC_FULL;
-            if (r == -1) return SC_FAILED;
-            continue;
-        }
-        while (left > 0 && (size_t)sent >= p->iov_len) sent -= (ssize_t)p->iov_len, p++, left--;
-        if (left > 0) p->iov_base = (char *)p->iov_base + sent, p->iov_len -= (size_t)sent;
-    }
-    c->sent++;
-    return SC_OK;
-}
-
-/* n bytes into dst by frame_end_ns: SC_OK, SC_CLOSED, SC_FAILED, TC_STALLED */
-static int recv_rest(TcpClient *c, unsigned char *dst, size_t n, int64_t frame_end_ns) {
-    while (n) {
-        ssize_t r = recv(c->fd, dst, n, MSG_DONTWAIT);
-        if (r > 0) {
-            dst += r, n -= (size_t)r;
-            continue;
-        }
-        if (r == 0) return SC_CLOSED;
-        if (errno == EINTR) continue;
-        if (errno != EAGAIN && errno != EWOULDBLOCK) {
-            c->err = errno;
-            return errno == ECONNRESET ? SC_CLOSED : SC_FAILED;
-        }
-        int w = wait_fd(c, POLLIN, frame_end_ns);
-        if (w == 0) return TC_STALLED;
-        if (w == -1) return SC_FAILED; /* (-SC_INTR: the frame goes on; its handler runs later) */
-    }
-    return SC_OK;
+    int rc = sc_of(c, tio_send_all(c->io, iov, 4, shm_now_ns() + (int64_t)timeout_ms * 1000000), SC_FULL);
+    if (rc == SC_OK) c->sent++;
+    return rc;
 }
 
 int tc_wait(TcpClient *c, int64_t spin_end_ns, int64_t deadline_ns, int64_t frame_ns, TcpAnswer *a) {
     unsigned char h[TC_RESPONSE_BYTES];
-    for (;;) { /* the first byte: spin, then poll to the deadline */
-        ssize_t r = recv(c->fd, h, 1, MSG_DONTWAIT);
-        if (r == 1) break;
-        if (r == 0) return SC_CLOSED;
-        if (errno == EINTR) return SC_INTR;
-        if (errno != EAGAIN && errno != EWOULDBLOCK) {
-            c->err = errno;
-            return errno == ECONNRESET ? SC_CLOSED : SC_FAILED;
-        }
-        if (shm_now_ns() < spin_end_ns) {
+    long got;
+    for (;;) { /* the first bytes (the whole header when it is there: one recv): spin, then wait to the deadline */
+        short want = POLLIN;
+        long r = got = tio_recv_some(c->io, h, sizeof h, &want);
+        if (r > 0) break;
+        if (r != TIO_AGAIN) return sc_of(c, (int)r, SC_NONE);
+        if (want == POLLIN && shm_now_ns() < spin_end_ns) {
             sched_yield();
             continue;
         }
-        int w = wait_fd(c, POLLIN, deadline_ns);
-        if (w == 0) return SC_NONE;
-        if (w == -SC_INTR) return SC_INTR;
-        if (w == -1) return SC_FAILED;
+        int w = tio_wait(c->io, want, deadline_ns);
+        if (w == TIO_INTR) return SC_INTR;
+        if (w != TIO_OK) return sc_of(c, w, SC_NONE);
     }
     int64_t frame_end = shm_now_ns() + frame_ns;
-    int rc = recv_rest(c, h + 1, sizeof h - 1, frame_end);
+    int rc = sc_of(c, tio_recv_all(c->io, h + got, sizeof h - (size_t)got, frame_end, 0), TC_STALLED);
     if (rc != SC_OK) return rc;
     memcpy(&a->seq, h, 8), memcpy(&a->status, h + 8, 4), memcpy(&a->compute_us, h + 12, 8);
     memcpy(&a->server_us, h + 20, 8), memcpy(&a->mlen, h + 28, 4), memcpy(&a->T, h + 32, 4);
@@ -115,7 +63,7 @@ int tc_wait(TcpClient *c, int64_t spin_end_ns, int64_t deadline_ns, int64_t fram
         if ((a->status != 3 && a->status != 13) || a->mlen > TC_MAX_MESSAGE) return TC_BAD_HEADER;
         n = a->mlen;
     }
-    rc = recv_rest(c, c->body, n, frame_end);
+    rc = sc_of(c, tio_recv_all(c->io, c->body, n, frame_end, 0), TC_STALLED);
     if (rc == SC_OK) c->answered++;
     return rc;
 }
