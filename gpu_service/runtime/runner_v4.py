@@ -13,8 +13,9 @@ the pool holds the plan's KV tokens, each layer and its pool tensors on the laye
 hidden streams hop between devices at the split), the embeddings on the CPU or the first device,
 norm / hc_head / head on the last, the attention weights as the plan chose ("checkpoint": the FP8
 linears as stored, `Fp8Linear`; "bf16": dequantised to the compute dtype). The plan's hot
-experts (MXFP4 checkpoints) are held as stored (`Mxfp4Linear`) and computed on their layer's device.
-Not built for V4 (refused by name, or off and logged): CUDA graphs, hot experts of other formats, re-quantised attention weights
+experts are held as stored (MXFP4 checkpoints: `Mxfp4Linear`; FP8-expert ones: `Fp8Linear`) and
+computed on their layer's device.
+Not built for V4 (refused by name, or off and logged): CUDA graphs, hot experts of an unquantised checkpoint, re-quantised attention weights
 (fp8 / int8 of a plan), the prefix cache's host tier, MTP (not loaded).
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from gpu_service.model.kv import Chunk
 from gpu_service.model.v4.load import model_from_reader
 from gpu_service.model.v4.paged import default_page_size, V4Pool, V4PrefixCache, V4Seq
+from gpu_service.plan.bytes_v4 import V4_HOT_FORMATS
 from gpu_service.runtime.runner import ModelRunner
 
 log = logging.getLogger("moesplit.runner")
@@ -115,9 +117,10 @@ class V4Runner:
 
 def _check_placement(placement) -> None:
     """Refuse, by name, what of a memory plan the V4 model cannot execute."""
-    if placement.hot_experts and placement.expert_format != "mxfp4":
+    if placement.hot_experts and placement.expert_format not in V4_HOT_FORMATS:
         raise ValueError(f"--gpu-experts with expert format {placement.expert_format}: DeepSeek-V4's runner keeps hot "
-                         "experts only as the checkpoint's MXFP4 (a Flash-style MXFP4 checkpoint); plan with --gpu-experts 0 for this checkpoint")
+                         "experts only as the checkpoint stores them (MXFP4 or block FP8); plan with --gpu-experts 0 "
+                         "for this checkpoint")
     if placement.attention_weights not in ("checkpoint", "bf16"):
         raise ValueError(f"--attention-weights {placement.attention_weights}: DeepSeek-V4's model runs its linears "
                          "as stored (checkpoint: block FP8) or dequantised (bf16), not re-quantised; pass "
