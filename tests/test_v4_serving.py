@@ -16,7 +16,7 @@ experts — a 100-token prompt (past the window of 8, 25 CSA blocks of 4, 6 HCA 
   constrains its output (structured outputs), chat is served on both through the built-in V4 encoder;
   `moesplit generate` (shards, no --in-process) gives transformers' tokens; `moesplit gpu-server` over
   the shards serves V4 completions and chat, executing a memory plan split over 2 (simulated) GPUs
-  with hot MXFP4 experts;
+  with hot MXFP4 experts; hot experts of the FP8-expert checkpoint are accepted;
   options that cannot apply to V4 are refused by name.
 """
 from __future__ import annotations
@@ -183,7 +183,7 @@ def test_batch_of_8_each_equals_its_alone_run_with_preemption():
         got = [[t for o in h for t in o.token_ids] for h in handles]
         with pytest.raises(RequestError):
             e.submit(_prompt(330), SamplingParams(), max_tokens=4)  # more than the pool holds
-        # n = 2 choices of one prompt: V4 forks none at the last prompt token, each choice prefills
+        # n = 2 choices of one prompt: forked at the last prompt token (tests/test_v4_fork.py)
         n2 = [[t for o in h for t in o.token_ids] for h in
               e.submit_n(prompts[3], [SamplingParams(), SamplingParams()], max_tokens=24, ignore_eos=True)]
         s = e.stats()
@@ -263,9 +263,14 @@ def test_options_that_cannot_apply_are_refused_by_name():
                         (["--page-size", "8"], "multiple of 16")):
         err = check_serving_args(p.parse_args(base + extra))
         assert err is not None and word in err and "DeepSeek-V4" in err
-    pro = ["--model", _served("pro-fp8")[0], "--page-size", "32"]  # FP8 experts: no hot GPU experts
-    err = check_serving_args(p.parse_args(pro + ["--gpu-experts", "4"]))
-    assert err is not None and "--gpu-experts" in err and "MXFP4" in err
+    pro = ["--model", _served("pro-fp8")[0], "--page-size", "32"]  # FP8 experts: hot as stored (Fp8Linear)
+    assert check_serving_args(p.parse_args(pro + plan)) is None
+    from gpu_service.local import tiny
+
+    plain = os.path.join(_ROOT, "bf16")  # unquantised experts: no hot GPU experts
+    tiny.make_tiny(plain, fmt="bf16", arch="deepseek_v4", v4_schedule="pro", seed=SEED)
+    err = check_serving_args(p.parse_args(["--model", plain, "--page-size", "32", "--gpu-experts", "4"]))
+    assert err is not None and "--gpu-experts" in err and "MXFP4 or block FP8" in err
     with pytest.raises(ValueError, match="multiple of 16"):
         V4Pool(runner.cfg, 4, 24, torch.float32, torch.device("cpu"))
 

@@ -178,13 +178,25 @@ def workspace_bytes_v4(cfg: V4Config, o: Options, *, mlp_width: int, lm_head: bo
     wo_a_dq = e * cfg.num_attention_heads * cfg.head_dim * cfg.o_lora_rank if wo_a != "bf16" else 0
     prefill = layer_step_bytes_v4(cfg, o, rows=T, span=T, seqs=1, mlp_width=mlp_width)
     decode = layer_step_bytes_v4(cfg, o, rows=B, span=1, seqs=B, mlp_width=mlp_width)
-    moe = F32 * T * D + 12 * T * cfg.num_experts_per_tok
+    moe = F32 * T * D + 12 * T * cfg.num_experts_per_tok + hot_experts_bytes_v4(cfg, o)
     logits = 2 * F32 * B * cfg.vocab_size if lm_head else 0
     graphs = 0
     if o.cuda_graphs and layers:
         row = 2 * 2 * F32 * cfg.hc_mult * D + 2 * _rows(cfg, e, mlp_width) + 8 * cfg.n_routed_experts
         graphs = GRAPH_SLOTS * sum(graph_buckets(B)) * row
     return max(prefill, decode) + moe + logits + scratch + graphs + wo_a_dq
+
+
+def hot_experts_bytes_v4(cfg: V4Config, o: Options) -> int:
+    """The hot GPU experts' transient in a chunk's MoE (gpu_service.model.deepseek.MoE.hot_output, 0
+    without them): their summed output [T, D] and one expert's rows at its worst moment, every row
+    of the chunk picking it: its input rows and the clamped SwiGLU's gate, up, their clamps, silu
+    and product (D + 6I per row), or later its output, weighted output and input (3D); the
+    dequantisation scratch is the workspace's `scratch`."""
+    if not o.gpu_experts:
+        return 0
+    D, I = cfg.hidden_size, cfg.moe_intermediate_size
+    return o.eb * o.chunk_tokens * (D + max(D + 6 * I, 3 * D))
 
 
 def native_expert_format_v4(cfg: V4Config) -> str | None:

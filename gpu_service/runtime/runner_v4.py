@@ -1,12 +1,14 @@
-"""The DeepSeek-V4 runner: what the engine drives (`cfg`, `pool`, `new_seq`, `step`, `copy_prefix`,
-`prefix_cache`, `generate`) over `gpu_service.model.v4` and the paged pool of
+"""The DeepSeek-V4 runner: what the engine drives (`cfg`, `pool`, `new_seq`, `step`, `will_fork`,
+`copy_prefix`, `prefix_cache`, `generate`) over `gpu_service.model.v4` and the paged pool of
 `gpu_service.model.v4.paged`.
 
 Built from a reader over a V4 checkpoint (reader.config a V4Config) and an ExpertsFn: the shards
 (`RemoteExperts`, the V3 client path: the wire carries hidden [T, D], global expert ids [T, top_k]
 and the router's final weights) or in-process experts. A step runs the engine's chunks through
 `DeepseekV4.forward_batch`, each chunk continuing its sequence's paged cache; a chunk that ends on a
-page boundary keeps the sequence's bounded state for the prefix cache.
+page boundary keeps the sequence's bounded state for the prefix cache; a prompt whose `n` choices
+the engine forks keeps it at the fork point (its last prompt token), and the choices start from a
+copy of the sequence there (`copy_prefix`).
 
 With a placement (`gpu_service.model.placement.Placement.from_plan`) it executes the memory plan:
 the pool holds the plan's KV tokens, each layer and its pool tensors on the layer's device (the
@@ -65,6 +67,7 @@ class V4Runner:
         self.pool = V4Pool(self.cfg, -(-kv_tokens // self.page_size), self.page_size, self.dtype, layer_devices)
         self.prefix_cache = V4PrefixCache(self.pool) if prefix_cache else None
         self.graphs = None
+        self.forked = 0  # choices forked from a sequence's state (copy_prefix), not prefilled again
         if cuda_graphs and self.device.type == "cuda":
             log.info("CUDA graphs are off for DeepSeek-V4: its decode step (window + compressed entries + "
                      "indexer) has no captured graphs yet; every step runs eagerly")
@@ -73,45 +76,64 @@ class V4Runner:
         """An empty sequence of the pool."""
         return V4Seq(self.pool)
 
+    def will_fork(self, seq: V4Seq, n: int) -> None:
+        """The engine will fork `seq`'s choices at `n` tokens (its last prompt token, `submit_n`): the
+        step that crosses `n` splits there and keeps the bounded state (`V4Seq.fork_snap`)."""
+        seq.fork_at = n
+
     def copy_prefix(self, src: V4Seq, dst: V4Seq, n: int, start: int = 0) -> None:
-        """The engine's fork of `n` choices: V4 keeps no state at an arbitrary token (only at page
-        boundaries), so `dst` keeps what it has (`start` tokens: its prefix-cache pages and snapshot)
-        and the engine prefills the rest of its prompt (same tokens, more work)."""
+        """The engine's fork of `n` choices: `dst` becomes `src` at `n` tokens (`V4Seq.fork_into`: full
+        pages shared by reference through the prefix cache or copied, the partial page copied, the
+        bounded state cloned from `src`'s snapshot at `n`). Without one (`will_fork` not called),
+        `dst` keeps what it has (`start` tokens: its prefix-cache pages and snapshot) and the engine
+        prefills the rest of its prompt (same tokens, more work)."""
         if dst.length != start:
             raise RuntimeError(f"copy_prefix: destination holds {dst.length} tokens, expected {start}")
+        if src.fork_snap is not None and src.fork_snap[0] == n:
+            src.fork_into(dst, n, self.prefix_cache)
+            self.forked += 1
 
     def step(self, input_ids: list[int], chunks: list[Chunk], all_logits: bool = False) -> torch.Tensor:
         """One engine step: chunk j feeds input_ids of its run to its sequence -> float32 logits
-        [len(chunks), V] of each chunk's last token ([len(input_ids), V] with all_logits). With the
-        prefix cache, a chunk that ends its prompt past a page boundary runs in two passes split at
-        the last boundary, so the sequence leaves a snapshot there (the next turn resumes from it)."""
+        [len(chunks), V] of each chunk's last token ([len(input_ids), V] with all_logits). A chunk
+        runs in passes split where the sequence must keep its bounded state: with the prefix cache,
+        at the last page boundary inside the chunk that ends its prompt (the next turn resumes from
+        that snapshot); at a fork point (`will_fork`)."""
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        parts, a = [], 0
+        pieces, a = [], 0
         for c in chunks:
             if c.start != c.seq.length:
                 raise RuntimeError(f"a V4 chunk must continue its sequence: starts at {c.start}, the sequence "
                                    f"holds {c.seq.length} tokens")
             c.seq.reserve(c.start + c.n)  # a no-op under the engine (its admission reserved them)
-            end, cut = c.start + c.n, c.n
+            end = c.start + c.n
             boundary = end // self.page_size * self.page_size
+            cuts = {c.seq.fork_at} if c.start < c.seq.fork_at < end else set()
             if self.prefix_cache is not None and end == c.seq.fed_to and c.start < boundary < end:
-                cut = boundary - c.start
-            parts.append((ids[a:a + cut], ids[a + cut:a + c.n], c.seq))
+                cuts.add(boundary)
+            if c.start == c.seq.fork_at:
+                c.seq.take_fork_snapshot()  # resumed there from the prefix cache
+            elif c.start > c.seq.fork_at:
+                c.seq.fork_snap = None  # forked already (the fork follows the step that ended the prompt)
+            bounds = [c.start, *sorted(cuts), end]
+            pieces.append([ids[a + x - c.start:a + y - c.start] for x, y in zip(bounds, bounds[1:])])
             a += c.n
-        out = self._pass([(p, seq) for p, _, seq in parts], all_logits)
-        rest = [j for j, (_, r, _) in enumerate(parts) if r.numel()]
-        for j, o in zip(rest, self._pass([(parts[j][1], parts[j][2]) for j in rest], all_logits) if rest else []):
-            out[j] = torch.cat([out[j], o]) if all_logits else o
+        out: list = [None] * len(chunks)
+        for k in range(max(len(p) for p in pieces)):
+            js = [j for j, p in enumerate(pieces) if len(p) > k]
+            for j, o in zip(js, self._pass([(pieces[j][k], chunks[j].seq) for j in js], all_logits)):
+                out[j] = torch.cat([out[j], o]) if all_logits and out[j] is not None else o
         return torch.cat(out) if all_logits else torch.stack(out)
 
     def _pass(self, batch: list[tuple[torch.Tensor, V4Seq]], all_logits: bool) -> list[torch.Tensor]:
         """forward_batch of (tokens, sequence) chunks; a sequence it leaves on a page boundary keeps
         its bounded state for the prefix cache."""
         out = self.model.forward_batch(batch, self.experts, all_logits)
-        if self.prefix_cache is not None:
-            for _, seq in batch:
-                if seq.length % self.page_size == 0:
-                    seq.take_snapshot()
+        for _, seq in batch:
+            if self.prefix_cache is not None and seq.length % self.page_size == 0:
+                seq.take_snapshot()
+            if seq.length == seq.fork_at:
+                seq.take_fork_snapshot()
         return out
 
 

@@ -86,7 +86,9 @@ class MoE(nn.Module):
         shared = self.shared_experts(h) if self.shared_experts is not None else None
         hot = self.hot_output(h, ids, w, h) if self.experts is not None else None
         routed = handle.wait()
-        routed = routed if hot is None else routed + hot
+        if hot is not None:  # summed into the hot experts' own buffer: no [T, hidden] sums beside it
+            out = hot.add_(routed)
+            return out if shared is None else out.add_(shared)
         return routed if shared is None else routed + shared
 
 

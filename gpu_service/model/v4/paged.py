@@ -74,6 +74,14 @@ class V4Pool(KVPool):
         """Bytes of every paged tensor."""
         return sum(t.numel() * t.element_size() for t in self.kv)
 
+    def copy_page(self, src: int, dst: int) -> None:
+        """Every paged tensor's rows of page `src` into page `dst` (a fork's partial page)."""
+        for ratios, tensors in ((self.ratios, self.entries), ((CSA,) * len(self.ratios), self.index_k)):
+            for r, t in zip(ratios, tensors):
+                if t is not None:
+                    k = self.page_size // r
+                    t[dst * k:(dst + 1) * k].copy_(t[src * k:(src + 1) * k])
+
     def page_bytes(self) -> int:
         """Bytes one page holds over all layers."""
         return sum(t[:-1].numel() * t.element_size() for t in self.kv) // max(self.num_pages, 1)
@@ -118,6 +126,8 @@ class V4Seq(SeqKV):
     snap: tuple | None = None  # (length, per-layer snapshots) at the last page boundary a step ended on
     snap_node: object = None  # the prefix-cache node holding this sequence's latest snapshot
     fed_to: int = 0  # tokens the engine feeds before its next sample (set at the prefix-cache lookup)
+    fork_at: int = -1  # the engine forks this sequence's n choices here (its last prompt token); -1: none
+    fork_snap: tuple | None = None  # (fork_at, per-layer snapshots): the bounded state there, until copied
 
     def __post_init__(self):
         self._fresh()
@@ -128,7 +138,7 @@ class V4Seq(SeqKV):
         self.layers = [AttnState(PagedEntries(pool.entries[i], self, r) if r else None,
                                  PagedEntries(pool.index_k[i], self, r) if r == CSA else None)
                        for i, r in enumerate(pool.ratios)]
-        self.snap = self.snap_node = None
+        self.snap = self.snap_node = self.fork_snap = None  # fork_at stays: a preempted leader forks still
         self.fed_to = 0
 
     def free(self) -> None:
@@ -139,6 +149,34 @@ class V4Seq(SeqKV):
     def take_snapshot(self) -> None:
         """Keep the bounded state now (the engine's step ended at a page boundary)."""
         self.snap = (self.length, [st.snapshot() for st in self.layers])
+
+    def take_fork_snapshot(self) -> None:
+        """Keep the bounded state now, at `fork_at` tokens (the choices forked from this one copy it)."""
+        self.fork_snap = (self.length, [st.snapshot() for st in self.layers])
+
+    def fork_into(self, dst: "V4Seq", n: int, cache: "V4PrefixCache | None") -> None:
+        """`dst` becomes this sequence at its first `n` tokens (the `fork_snap` state): its full pages
+        are this one's by reference where the prefix cache holds them (refcounts, as a lookup takes
+        them; dst's own page for that position back to the pool), else copied; the partial last page
+        copied; the bounded state (window keys, pending rows, overlap halves, counts) cloned. dst
+        holds pages reserved for them (the engine's) and may hold a cached prefix of them already."""
+        if self.fork_snap is None or self.fork_snap[0] != n:
+            raise RuntimeError(f"V4 fork at {n} tokens without the sequence's snapshot there")
+        S = self.pool.page_size
+        if len(dst.pages) < -(-n // S) or dst.length > n:
+            raise RuntimeError(f"V4 fork: destination holds {len(dst.pages)} pages and {dst.length} tokens for {n}")
+        shared = cache is not None and dst.cache_root is not None and dst.cache_root == self.cache_root
+        for i in range(dst.length // S, -(-n // S)):
+            if shared and i == len(dst.nodes) and i < len(self.nodes) and (i + 1) * S <= n:
+                node = self.nodes[i]  # a full page of the prompt, cached: by reference
+                cache.share(node)
+                self.pool.free_pages.append(dst.pages[i])
+                dst.pages[i] = node.page
+                dst.nodes.append(node)
+            elif dst.pages[i] != self.pages[i]:
+                self.pool.copy_page(self.pages[i], dst.pages[i])
+        dst.length = n
+        dst.restore(self.fork_snap)
 
     def restore(self, snap: tuple) -> None:
         """Continue from a snapshot taken at `self.length` tokens (the pages hold its entries)."""
@@ -222,6 +260,10 @@ class V4PrefixCache(PrefixCache):
         self.snap_pages += len(pages)
         seq.snap_node = node
         self.stats["snapshots"] += 1
+
+    def share(self, node) -> None:
+        """One more sequence references `node` (a fork taking its leader's cached page)."""
+        self._incref(node)
 
     def _unsnap(self, node) -> None:
         """Drop `node`'s snapshot (if any), its pages back to the pool."""
