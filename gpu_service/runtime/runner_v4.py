@@ -34,6 +34,7 @@ from gpu_service.plan.bytes_v4 import V4_HOT_FORMATS
 from gpu_service.runtime.runner import ModelRunner
 
 log = logging.getLogger("moesplit.runner")
+SNAPSHOT_EVERY = 2048  # tokens between the prompt boundaries whose snapshots stay cached (V4Runner snapshot_every)
 
 
 class V4Runner:
@@ -43,7 +44,8 @@ class V4Runner:
 
     def __init__(self, reader, experts, device: torch.device | None = None, dtype: torch.dtype | None = None,
                  kv_tokens: int = 4096, page_size: int | None = None, placement=None, prefix_cache: bool = True,
-                 host_kv_bytes: int = 0, cuda_graphs: bool = True, graph_buckets: tuple[int, ...] | None = None):
+                 host_kv_bytes: int = 0, cuda_graphs: bool = True, graph_buckets: tuple[int, ...] | None = None,
+                 snapshot_every: int | None = None):
         if placement is not None:
             _check_placement(placement)
             kv_tokens = placement.kv_tokens
@@ -65,7 +67,10 @@ class V4Runner:
         self.load_s = time.perf_counter() - t0
         self.page_size = page_size or default_page_size(self.cfg)  # None: whole compression blocks of every layer
         self.pool = V4Pool(self.cfg, -(-kv_tokens // self.page_size), self.page_size, self.dtype, layer_devices)
-        self.prefix_cache = V4PrefixCache(self.pool) if prefix_cache else None
+        # prompt boundaries kept for prefixes shared across prompts (a system prompt): every `snapshot_every`
+        # tokens (None: the first multiple of the page size from SNAPSHOT_EVERY, at most one more pass per chunk)
+        every = -(-SNAPSHOT_EVERY // self.page_size) * self.page_size if snapshot_every is None else snapshot_every
+        self.prefix_cache = V4PrefixCache(self.pool, every) if prefix_cache else None
         self.graphs = None
         self.forked = 0  # choices forked from a sequence's state (copy_prefix), not prefilled again
         if cuda_graphs and self.device.type == "cuda":
@@ -98,7 +103,8 @@ class V4Runner:
         [len(chunks), V] of each chunk's last token ([len(input_ids), V] with all_logits). A chunk
         runs in passes split where the sequence must keep its bounded state: with the prefix cache,
         at the last page boundary inside the chunk that ends its prompt (the next turn resumes from
-        that snapshot); at a fork point (`will_fork`)."""
+        that snapshot) and at the prompt's multiples of `snapshot_every` (kept for other prompts
+        sharing them); at a fork point (`will_fork`)."""
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pieces, a = [], 0
         for c in chunks:
@@ -111,6 +117,9 @@ class V4Runner:
             cuts = {c.seq.fork_at} if c.start < c.seq.fork_at < end else set()
             if self.prefix_cache is not None and end == c.seq.fed_to and c.start < boundary < end:
                 cuts.add(boundary)
+            every = self.prefix_cache.keep_every if self.prefix_cache is not None else 0
+            if every:  # the prompt's boundaries kept for other prompts sharing them
+                cuts.update(range((c.start // every + 1) * every, min(end - 1, c.seq.fed_to) + 1, every))
             if c.start == c.seq.fork_at:
                 c.seq.take_fork_snapshot()  # resumed there from the prefix cache
             elif c.start > c.seq.fork_at:
