@@ -139,8 +139,8 @@ class V4Runner:
         its bounded state for the prefix cache."""
         out = self.model.forward_batch(batch, self.experts, all_logits)
         for _, seq in batch:
-            if self.prefix_cache is not None and seq.length % self.page_size == 0:
-                seq.take_snapshot()
+            if seq.cache_root is not None and seq.length % self.page_size == 0:  # looked up in the prefix cache
+                seq.take_snapshot()  # (its step's commit places it; `generate` keeps none)
             if seq.length == seq.fork_at:
                 seq.take_fork_snapshot()
         return out
