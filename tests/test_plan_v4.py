@@ -122,8 +122,14 @@ def hand_items(d: dict, o: dict, layers: list[int], *, first: bool, last: bool, 
     graphs = 2 * sum(buckets) * (2 * 2 * 4 * 4 * D + 2 * rows + 8 * E)
     # the one reused dequantisation buffer: min(1024, out) rows of the widest quantised linear [out, in]
     quantised = [(ql, D), (H * hd, ql), (hd, D), (G * ol, H * hd // G), (D, G * ol), (I, D), (D, I), (nI * dI, ql)]
-    scratch = max(e * min(1024, out) * inp for out, inp in quantised)  # hot MXFP4 experts: [I, D], [D, I]
-    it["workspace"] = (max(step(T, T, 1), step(B, 1, B)) + 4 * T * D + 12 * T * k + (2 * 4 * B * V if last else 0)
+    scratch = max(e * min(1024, out) * inp for out, inp in quantised)
+    if o["gpu_experts"] and o["expert_format"] == "mxfp4":  # hot MXFP4 experts [I, D], [D, I]: + codes as int32
+        scratch = max([scratch] + [e * min(1024, out) * inp + 4 * min(1024, out) * math.ceil(inp / 2)
+                                   for out, inp in ((I, D), (D, I))])
+    # hot experts: their summed output [T, D] and one expert's rows at its worst (D + 6I, or 3D, per row)
+    hot = e * T * (D + max(D + 6 * I, 3 * D)) if o["gpu_experts"] else 0
+    it["workspace"] = (max(step(T, T, 1), step(B, 1, B)) + 4 * T * D + 12 * T * k + hot
+                       + (2 * 4 * B * V if last else 0)
                        + scratch + graphs + e * H * hd * ol)  # + wo_a (FP8) dequantised whole per step
     return it
 

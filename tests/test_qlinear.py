@@ -86,6 +86,38 @@ def test_transient_bytes_per_call_bounded_by_scratch(small_rows, fmt, dtype):
     assert scratch < full_fp32 / 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_transient_bytes_per_call_bounded_by_scratch(small_rows, dtype):
+    """DeepSeek-V4's MXFP4 hot experts (Mxfp4Linear) dequantise exactly, and a call keeps at most the
+    scratch the plan counts for "mxfp4" (the rows in the compute dtype + their codes as int32) beside
+    its output; the rows' temporaries are the codes only (a former int64 copy and per-nibble
+    tables kept 4x that)."""
+    from checkpoint.formats_v4 import dequant_mxfp4, quant_mxfp4
+
+    out, inp, T = 700, 512, 9
+    packed, e8m0 = quant_mxfp4((torch.randn(out, inp, generator=torch.Generator().manual_seed(1)) * 0.05).numpy())
+    m = Q.Mxfp4Linear.from_stored(packed, e8m0, torch.device("cpu"))
+    ref = torch.from_numpy(dequant_mxfp4(packed, e8m0))
+    assert torch.equal(m.dequant_weight(torch.float32), ref)
+    assert torch.equal(m.dequant_weight(torch.bfloat16), ref.to(torch.bfloat16))  # e2m1 x 2^k: exact in bf16
+    x = torch.randn(T, inp).to(dtype)
+    eb = torch.finfo(dtype).bits // 8
+    scratch, y_bytes = P.qlinear_scratch_bytes(out, inp, "mxfp4", eb), eb * T * out
+    codes = 4 * 128 * (inp // 2)
+    assert scratch == eb * 128 * inp + codes
+    for call in range(2):  # the first call grows the scratch buffer, the second reuses it
+        tr = ByteTracker()
+        with tr:
+            base = tr.reset_peak()
+            y = m(x)
+            got = tr.transient(base).get("cpu", 0)
+        torch.testing.assert_close(y.float(), (x.float() @ ref.t()).to(dtype).float(), rtol=2e-2, atol=2e-2)
+        del y
+        bound = y_bytes + (scratch if call == 0 else codes) + 2 * 256 * eb * (call == 0)  # (+ the pair table, once)
+        print(f"mxfp4 {dtype} call {call}: {got} B kept, bound {bound} B (output {y_bytes}, scratch {scratch})")
+        assert y_bytes + codes <= got <= bound
+
+
 def test_scratch_is_reused_and_sized_as_planned(small_rows):
     lins = [Q.make_quantized(torch.randn(o, i) * 0.05, "int8", torch.device("cpu")) for o, i in [(700, 520), (300, 900)]]
     for m in lins:

@@ -10,8 +10,9 @@ On a make-tiny V4 checkpoint (Flash-like, MXFP4 experts computed in process):
   tell the same per device (the pool's too);
 - attention-weights bf16 (the FP8 linears dequantised) gives the same tokens too;
 - the plan's hot experts (3 per layer, over 2 GPUs) held as stored MXFP4 give the tokens of the run
-  without them, with each device's weight bytes the plan's (hot experts included);
-- what the V4 model cannot execute (hot experts of an FP8-expert checkpoint, re-quantised attention)
+  without them, with each device's weight bytes the plan's (hot experts included); the same on a
+  Pro-like checkpoint whose routed experts are block FP8, held as stored in Fp8Linear and counted so;
+- what the V4 model cannot execute (hot experts of an unquantised checkpoint, re-quantised attention)
   is refused by name, and the serving / generate option checks accept --gpu, --embeddings,
   --min-kv-tokens, --attention-weights checkpoint and --gpu-experts (MXFP4) for V4 but refuse fp8 / int8.
 """
@@ -124,24 +125,45 @@ class _Recording:
         return self.inner(layer, h, ids, w)
 
 
-def test_hot_mxfp4_experts_give_the_shards_only_tokens(ckpt, alone):
-    """The plan's hot experts held as stored MXFP4 (Mxfp4Linear), computed here on their layer's
-    device and sent to the experts with weight 0: the tokens of the run without them, the weight
-    bytes of each planned device equal to the plan's items (gpu_experts included)."""
-    from gpu_service.model.qlinear import Mxfp4Linear
+@pytest.fixture(scope="module")
+def pro(tmp_path_factory):
+    """(dir, reader, in-process experts, the one-device runner's greedy tokens) of a tiny Pro-like
+    checkpoint whose routed experts are block FP8 (e4m3 128x128 + ue8m0 scales, as a base release)."""
+    from gpu_service.local import tiny
 
-    _, reader, experts = ckpt
+    d = str(tmp_path_factory.mktemp("v4plan") / "pro")
+    tiny.make_tiny(d, fmt="fp8", arch="deepseek_v4", v4_schedule="pro", seed=11)
+    reader = CheckpointReader(d, any_architecture=True)
+    cfg = reader.config
+    assert cfg.expert_dtype == "fp8" and reader.format_of("layers.3.ffn.experts.0.w1.weight") == "fp8_e8m0"
+    experts = ReferenceExperts(reader.get, cfg.n_routed_experts, cfg.swiglu_limit)
+    r = V4Runner(reader, experts, device=torch.device("cpu"), dtype=torch.float32, kv_tokens=KV, page_size=PAGE)
+    return d, reader, experts, r.generate(_prompt(), STEPS).token_ids
+
+
+def _check_hot(reader, experts, alone, fmt: str, linear) -> None:
+    """The plan's hot experts (3 per layer over 2 GPUs) held as stored in `linear` (the plan's hot
+    format `fmt`), computed here on their layer's device and sent to the experts with weight 0: the
+    tokens of the run without them, the weight bytes of each planned device equal to the plan's items
+    (gpu_experts included)."""
     plan = _plan(reader, ["1GiB", "1GiB"], gpu_experts=3)
-    assert plan.fits and plan.options.expert_format == "mxfp4" and all(g.items["gpu_experts"] for g in plan.gpus)
+    assert plan.fits and all(g.items["gpu_experts"] for g in plan.gpus)
+    cfg = reader.config
+    per_expert = 2 * P.linear_bytes(cfg.moe_intermediate_size, cfg.hidden_size, fmt) + \
+        P.linear_bytes(cfg.hidden_size, cfg.moe_intermediate_size, fmt)
+    assert all(g.items["gpu_experts"] == 3 * per_expert * len([i for i in g.layers if cfg.is_moe_layer(i)])
+               for g in plan.gpus)
     rec = _Recording(experts)
     runner, placement = _runner(reader, rec, plan)
+    assert placement.expert_format == fmt
     assert placement.hot_experts and all(len(v) == 3 for v in placement.hot_experts.values())
-    mx = [n for n, m in runner.model.named_modules() if isinstance(m, Mxfp4Linear)]
-    assert len(mx) == 3 * 3 * len(placement.hot_experts) and all(".ffn.experts." in n for n in mx)
+    held = [n for n, m in runner.model.named_modules() if isinstance(m, linear) and ".ffn.experts." in n]
+    assert len(held) == 3 * 3 * len(placement.hot_experts)
     got: dict[int, int] = {}
     for name, t in list(runner.model.named_parameters()) + list(runner.model.named_buffers()):
         got[placement.gpu_index_of(name)] = got.get(placement.gpu_index_of(name), 0) + t.untyped_storage().nbytes()
     for g, gp in enumerate(plan.gpus):
+        print(f"hot {fmt}: GPU {g} planned {gp.items}, placed {got[g]} B")
         assert got[g] == sum(v for k, v in gp.items.items() if k not in NOT_WEIGHTS), (g, got, gp.items)
     assert runner.generate(_prompt(), STEPS).token_ids == alone
     hot_sent = sum(int(((ids[..., None] == torch.tensor(placement.hot_experts[layer])).any(-1) & (w == 0)).sum())
@@ -149,6 +171,26 @@ def test_hot_mxfp4_experts_give_the_shards_only_tokens(ckpt, alone):
     assert hot_sent > 0  # hot experts were chosen, and computed here (weight 0 to the experts)
     assert all(bool((w[~(ids[..., None] == torch.tensor(placement.hot_experts[layer])).any(-1)] > 0).all())
                for layer, ids, w in rec.sent)  # every other expert keeps its weight
+
+
+def test_hot_mxfp4_experts_give_the_shards_only_tokens(ckpt, alone):
+    """Flash-like MXFP4 experts held as stored (Mxfp4Linear)."""
+    from gpu_service.model.qlinear import Mxfp4Linear
+
+    _, reader, experts = ckpt
+    assert _plan(reader, ["1GiB"]).options.expert_format == "mxfp4"
+    _check_hot(reader, experts, alone, "mxfp4", Mxfp4Linear)
+
+
+def test_hot_fp8_experts_give_the_shards_only_tokens(pro):
+    """Pro-like FP8 experts held as stored (Fp8Linear: e4m3 + f32 block scales), whatever format the
+    plan gives the shards; the clamped SwiGLU applied (the tokens equal the shards-only run)."""
+    from gpu_service.model.qlinear import Fp8Linear
+
+    _, reader, experts, alone_pro = pro
+    assert _plan(reader, ["1GiB"]).options.expert_format != "fp8"  # the shards' format: bf16/int8/int4
+    _check_hot(reader, experts, alone_pro, "fp8", Fp8Linear)
+    assert reader.config.swiglu_limit  # the limit the hot path's SharedExpert clamps with
 
 
 def test_what_v4_cannot_execute_is_refused_by_name(ckpt, tmp_path):
@@ -159,13 +201,13 @@ def test_what_v4_cannot_execute_is_refused_by_name(ckpt, tmp_path):
         placement = Placement.from_plan(_plan(reader, ["1GiB"], attention_weights=aw), [torch.device("cpu")])
         with pytest.raises(ValueError, match=f"--attention-weights {aw}"):
             V4Runner(reader, experts, dtype=torch.float32, placement=placement, page_size=PAGE)
-    d = str(tmp_path / "pro")  # FP8 routed experts: no hot GPU experts
-    tiny.make_tiny(d, fmt="fp8", arch="deepseek_v4", v4_schedule="pro", seed=11)
-    pro = CheckpointReader(d, any_architecture=True)
-    hot = Placement.from_plan(_plan(pro, ["1GiB"], gpu_experts=2), [torch.device("cpu")])
-    assert hot.hot_experts and hot.expert_format != "mxfp4"
+    d = str(tmp_path / "bf16")  # unquantised routed experts: no hot GPU experts (held only as stored)
+    tiny.make_tiny(d, fmt="bf16", arch="deepseek_v4", v4_schedule="pro", seed=11)
+    plain = CheckpointReader(d, any_architecture=True)
+    hot = Placement.from_plan(_plan(plain, ["1GiB"], gpu_experts=2), [torch.device("cpu")])
+    assert hot.hot_experts and hot.expert_format not in ("mxfp4", "fp8")
     with pytest.raises(ValueError, match="--gpu-experts"):
-        V4Runner(pro, experts, dtype=torch.float32, placement=hot, page_size=PAGE)
+        V4Runner(plain, experts, dtype=torch.float32, placement=hot, page_size=PAGE)
     from gpu_service.entrypoints import generate
 
     g = argparse.ArgumentParser()

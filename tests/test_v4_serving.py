@@ -15,8 +15,8 @@ experts — a 100-token prompt (past the window of 8, 25 CSA blocks of 4, 6 HCA 
 - the HTTP completions endpoint (and gRPC Generate) returns the runner's greedy run, a JSON schema
   constrains its output (structured outputs), chat is served on both through the built-in V4 encoder;
   `moesplit generate` (shards, no --in-process) gives transformers' tokens; `moesplit gpu-server` over
-  the shards serves V4 completions and chat, executing a memory plan split over 2 (simulated) GPUs
-  with hot MXFP4 experts;
+  the shards serves V4 completions (n = 3 choices too) and chat, executing a memory plan split over 2
+  (simulated) GPUs with hot experts, MXFP4 or FP8 as stored;
   options that cannot apply to V4 are refused by name.
 """
 from __future__ import annotations
@@ -183,7 +183,7 @@ def test_batch_of_8_each_equals_its_alone_run_with_preemption():
         got = [[t for o in h for t in o.token_ids] for h in handles]
         with pytest.raises(RequestError):
             e.submit(_prompt(330), SamplingParams(), max_tokens=4)  # more than the pool holds
-        # n = 2 choices of one prompt: V4 forks none at the last prompt token, each choice prefills
+        # n = 2 choices of one prompt: forked at the last prompt token (tests/test_v4_fork.py)
         n2 = [[t for o in h for t in o.token_ids] for h in
               e.submit_n(prompts[3], [SamplingParams(), SamplingParams()], max_tokens=24, ignore_eos=True)]
         s = e.stats()
@@ -263,30 +263,36 @@ def test_options_that_cannot_apply_are_refused_by_name():
                         (["--page-size", "8"], "multiple of 16")):
         err = check_serving_args(p.parse_args(base + extra))
         assert err is not None and word in err and "DeepSeek-V4" in err
-    pro = ["--model", _served("pro-fp8")[0], "--page-size", "32"]  # FP8 experts: no hot GPU experts
-    err = check_serving_args(p.parse_args(pro + ["--gpu-experts", "4"]))
-    assert err is not None and "--gpu-experts" in err and "MXFP4" in err
+    pro = ["--model", _served("pro-fp8")[0], "--page-size", "32"]  # FP8 experts: hot as stored (Fp8Linear)
+    assert check_serving_args(p.parse_args(pro + plan)) is None
+    from gpu_service.local import tiny
+
+    plain = os.path.join(_ROOT, "bf16")  # unquantised experts: no hot GPU experts
+    tiny.make_tiny(plain, fmt="bf16", arch="deepseek_v4", v4_schedule="pro", seed=SEED)
+    err = check_serving_args(p.parse_args(["--model", plain, "--page-size", "32", "--gpu-experts", "4"]))
+    assert err is not None and "--gpu-experts" in err and "MXFP4 or block FP8" in err
     with pytest.raises(ValueError, match="multiple of 16"):
         V4Pool(runner.cfg, 4, 24, torch.float32, torch.device("cpu"))
 
 
-def test_gpu_server_cli_serves_v4_completions():
+@pytest.mark.parametrize("name", CASES)
+def test_gpu_server_cli_serves_v4_completions(name):
     import re
     import signal
     import subprocess
     import sys
     import time
 
-    d, runner, _, _ = _served("flash-mxfp4")
-    addresses = ",".join(_STARTED["flash-mxfp4"][4].addresses)
+    d, runner, _, _ = _served(name)
+    addresses = ",".join(_STARTED[name][4].addresses)
     base = [sys.executable, "-m", "moesplit", "gpu-server", "--model", d, "--shards-addresses", addresses,
             "--port", "0", "--grpc-port", "0", "--kv-tokens", "512", "--page-size", str(PAGE), "--dtype", "float32",
             "--device", "cpu", "--log-level", "WARNING"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     bad = subprocess.run(base + ["--attention-weights", "int8"], cwd=root, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--attention-weights int8" in bad.stderr and "DeepSeek-V4" in bad.stderr
-    # a memory plan split over 2 GPUs (simulated by the CPU) with 2 hot MXFP4 experts per layer is executed
-    # (the shards skip the hot experts): the tokens of the one-device runner without hot experts
+    # a memory plan split over 2 GPUs (simulated by the CPU) with 2 hot experts per layer (MXFP4 or FP8 as
+    # stored) is executed (the shards skip the hot experts): the tokens of the one-device runner without them
     p = subprocess.Popen(base + ["--gpu", "1GiB", "--gpu", "1GiB", "--gpu-experts", "2"], cwd=root,
                          stderr=subprocess.PIPE, text=True)
     try:
@@ -306,6 +312,11 @@ def test_gpu_server_cli_serves_v4_completions():
             "return_token_ids": True})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["token_ids"] == want
+        r = httpx.post(url + "/v1/completions", timeout=120, json={  # n = 3 choices, forked from one prefill
+            "model": os.path.basename(d), "prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "n": 3})
+        assert r.status_code == 200, r.text
+        assert [c["token_ids"] for c in r.json()["choices"]] == [want] * 3
         r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
             "model": os.path.basename(d), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert r.status_code == 200, r.text

@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     bad = v4_refused_options(args, cfg) if v4 and not args.in_process else []
     if bad:
         print(f"moesplit generate: {', '.join(bad)}: not available for this DeepSeek-V4 checkpoint (its runner keeps "
-              "hot GPU experts only as stored MXFP4, and these experts are not MXFP4); drop them", file=sys.stderr)
+              "hot GPU experts only as stored MXFP4 or block FP8, and these experts are neither); drop them", file=sys.stderr)
         return 2
     if v4 and not args.in_process and args.attention_weights not in V4_ATTENTION_WEIGHTS:
         print(f"moesplit generate: --attention-weights {args.attention_weights}: DeepSeek-V4's model runs its "

@@ -169,7 +169,7 @@ def v4_option_error(args: argparse.Namespace, cfg) -> str | None:
         bad.append("--host-kv-cache")
     if not bad:
         return None
-    why = (["its runner keeps hot GPU experts only as stored MXFP4, and these experts are not MXFP4"]
+    why = (["its runner keeps hot GPU experts only as stored MXFP4 or block FP8, and these experts are neither"]
            if bad != ["--host-kv-cache"] else []) + (["its prefix cache has no host tier"] if "--host-kv-cache" in bad else [])
     return f"{', '.join(bad)}: not available for this DeepSeek-V4 checkpoint ({'; '.join(why)}); drop them"
 

@@ -71,8 +71,10 @@ class Placement:
             from gpu_service.plan.hot_experts import resolve
 
             hot_experts = resolve(hot_experts, cfg, o.gpu_experts)  # checked against the plan, every MoE layer
+        from gpu_service.plan.arch import hot_expert_format
+
         return Placement(cfg, list(devices), layer_gpu, o.embeddings == "cpu", o.attention_weights,
-                         o.expert_format, o.kv_tokens, hot_experts, plan, o.chunk_tokens)
+                         hot_expert_format(cfg, o.expert_format), o.kv_tokens, hot_experts, plan, o.chunk_tokens)
 
     # ---- per-parameter decisions ---------------------------------------------------------------
     def gpu_index_of(self, param_name: str) -> int:
@@ -198,16 +200,19 @@ def add_plan_arguments(p) -> None:
                         "shards' activation counts; default: the lowest ids)")
 
 
-# memory-plan options a DeepSeek-V4 model uses only when its experts are MXFP4 (its runner keeps hot experts
-# as stored): (dest, default, flag); --attention-weights fp8 / int8 are refused by V4_ATTENTION_WEIGHTS
+# memory-plan options a DeepSeek-V4 model uses only when its experts are quantised (its runner keeps hot experts
+# as stored: MXFP4 or block FP8): (dest, default, flag); --attention-weights fp8 / int8 are refused by
+# V4_ATTENTION_WEIGHTS
 V4_PLAN_OPTIONS = (("gpu_experts", "0", "--gpu-experts"), ("hot_experts", None, "--hot-experts"))
 
 
 def v4_refused_options(args, cfg) -> list[str]:
-    """The flags of V4_PLAN_OPTIONS set for a DeepSeek-V4 `cfg` whose routed experts are not MXFP4."""
-    from gpu_service.plan.bytes_v4 import native_expert_format_v4
+    """The flags of V4_PLAN_OPTIONS set for a DeepSeek-V4 `cfg` whose routed experts are neither MXFP4 nor
+    block FP8 (an unquantised checkpoint: its runner holds hot experts only as stored)."""
+    from gpu_service.plan.bytes_v4 import hot_expert_format_v4, native_expert_format_v4, V4_HOT_FORMATS
 
-    return [] if native_expert_format_v4(cfg) == "mxfp4" else options_set(args, V4_PLAN_OPTIONS)
+    hot = hot_expert_format_v4(cfg, native_expert_format_v4(cfg) or "bf16")
+    return [] if hot in V4_HOT_FORMATS else options_set(args, V4_PLAN_OPTIONS)
 # the attention-weights formats the V4 model executes: its block-FP8 linears as stored, or dequantised
 V4_ATTENTION_WEIGHTS = ("auto", "checkpoint", "bf16")
 

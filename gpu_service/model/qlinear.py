@@ -236,14 +236,26 @@ class Mxfp4Linear(_Blockwise):
         return Mxfp4Linear(q.to(device), s.to(device))
 
     def _dequant_rows(self, w: torch.Tensor, r0: int, r1: int) -> None:
+        """Each code byte -> its two e2m1 values through a 256-entry pair table straight into `w`; the
+        one temporary is the codes as int32 (4 bytes per byte: the plan's qlinear_scratch_bytes)."""
+        rows = r1 - r0
+        codes = self.weight_packed[r0:r1].int().view(-1)
+        torch.index_select(_mxfp4_pairs(w.device, w.dtype), 0, codes, out=w.view(-1, 2))
+        w.view(rows, -1, self.GROUP).mul_(self.weight_scale[r0:r1, :, None])  # exact: powers of two
+
+
+_PAIRS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # (device, dtype) -> [256, 2] values
+
+
+def _mxfp4_pairs(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The two e2m1 values (low nibble first) of every byte, [256, 2] in `dtype` on `device`, made once."""
+    key = (torch.device(device), dtype)
+    if key not in _PAIRS:
         from checkpoint.formats_v4 import E2M1_VALUES
 
-        rows, packed = r1 - r0, self.weight_packed[r0:r1].long()
-        table = torch.from_numpy(E2M1_VALUES).to(device=w.device, dtype=w.dtype)
-        w2 = w.view(rows, self.in_features // 2, 2)
-        w2[..., 0].copy_(table[packed & 0xF])
-        w2[..., 1].copy_(table[packed >> 4])
-        w.view(rows, -1, self.GROUP).mul_(self.weight_scale[r0:r1, :, None].to(w.dtype))
+        v, b = torch.from_numpy(np.asarray(E2M1_VALUES, dtype=np.float32)), torch.arange(256)
+        _PAIRS[key] = torch.stack([v[b & 0xF], v[b >> 4]], 1).to(device=device, dtype=dtype)
+    return _PAIRS[key]
 
 
 def reserve_scratch(model: nn.Module, dtype: torch.dtype) -> None:

@@ -30,6 +30,7 @@ class ArchBytes:
     kv_bytes_per_token: Callable[[Any, int], float]  # (cfg, eb) -> pool bytes per token, all layers
     workspace: Callable[..., int]  # as gpu_service.plan.bytes.workspace_bytes
     native_expert_format: Callable[[Any], str | None]  # the checkpoint's expert format kept as stored
+    hot_format: Callable[[Any, str], str]  # (cfg, the shards' expert format) -> the hot GPU experts' format
     categories: Callable[[Any], tuple[str, ...]]  # the GPU item categories this model has, table order
     labels: dict[str, str] = field(default_factory=dict)
 
@@ -56,6 +57,11 @@ def _v3_native(cfg) -> str | None:
     return "int4" if q is not None and q.method == "int4" else None
 
 
+def _v3_hot_format(cfg, expert_format: str) -> str:
+    """V3 family: hot GPU experts are held in the shards' expert format."""
+    return expert_format
+
+
 def _v3_categories(cfg) -> tuple[str, ...]:
     drop = {"compressor", "mhc", "kv_window"} | (set() if cfg.is_v32 else {"indexer", "index_keys"})
     drop |= set() if getattr(cfg, "multimodal", None) else {"vision"}
@@ -68,14 +74,20 @@ def _v4_categories(cfg) -> tuple[str, ...]:
 
 
 MLA = ArchBytes("mla", B.gpu_modules, _v3_kv_items, _v3_kv_per_token, B.workspace_bytes, _v3_native,
-                _v3_categories, V3_LABELS)
+                _v3_hot_format, _v3_categories, V3_LABELS)
 DEEPSEEK_V4 = ArchBytes("deepseek_v4", B4.gpu_modules_v4, B4.kv_layer_items_v4, B4.kv_bytes_per_token_v4,
-                        B4.workspace_bytes_v4, B4.native_expert_format_v4, _v4_categories, B4.V4_LABELS)
+                        B4.workspace_bytes_v4, B4.native_expert_format_v4, B4.hot_expert_format_v4,
+                        _v4_categories, B4.V4_LABELS)
 
 
 def arch_bytes(cfg) -> ArchBytes:
     """The byte model of `cfg` (a ModelConfig or a V4Config)."""
     return DEEPSEEK_V4 if cfg.is_v4 else MLA
+
+
+def hot_expert_format(cfg, expert_format: str) -> str:
+    """The format the hot GPU experts are held in (and counted at) when the shards' is `expert_format`."""
+    return arch_bytes(cfg).hot_format(cfg, expert_format)
 
 
 def gpu_modules(cfg) -> list[B.Module]:

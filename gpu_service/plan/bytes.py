@@ -243,6 +243,8 @@ def qlinear_scratch_bytes(out: int, inp: int, fmt: str, eb: int) -> int:
     if fmt == "int4":
         cols = 8 * math.ceil(inp / 8)
         return eb * rows * cols + rows * cols
+    if fmt == "mxfp4":  # Mxfp4Linear: + the rows' code bytes as int32 (the pair table's index)
+        return eb * rows * inp + 4 * rows * math.ceil(inp / 2)
     return eb * rows * inp
 
 

@@ -17,7 +17,9 @@ What differs from V3 (MLA):
   query's gathered index_topk picks), the indexer (f32 scores of INDEX_BLOCK queries and every head
   over all of the sequence's CSA entries) and the compressor; the larger of a prefill chunk's and a
   decode batch's step.
-- Experts: MXFP4 (`linear_bytes(..., "mxfp4")`) as stored, on the shards and as hot GPU experts.
+- Experts: MXFP4 (`linear_bytes(..., "mxfp4")`) as stored, on the shards and as hot GPU experts;
+  FP8 experts (Pro-style base releases) as stored as hot GPU experts (`linear_bytes(..., "fp8")`: e4m3
+  bytes + an f32 scale per 128x128 block, as `Fp8Linear` holds them), the shards' format searched.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from gpu_service.model.v4.blocks import ATTN_BLOCK, INDEX_BLOCK
 from gpu_service.plan.bytes import checkpoint_format, Module, Options, graph_buckets, GRAPH_SLOTS
 
 F32 = 4
+V4_HOT_FORMATS = ("mxfp4", "fp8")  # hot GPU experts the V4 model holds: the checkpoint's experts as stored
 # categories a V4 GPU plan shows (gpu_service.plan.bytes.CATEGORIES order; "kv_window" and "kv_state" are V4's)
 V4_LABELS = {"attention": "attention (V4)", "indexer": "indexer (CSA)", "compressor": "KV compressors",
              "mhc": "mHC mixing", "kv_cache": "KV compressed", "index_keys": "indexer keys",
@@ -175,7 +178,7 @@ def workspace_bytes_v4(cfg: V4Config, o: Options, *, mlp_width: int, lm_head: bo
     wo_a_dq = e * cfg.num_attention_heads * cfg.head_dim * cfg.o_lora_rank if wo_a != "bf16" else 0
     prefill = layer_step_bytes_v4(cfg, o, rows=T, span=T, seqs=1, mlp_width=mlp_width)
     decode = layer_step_bytes_v4(cfg, o, rows=B, span=1, seqs=B, mlp_width=mlp_width)
-    moe = F32 * T * D + 12 * T * cfg.num_experts_per_tok
+    moe = F32 * T * D + 12 * T * cfg.num_experts_per_tok + hot_experts_bytes_v4(cfg, o)
     logits = 2 * F32 * B * cfg.vocab_size if lm_head else 0
     graphs = 0
     if o.cuda_graphs and layers:
@@ -184,6 +187,24 @@ def workspace_bytes_v4(cfg: V4Config, o: Options, *, mlp_width: int, lm_head: bo
     return max(prefill, decode) + moe + logits + scratch + graphs + wo_a_dq
 
 
+def hot_experts_bytes_v4(cfg: V4Config, o: Options) -> int:
+    """The hot GPU experts' transient in a chunk's MoE (gpu_service.model.deepseek.MoE.hot_output, 0
+    without them): their summed output [T, D] and one expert's rows at its worst moment, every row
+    of the chunk picking it: its input rows and the clamped SwiGLU's gate, up, their clamps, silu
+    and product (D + 6I per row), or later its output, weighted output and input (3D); the
+    dequantisation scratch is the workspace's `scratch`."""
+    if not o.gpu_experts:
+        return 0
+    D, I = cfg.hidden_size, cfg.moe_intermediate_size
+    return o.eb * o.chunk_tokens * (D + max(D + 6 * I, 3 * D))
+
+
 def native_expert_format_v4(cfg: V4Config) -> str | None:
     """The experts' stored format when the shards can keep it as is: "mxfp4" for MXFP4 checkpoints."""
     return "mxfp4" if cfg.quantization is not None and cfg.expert_dtype == "fp4" else None
+
+
+def hot_expert_format_v4(cfg: V4Config, expert_format: str) -> str:
+    """The hot GPU experts' format: the checkpoint's block FP8 as stored (`Fp8Linear`) for FP8-expert
+    checkpoints whatever the shards hold, else the shards' format (MXFP4 as stored for MXFP4 ones)."""
+    return "fp8" if cfg.quantization is not None and cfg.expert_dtype == "fp8" else expert_format

@@ -11,6 +11,12 @@ from gpu_service.plan.bytes import CATEGORIES, fmt_gib, PRESETS_DIR
 from gpu_service.plan.vision import vision_bytes
 
 
+def _hot_note(cfg, o) -> str:
+    """" (fp8)" when the hot GPU experts are held in another format than the shards' (V4 FP8 experts)."""
+    hot = arch_bytes(cfg).hot_format(cfg, o.expert_format)
+    return f" ({hot})" if o.gpu_experts and hot != o.expert_format else ""
+
+
 def render_table(p: "Plan") -> str:  # a gpu_service.plan.search.Plan
     cfg, o = p.cfg, p.options
     A = arch_bytes(cfg)
@@ -19,7 +25,7 @@ def render_table(p: "Plan") -> str:  # a gpu_service.plan.search.Plan
              f"{len(cfg.moe_layers)} MoE x {cfg.n_routed_experts} experts)",
              f"parameters: {c['total']:,} = {c['routed']:,} routed (CPU shards) + {c['non_routed']:,} other",
              f"options: attention-weights {o.attention_weights}, embeddings {o.embeddings}, expert-format "
-             f"{o.expert_format}, gpu-experts {o.gpu_experts}/layer, kv-tokens {o.kv_tokens}, "
+             f"{o.expert_format}, gpu-experts {o.gpu_experts}/layer{_hot_note(cfg, o)}, kv-tokens {o.kv_tokens}, "
              f"chunk-tokens {o.chunk_tokens}, max-batch {o.max_batch}, dtype {o.dtype}"]
     vb = vision_bytes(cfg, o.eb) if not cfg.is_v4 else None
     if vb:

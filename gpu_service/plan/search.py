@@ -159,14 +159,15 @@ class _Layout:
                     fmt = checkpoint_format(cfg, lname) if o.attention_weights == "checkpoint" else o.attention_weights
                     self.layer_scratch[m.layer] = max(self.layer_scratch[m.layer],
                                                       qlinear_scratch_bytes(out, inp, fmt, o.eb))
-        hot = o.gpu_experts * expert_bytes(cfg, o.expert_format, eb=o.eb)
+        hfmt = A.hot_format(cfg, o.expert_format)  # V4 FP8-expert checkpoints: fp8 as stored
+        hot = o.gpu_experts * expert_bytes(cfg, hfmt, eb=o.eb)
         for i in range(L):
             self.layer_items[i].update(A.kv_layer_items(cfg, i, o))  # the pool (+ its null slot), per layer
             if cfg.is_moe_layer(i) and hot:
                 self.layer_items[i]["gpu_experts"] = hot
                 I, H = cfg.moe_intermediate_size, cfg.hidden_size
-                self.layer_scratch[i] = max(self.layer_scratch[i], qlinear_scratch_bytes(I, H, o.expert_format, o.eb),
-                                            qlinear_scratch_bytes(H, I, o.expert_format, o.eb))
+                self.layer_scratch[i] = max(self.layer_scratch[i], qlinear_scratch_bytes(I, H, hfmt, o.eb),
+                                            qlinear_scratch_bytes(H, I, hfmt, o.eb))
         self.layer_total = [sum(it.values()) for it in self.layer_items]
         self.prefix = [0]
         for b in self.layer_total:
@@ -456,7 +457,9 @@ def make_plan(cfg: ModelConfig, gpus: list[int | str], host_ram: int | str | Non
         choices.append(f"layers split over {len(caps)} GPUs in contiguous ranges balanced by free bytes")
     if gpu_experts == "auto":
         n_exp = _most_gpu_experts(lambda x: _fits_gpus(cfg, opts(a, e, kv, x), caps), cfg.n_routed_experts)
-        choices.append(f"gpu experts {n_exp} per MoE layer: as many hot {efmt} experts as fit after the KV cache")
+        hfmt = arch_bytes(cfg).hot_format(cfg, efmt)
+        choices.append(f"gpu experts {n_exp} per MoE layer: as many hot {hfmt} experts as fit after the KV cache"
+                       + (" (the checkpoint's FP8 experts as stored)" if hfmt != efmt else ""))
 
     o = opts(a, e, kv, n_exp)
     layout = _Layout(cfg, o, caps)

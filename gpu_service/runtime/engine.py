@@ -134,7 +134,8 @@ class Engine:
     def submit_n(self, prompt_ids: list[int], params: list[SamplingParams], **kw) -> list[RequestHandle]:
         """len(params) requests on one prompt (OpenAI's `n`), queued and admitted as one unit. The
         first prefills the prompt; the others copy its KV pages but for the last prompt token (a
-        choice that cannot fork then is prefilled on its own: same tokens, more work)."""
+        choice that cannot fork then is prefilled on its own: same tokens, more work). A runner that
+        keeps a sequence's state only where told (V4) is told the fork point first (`will_fork`)."""
         if len(params) > MAX_N:
             raise RequestError(f"n={len(params)} choices; at most {MAX_N} (MAX_N) per request: lower n", "n")
         if len(params) > self.max_waiting:
@@ -142,6 +143,9 @@ class Engine:
                                f"requests (--max-waiting); lower n", "n")
         reqs = [self._make(prompt_ids, p, **kw) for p in params]
         reqs[0].followers = reqs[1:]  # linked before the engine can see the first: forked once, all of them
+        will_fork = getattr(self.runner, "will_fork", None)  # a runner keeping state only where told (V4)
+        if will_fork is not None and len(reqs) > 1:
+            will_fork(reqs[0].seq, reqs[0].prompt_len - 1)
         return self._enqueue(reqs[:1], choices=len(reqs))
 
     def _make(self, prompt_ids: list[int], params: SamplingParams | None, max_tokens: int | None = None,

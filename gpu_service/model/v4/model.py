@@ -188,7 +188,8 @@ def build_v4(cfg: V4Config, get: Callable[[str], "np.ndarray | torch.Tensor"], d
     sink parameters, `ape` and the gate stay float32. `stored(name)` -> (e4m3 weight, float32
     block scales) or None: a linear it gives arrays for is an `Fp8Linear` (gpu_service.model.qlinear)
     holding them; a hot routed expert (`hot_experts`: layer -> ids) is an `Mxfp4Linear` of the arrays
-    `stored` gives for it as ("mxfp4", packed, e8m0). Returns the model and the names loaded."""
+    `stored` gives for it as ("mxfp4", packed, e8m0), or an `Fp8Linear` of its FP8 arrays (FP8-expert
+    checkpoints). Returns the model and the names loaded."""
     with torch.device("meta"):
         model = DeepseekV4(cfg, hot_experts)
     loaded: set[str] = set()
@@ -205,10 +206,10 @@ def build_v4(cfg: V4Config, get: Callable[[str], "np.ndarray | torch.Tensor"], d
             setattr(model.get_submodule(parent), child, Mxfp4Linear.from_stored(q[1], q[2], device))
             loaded.add(name)
             continue
-        if ".ffn.experts." in name:
-            raise ValueError(f"{name}: a hot GPU expert must be MXFP4 as stored (the plan's expert format mxfp4); "
-                             "plan with --gpu-experts 0 for this checkpoint")
-        if q is not None:
+        if ".ffn.experts." in name and q is None:
+            raise ValueError(f"{name}: a hot GPU expert is held as the checkpoint stores it (MXFP4 or block FP8); "
+                             "this checkpoint's experts are neither: plan with --gpu-experts 0 for it")
+        if q is not None:  # a block-FP8 linear as stored (a hot FP8 expert of a Pro-style base release too)
             if tuple(q[0].shape) != tuple(p.shape):
                 raise ValueError(f"tensor {name!r} has shape {tuple(q[0].shape)}, expected {tuple(p.shape)} from "
                                  "config.json")

@@ -3,8 +3,8 @@
 the correction bias; weights are the chosen scores normalised, times routed_scaling_factor) and the
 shared expert with the clamped SwiGLU. Routed experts go through the `ExpertsFn`.
 
-Hot experts (a memory plan's `--gpu-experts`) are held here as `Mxfp4Linear` (their stored MXFP4)
-and run through the V3 MoE's hot path (`remote_weights`: weight 0 to the shards, which skip them;
+Hot experts (a memory plan's `--gpu-experts`) are held here as stored: `Mxfp4Linear` (MXFP4
+checkpoints) or `Fp8Linear` (block FP8 e4m3 + ue8m0 scales, Pro-style base releases), and run through the V3 MoE's hot path (`remote_weights`: weight 0 to the shards, which skip them;
 `hot_output`: their weighted sum here), with the clamped SwiGLU of `SharedExpert`.
 
 `ReferenceExperts` computes the routed experts in process from float weights, with the same clamp
@@ -86,7 +86,9 @@ class MoE(nn.Module):
         shared = self.shared_experts(h) if self.shared_experts is not None else None
         hot = self.hot_output(h, ids, w, h) if self.experts is not None else None
         routed = handle.wait()
-        routed = routed if hot is None else routed + hot
+        if hot is not None:  # summed into the hot experts' own buffer: no [T, hidden] sums beside it
+            out = hot.add_(routed)
+            return out if shared is None else out.add_(shared)
         return routed if shared is None else routed + shared
 
 

@@ -15,8 +15,9 @@ path (one-shot prefill, chunked prefill, decode) reads and writes the pool.
 
 `V4PrefixCache` is the engine's `PrefixCache` (same keys, same page sharing: a prefix's entries never
 change) plus a snapshot of the bounded state at a page boundary: a sequence whose step ends on a page
-boundary keeps that state (`V4Seq.snap`); when the page is committed the snapshot goes to its node
-(a sequence keeps only its latest one there), charged pool pages for its bytes. A lookup attaches up
+boundary keeps that state (`V4Seq.snaps`); when the page is committed the snapshot goes to its node
+(a sequence keeps only its latest one there, but for the prompt's boundaries at multiples of
+`keep_every`, which stay for other prompts sharing that prefix), charged pool pages for its bytes. A lookup attaches up
 to the deepest cached node with a snapshot and restores it, so a second turn resumes exactly where
 the first stopped on a boundary.
 """
@@ -74,6 +75,14 @@ class V4Pool(KVPool):
         """Bytes of every paged tensor."""
         return sum(t.numel() * t.element_size() for t in self.kv)
 
+    def copy_page(self, src: int, dst: int) -> None:
+        """Every paged tensor's rows of page `src` into page `dst` (a fork's partial page)."""
+        for ratios, tensors in ((self.ratios, self.entries), ((CSA,) * len(self.ratios), self.index_k)):
+            for r, t in zip(ratios, tensors):
+                if t is not None:
+                    k = self.page_size // r
+                    t[dst * k:(dst + 1) * k].copy_(t[src * k:(src + 1) * k])
+
     def page_bytes(self) -> int:
         """Bytes one page holds over all layers."""
         return sum(t[:-1].numel() * t.element_size() for t in self.kv) // max(self.num_pages, 1)
@@ -115,9 +124,11 @@ class V4Seq(SeqKV):
     """A sequence's pages plus its bounded state (module docstring): the model's cache of it."""
 
     layers: list = field(default_factory=list)  # AttnState per layer
-    snap: tuple | None = None  # (length, per-layer snapshots) at the last page boundary a step ended on
+    snaps: list = field(default_factory=list)  # (length, per-layer snapshots) at each page boundary a step ended on
     snap_node: object = None  # the prefix-cache node holding this sequence's latest snapshot
     fed_to: int = 0  # tokens the engine feeds before its next sample (set at the prefix-cache lookup)
+    fork_at: int = -1  # the engine forks this sequence's n choices here (its last prompt token); -1: none
+    fork_snap: tuple | None = None  # (fork_at, per-layer snapshots): the bounded state there, until copied
 
     def __post_init__(self):
         self._fresh()
@@ -128,7 +139,8 @@ class V4Seq(SeqKV):
         self.layers = [AttnState(PagedEntries(pool.entries[i], self, r) if r else None,
                                  PagedEntries(pool.index_k[i], self, r) if r == CSA else None)
                        for i, r in enumerate(pool.ratios)]
-        self.snap = self.snap_node = None
+        self.snaps = []
+        self.snap_node = self.fork_snap = None  # fork_at stays: a preempted leader forks still
         self.fed_to = 0
 
     def free(self) -> None:
@@ -137,8 +149,37 @@ class V4Seq(SeqKV):
         self._fresh()
 
     def take_snapshot(self) -> None:
-        """Keep the bounded state now (the engine's step ended at a page boundary)."""
-        self.snap = (self.length, [st.snapshot() for st in self.layers])
+        """Keep the bounded state now (a pass of the engine's step ended at a page boundary) until the
+        step's commit places it."""
+        self.snaps.append((self.length, [st.snapshot() for st in self.layers]))
+
+    def take_fork_snapshot(self) -> None:
+        """Keep the bounded state now, at `fork_at` tokens (the choices forked from this one copy it)."""
+        self.fork_snap = (self.length, [st.snapshot() for st in self.layers])
+
+    def fork_into(self, dst: "V4Seq", n: int, cache: "V4PrefixCache | None") -> None:
+        """`dst` becomes this sequence at its first `n` tokens (the `fork_snap` state): its full pages
+        are this one's by reference where the prefix cache holds them (refcounts, as a lookup takes
+        them; dst's own page for that position back to the pool), else copied; the partial last page
+        copied; the bounded state (window keys, pending rows, overlap halves, counts) cloned. dst
+        holds pages reserved for them (the engine's) and may hold a cached prefix of them already."""
+        if self.fork_snap is None or self.fork_snap[0] != n:
+            raise RuntimeError(f"V4 fork at {n} tokens without the sequence's snapshot there")
+        S = self.pool.page_size
+        if len(dst.pages) < -(-n // S) or dst.length > n:
+            raise RuntimeError(f"V4 fork: destination holds {len(dst.pages)} pages and {dst.length} tokens for {n}")
+        shared = cache is not None and dst.cache_root is not None and dst.cache_root == self.cache_root
+        for i in range(dst.length // S, -(-n // S)):
+            if shared and i == len(dst.nodes) and i < len(self.nodes) and (i + 1) * S <= n:
+                node = self.nodes[i]  # a full page of the prompt, cached: by reference
+                cache.share(node)
+                self.pool.free_pages.append(dst.pages[i])
+                dst.pages[i] = node.page
+                dst.nodes.append(node)
+            elif dst.pages[i] != self.pages[i]:
+                self.pool.copy_page(self.pages[i], dst.pages[i])
+        dst.length = n
+        dst.restore(self.fork_snap)
 
     def restore(self, snap: tuple) -> None:
         """Continue from a snapshot taken at `self.length` tokens (the pages hold its entries)."""
@@ -165,8 +206,14 @@ class V4PrefixCache(PrefixCache):
     places a newer one, or least recently used first when the pool needs pages and no cached node
     is left to evict. No host tier: the snapshots would have to move with the pages."""
 
-    def __init__(self, pool: V4Pool):
+    def __init__(self, pool: V4Pool, keep_every: int = 0):
+        """`keep_every`: snapshots at prompt boundaries that are multiples of it (tokens, a multiple of
+        the page size; 0: none) stay cached for other prompts sharing that prefix."""
+        if keep_every % pool.page_size:
+            raise ValueError(f"V4 prefix snapshots every {keep_every} tokens: use a multiple of the page size "
+                             f"{pool.page_size}")
         super().__init__(pool, None)
+        self.keep_every = keep_every
         self.snaps: "collections.OrderedDict[object, Snapshot]" = collections.OrderedDict()  # node -> its, LRU
         self.snap_pages = 0
         self.stats.update(snapshots=0, snapshots_dropped=0)
@@ -201,27 +248,39 @@ class V4PrefixCache(PrefixCache):
         return hit
 
     def commit(self, seq: V4Seq, tokens: list[int]) -> None:
-        """PrefixCache.commit, then the sequence's boundary snapshot onto its page's node (the
-        sequence's previous one dropped); skipped when the pool cannot give its pages."""
+        """PrefixCache.commit, then the sequence's boundary snapshots onto their pages' nodes: one at a
+        multiple of `keep_every` inside the prompt stays there (ownerless, until evicted: a shared
+        system prompt's boundaries), any other replaces the one the sequence placed before; skipped
+        when the pool cannot give its pages."""
         super().commit(seq, tokens)
-        snap, seq.snap = seq.snap, None
-        if seq.cache_root is None or snap is None or not snap[0] or snap[0] // self.S > len(seq.nodes):
+        pending, seq.snaps = seq.snaps, []
+        if seq.cache_root is None:
             return
-        node = seq.nodes[snap[0] // self.S - 1]
-        if node in self.snaps:
-            return
-        old = self.snaps.get(seq.snap_node)
-        if old is not None and old.owner is seq:
-            self._unsnap(seq.snap_node)
-        size = sum(t.numel() * t.element_size() for st in snap[1] for t in _tensors(st))
-        try:
-            pages = self.pool.take(-(-size // max(self.pool.page_bytes(), 1)))  # the node is referenced: kept
-        except PoolExhausted:
-            return
-        self.snaps[node] = Snapshot(snap, pages, seq)
-        self.snap_pages += len(pages)
-        seq.snap_node = node
-        self.stats["snapshots"] += 1
+        for snap in pending:
+            length = snap[0]
+            if not length or length // self.S > len(seq.nodes):
+                continue
+            node = seq.nodes[length // self.S - 1]
+            if node in self.snaps:
+                continue
+            kept = bool(self.keep_every) and length % self.keep_every == 0 and length <= seq.fed_to
+            old = self.snaps.get(seq.snap_node)
+            if not kept and old is not None and old.owner is seq:
+                self._unsnap(seq.snap_node)
+            size = sum(t.numel() * t.element_size() for st in snap[1] for t in _tensors(st))
+            try:
+                pages = self.pool.take(-(-size // max(self.pool.page_bytes(), 1)))  # the node is referenced: kept
+            except PoolExhausted:
+                continue
+            self.snaps[node] = Snapshot(snap, pages, None if kept else seq)
+            self.snap_pages += len(pages)
+            if not kept:
+                seq.snap_node = node
+            self.stats["snapshots"] += 1
+
+    def share(self, node) -> None:
+        """One more sequence references `node` (a fork taking its leader's cached page)."""
+        self._incref(node)
 
     def _unsnap(self, node) -> None:
         """Drop `node`'s snapshot (if any), its pages back to the pool."""

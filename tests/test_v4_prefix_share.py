@@ -1,0 +1,85 @@
+"""DeepSeek-V4's prefix cache shares a prefix across different prompts (a system prompt): the
+snapshots of a prompt's boundaries at multiples of `snapshot_every` stay cached
+(gpu_service.model.v4.paged.V4PrefixCache `keep_every`, the runner's passes split there).
+
+On a make-tiny Flash-like checkpoint (MXFP4 experts in process), fp32 on the CPU, pages of 16, the
+engine with check_pool on: conversation A (a 50-token system prompt + its user turn) runs, then
+conversation B (the same system prompt + another user turn): B resumes at the deepest kept boundary
+inside the shared system prompt (48 tokens with a snapshot every page, 32 every 2 pages) and its
+tokens equal a run without the cache; with no kept boundaries (the single last-boundary snapshot
+per sequence) B finds nothing to resume from.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpoint.reader import CheckpointReader
+from gpu_service.model.v4.moe import ReferenceExperts
+from gpu_service.runtime.engine import Engine
+from gpu_service.runtime.runner_v4 import V4Runner
+from gpu_service.runtime.sampling import SamplingParams
+
+PAGE, KV, STEPS = 16, 1024, 12
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """(reader, in-process experts) of a tiny Flash-like V4 checkpoint."""
+    from gpu_service.local import tiny
+
+    d = str(tmp_path_factory.mktemp("v4share") / "flash")
+    tiny.make_tiny(d, fmt="mxfp4", arch="deepseek_v4", v4_schedule="flash", seed=5)
+    reader = CheckpointReader(d, any_architecture=True)
+    cfg = reader.config
+    return reader, ReferenceExperts(reader.get, cfg.n_routed_experts, cfg.swiglu_limit)
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(2, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+SYSTEM = _ids(50, 1)
+A, B = SYSTEM + _ids(20, 2), SYSTEM + _ids(15, 3)
+
+
+def _runs(runner, prompts) -> tuple[list[list[int]], list[int]]:
+    """Each prompt's greedy tokens in turn through one engine, and the tokens each found cached."""
+    e = Engine(runner, None, max_batch=4, chunk_tokens=64, check_pool=True).start()
+    try:
+        out, cached = [], []
+        for p in prompts:
+            h = e.submit(p, SamplingParams(), max_tokens=STEPS, ignore_eos=True)
+            out.append([t for o in h for t in o.token_ids])
+            cached.append(h.cached_tokens)
+        assert e.stats()["errors"] == 0 and e.last_error is None
+        return out, cached
+    finally:
+        e.stop()
+
+
+@pytest.mark.parametrize("every,resume", [(16, 48), (32, 32), (0, 0)])
+def test_two_conversations_share_a_system_prompt(ckpt, every, resume):
+    reader, experts = ckpt
+
+    def runner(**kw):
+        return V4Runner(reader, experts, device=torch.device("cpu"), dtype=torch.float32, kv_tokens=KV,
+                        page_size=PAGE, **kw)
+
+    want, _ = _runs(runner(prefix_cache=False), [A, B])
+    r = runner(snapshot_every=every)
+    got, cached = _runs(r, [A, B])
+    assert got == want  # A, then B resumed from A's system-prompt boundary: the tokens of no cache
+    assert cached == [0, resume]
+    assert r.pool.pages_in_use == r.pool.cached_pages
+    kept = [s for s in r.prefix_cache.snaps.values() if s.owner is None and s.state[0] % max(every, 1) == 0
+            and s.state[0] <= len(A)] if every else []
+    assert len(kept) == (len(A) // every if every else 0) + (len(B) // every - resume // every if every else 0)
+    r.prefix_cache.check()
+
+
+def test_snapshot_interval_must_be_whole_pages(ckpt):
+    reader, experts = ckpt
+    with pytest.raises(ValueError, match="multiple of the page size"):
+        V4Runner(reader, experts, device=torch.device("cpu"), dtype=torch.float32, kv_tokens=KV, page_size=PAGE,
+                 snapshot_every=24)
