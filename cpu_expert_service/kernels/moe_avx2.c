@@ -107,13 +107,67 @@ static inline __m256 bf16x8_to_ps(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 
-/* int4: 0 int8, 1 int4 (nibble = q + 8), 2 mxfp4 (nibble = e2m1 code, vpshufb'd through moe_mxfp4_u8 to
- * 2 * value + 12 <= 24: four vpmaddubsw products stay under 4 * 24 * 127 < 2^15, no saturation) */
+/* 8 e8m0 bytes -> their mxfp4 group scales 2^(e - 128), moe_mxfp4_scale's steps on 8 lanes */
+static inline __m256 e8x8_to_ps(const uint8_t *p) {
+    __m256i b = _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), 23);
+    b = _mm256_max_epi32(b, _mm256_set1_epi32(0x00400000));
+    return _mm256_mul_ps(_mm256_castsi256_ps(b), _mm256_set1_ps(0.5f));
+}
+
+/* a nibble group's bytes and its 32 scales from c0 (8 lanes): int4 (1) bf16, mxfp4 (2) e8m0 */
+#define NIB_GB(int4) ((int4) == 2 ? MOE_MXFP4_GROUP_BYTES : MOE_INT4_GROUP_BYTES)
+static inline __m256 group_scale8(const uint8_t *gb, int int4, int c0) {
+    return int4 == 2 ? e8x8_to_ps(gb + 512 + c0) : bf16x8_to_ps((const uint16_t *)(gb + 512) + c0);
+}
+
+/* 1 token, mxfp4: a weight stream of 544-byte groups (codes + e8m0 bytes as stored), the lines ahead
+ * prefetched as the bf16 GEMV's. Each code goes through moe_mxfp4_u8 (vpshufb) to 2 * value + 12 <= 24
+ * and into vpmaddubsw against both activation levels; per 8 channels the int16 products of two octets
+ * are summed before widening (8 products <= 8 * 24 * 127 < 2^15: exact), and the levels meet in int32
+ * as 254 * ih + il (one vpmaddwd each: |sum| < 32 * 24 * 127 * 255 < 2^31), the exact integer the
+ * other paths form, so cvt(it) == fma(cvt(ih), 254, cvt(il)) and the float steps per group (fmsub by
+ * xs and xc, fma by the e8m0 scale, once per group) are theirs: a row's bits do not depend on the path.
+ * Channels outer (8 at a time), octets inner: no accumulator spills on AVX2's 16 registers. */
+static void gemv_mxfp4_avx2(const uint8_t *wp, int G, const int8_t *xq, const float *xs, const float *xc, float *C) {
+    const __m256i lo4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), k254 = _mm256_set1_epi16(254);
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)moe_mxfp4_u8));
+    __m256 acc[4];
+    for (int v = 0; v < 4; v++) acc[v] = _mm256_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        const uint8_t *gb = wp + (size_t)g * MOE_MXFP4_GROUP_BYTES;
+        for (int l = 0; l < 9; l++) {
+            _mm_prefetch((const char *)gb + STREAM2_PF + 64 * l, _MM_HINT_T0);
+            _mm_prefetch((const char *)gb + STREAM2_PF2 + 64 * l, _MM_HINT_T1);
+        }
+        const int8_t *xg = xq + (size_t)g * 64;
+        __m256 vxs = _mm256_set1_ps(xs[g]), vxc = _mm256_set1_ps(xc[g]);
+        for (int v = 0; v < 4; v++) {
+            __m256i s = _mm256_setzero_si256();
+            for (int op = 0; op < 4; op += 2) {
+                __m256i ph = _mm256_setzero_si256(), pl = ph;
+                for (int o = op; o < op + 2; o++) {
+                    __m256i pk = _mm256_loadu_si256((const __m256i *)(gb + o * 128 + 32 * v));
+                    __m256i l = _mm256_shuffle_epi8(lut, _mm256_and_si256(pk, lo4));
+                    __m256i h = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(pk, 4), lo4));
+                    const int8_t *xo = xg + 8 * o;
+                    __m256i a = _mm256_set1_epi32(*(const int32_t *)xo), b = _mm256_set1_epi32(*(const int32_t *)(xo + 4));
+                    __m256i c = _mm256_set1_epi32(*(const int32_t *)(xo + 32)), d = _mm256_set1_epi32(*(const int32_t *)(xo + 36));
+                    ph = _mm256_add_epi16(ph, _mm256_add_epi16(_mm256_maddubs_epi16(l, a), _mm256_maddubs_epi16(h, b)));
+                    pl = _mm256_add_epi16(pl, _mm256_add_epi16(_mm256_maddubs_epi16(l, c), _mm256_maddubs_epi16(h, d)));
+                }
+                s = _mm256_add_epi32(s, _mm256_add_epi32(_mm256_madd_epi16(ph, k254), _mm256_madd_epi16(pl, ones)));
+            }
+            acc[v] = _mm256_fmadd_ps(e8x8_to_ps(gb + 512 + 8 * v), _mm256_fmsub_ps(_mm256_cvtepi32_ps(s), vxs, vxc), acc[v]);
+        }
+    }
+    for (int v = 0; v < 4; v++) _mm256_storeu_ps(C + 8 * v, acc[v]);
+}
+
+/* int4: 0 int8, 1 int4 (nibble = q + 8; four vpmaddubsw products stay under 4 * 15 * 127 < 2^15) */
 static void panel_int_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, int int4) {
     const uint8_t *wp = W->data + W->panel_bytes * (size_t)p;
     int G = W->Kp / MOE_GROUP, n = rows->n;
     const __m256i ones = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0f), x80 = _mm256_set1_epi8((char)0x80);
-    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)moe_mxfp4_u8));
     for (int g0 = 0; g0 < G; g0 += GC_INT) {
         int g1 = g0 + GC_INT < G ? g0 + GC_INT : G;
         for (int m = 0; m < n; m++) {
@@ -154,10 +208,6 @@ static void panel_int_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C
                         for (int v = 0; v < 4; v++) {
                             __m256i pk = _mm256_loadu_si256((const __m256i *)(gb + o * 128 + 32 * v));
                             __m256i l = _mm256_and_si256(pk, lo4), h = _mm256_and_si256(_mm256_srli_epi16(pk, 4), lo4);
-                            if (int4 == 2) {
-                                l = _mm256_shuffle_epi8(lut, l);
-                                h = _mm256_shuffle_epi8(lut, h);
-                            }
                             __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(l, a), _mm256_maddubs_epi16(h, b));
                             __m256i pl = _mm256_add_epi16(_mm256_maddubs_epi16(l, c), _mm256_maddubs_epi16(h, d));
                             ia[v] = _mm256_add_epi32(ia[v], _mm256_madd_epi16(ph, ones));
@@ -213,7 +263,7 @@ static void widen_tile(const uint8_t *wp, int g0, int ng, int int4, int16_t *til
                     a = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(gb + 2 * h * 128 + 32 * v)), x80);
                     b = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(gb + (2 * h + 1) * 128 + 32 * v)), x80);
                 } else {
-                    const uint8_t *gb = wp + (size_t)(g0 + g) * MOE_INT4_GROUP_BYTES;
+                    const uint8_t *gb = wp + (size_t)(g0 + g) * NIB_GB(int4);
                     __m256i pk = _mm256_loadu_si256((const __m256i *)(gb + h * 128 + 32 * v));
                     a = _mm256_and_si256(pk, lo4);
                     b = _mm256_and_si256(_mm256_srli_epi16(pk, 4), lo4);
@@ -272,7 +322,7 @@ static inline __attribute__((always_inline)) void mk_wd(const int MR, const int 
             }
         }
         __m256 ws = _mm256_setzero_ps();
-        if (int4) ws = bf16x8_to_ps((const uint16_t *)(wp + (size_t)(g0 + g) * MOE_INT4_GROUP_BYTES + 512) + c0);
+        if (int4) ws = group_scale8(wp + (size_t)(g0 + g) * NIB_GB(int4), int4, c0);
         for (int m = 0; m < MR; m++) {
             /* lanes (c, first half of a quad), (c, second half): hadd pairs them, permute restores c order */
             __m256i s = _mm256_permute4x64_epi64(_mm256_hadd_epi32(ia[m][0], ia[m][1]), 0xd8);
@@ -287,7 +337,7 @@ static inline __attribute__((always_inline)) void mk_wd(const int MR, const int 
 static void mk_wd_n(int mr, int int4, const int16_t *tile, const int16_t *x16, int ng, const uint8_t *wp, int g0,
                     const MoeRows *rows, int m0, float *C) {
 #define MKWD(R, F) for (int c0 = 0; c0 < 32; c0 += 8) mk_wd(R, F, tile, x16, ng, wp, g0, rows, m0, c0, C, g0 > 0)
-    switch ((int4 ? 4 : 0) + mr) {
+    switch (4 * int4 + mr) {
     case 1: MKWD(1, 0); break;
     case 2: MKWD(2, 0); break;
     case 3: MKWD(3, 0); break;
@@ -295,7 +345,11 @@ static void mk_wd_n(int mr, int int4, const int16_t *tile, const int16_t *x16, i
     case 5: MKWD(1, 1); break;
     case 6: MKWD(2, 1); break;
     case 7: MKWD(3, 1); break;
-    default: MKWD(4, 1); break;
+    case 8: MKWD(4, 1); break;
+    case 9: MKWD(1, 2); break;
+    case 10: MKWD(2, 2); break;
+    case 11: MKWD(3, 2); break;
+    default: MKWD(4, 2); break;
     }
 #undef MKWD
 }
@@ -342,7 +396,7 @@ static inline __attribute__((always_inline)) void mk_ub(const int MR, const int 
     __m256 acc[UB_MR][2];
     for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     for (int g = 0; g < G; g++) {
-        const uint8_t *gb = wp + (size_t)g * MOE_INT4_GROUP_BYTES;
+        const uint8_t *gb = wp + (size_t)g * NIB_GB(mx ? 2 : 1);
         __m256i ia[UB_MR][2];
         for (int m = 0; m < MR; m++) ia[m][0] = ia[m][1] = _mm256_setzero_si256();
         for (int o = 0; o < 4; o++) {
@@ -361,8 +415,7 @@ static inline __attribute__((always_inline)) void mk_ub(const int MR, const int 
                 }
             }
         }
-        const uint16_t *sp = (const uint16_t *)(gb + 512) + c0;
-        __m256 ws0 = bf16x8_to_ps(sp), ws1 = bf16x8_to_ps(sp + 8);
+        __m256 ws0 = group_scale8(gb, mx ? 2 : 1, c0), ws1 = group_scale8(gb, mx ? 2 : 1, c0 + 8);
         for (int m = 0; m < MR; m++) {
             __m256 xs = _mm256_set1_ps(rows->xs[m0 + m][g]), xc = _mm256_set1_ps(rows->xc[m0 + m][g]);
             __m256 s0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[m][0]), k254, zf);
@@ -406,8 +459,10 @@ void moe_panel_int4_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, 
     else panel_int_wd(W, p, rows, C, scratch, 1);
 }
 void moe_panel_mxfp4_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {
-    if (rows->n == 1) panel_int_avx2(W, p, rows, C, 2);
-    else if (rows->act8) panel_int_ub(W, p, rows, C, 1);
+    if (rows->n == 1) {
+        const uint8_t *wp = W->data + W->panel_bytes * (size_t)p;
+        gemv_mxfp4_avx2(wp, W->Kp / MOE_GROUP, rows->q[0], rows->xs[0], rows->xc[0], C);
+    } else if (rows->act8) panel_int_ub(W, p, rows, C, 1);
     else panel_int_wd(W, p, rows, C, scratch, 2);
 }
 
