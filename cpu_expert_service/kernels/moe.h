@@ -60,14 +60,15 @@ static inline size_t moe_nibble_group_bytes(int fmt) {
     return fmt == MOE_FMT_MXFP4 ? MOE_MXFP4_GROUP_BYTES : MOE_INT4_GROUP_BYTES;
 }
 
-/* e8m0 byte e -> the kernels' mxfp4 group scale 2^(e - 128) (the table doubles the e2m1 values), exact
- * for every e in 0..254 (2^-128 and 2^-127 are f32 subnormals): bits(max(e << 23, 2^-127's)) * 0.5.
- * The ISA files compute the same three steps on vectors of bytes (one definition of the scale). */
+/* e8m0 byte e -> its value 2^(e - 127) in f32, exact for every e in 0..254 (2^-127 is an f32 subnormal):
+ * bits(max(e << 23, 2^-127's)), the kernels' mxfp4 group scale. The table doubles the e2m1 values (2 *
+ * value + 12); the halving is in the activation scale of mxfp4 rows (quant_row: xs = amax / 127 / 508),
+ * not per group. The ISA files compute the same two steps on vectors of bytes (one definition). */
 static inline float moe_mxfp4_scale(uint8_t e) {
     union { uint32_t u; float f; } v;
     v.u = (uint32_t)e << 23;
     if (v.u < 0x00400000u) v.u = 0x00400000u;
-    return v.f * 0.5f;
+    return v.f;
 }
 
 /* One packed matrix. */

@@ -107,11 +107,10 @@ static inline __m256 bf16x8_to_ps(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 
-/* 8 e8m0 bytes -> their mxfp4 group scales 2^(e - 128), moe_mxfp4_scale's steps on 8 lanes */
+/* 8 e8m0 bytes -> their mxfp4 group scales 2^(e - 127), moe_mxfp4_scale's steps on 8 lanes */
 static inline __m256 e8x8_to_ps(const uint8_t *p) {
     __m256i b = _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), 23);
-    b = _mm256_max_epi32(b, _mm256_set1_epi32(0x00400000));
-    return _mm256_mul_ps(_mm256_castsi256_ps(b), _mm256_set1_ps(0.5f));
+    return _mm256_castsi256_ps(_mm256_max_epi32(b, _mm256_set1_epi32(0x00400000)));
 }
 
 /* a nibble group's bytes and its 32 scales from c0 (8 lanes): int4 (1) bf16, mxfp4 (2) e8m0 */
@@ -120,54 +119,13 @@ static inline __m256 group_scale8(const uint8_t *gb, int int4, int c0) {
     return int4 == 2 ? e8x8_to_ps(gb + 512 + c0) : bf16x8_to_ps((const uint16_t *)(gb + 512) + c0);
 }
 
-/* 1 token, mxfp4: a weight stream of 544-byte groups (codes + e8m0 bytes as stored), the lines ahead
- * prefetched as the bf16 GEMV's. Each code goes through moe_mxfp4_u8 (vpshufb) to 2 * value + 12 <= 24
- * and into vpmaddubsw against both activation levels; per 8 channels the int16 products of two octets
- * are summed before widening (8 products <= 8 * 24 * 127 < 2^15: exact), and the levels meet in int32
- * as 254 * ih + il (one vpmaddwd each: |sum| < 32 * 24 * 127 * 255 < 2^31), the exact integer the
- * other paths form, so cvt(it) == fma(cvt(ih), 254, cvt(il)) and the float steps per group (fmsub by
- * xs and xc, fma by the e8m0 scale, once per group) are theirs: a row's bits do not depend on the path.
- * Channels outer (8 at a time), octets inner: no accumulator spills on AVX2's 16 registers. */
-static void gemv_mxfp4_avx2(const uint8_t *wp, int G, const int8_t *xq, const float *xs, const float *xc, float *C) {
-    const __m256i lo4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), k254 = _mm256_set1_epi16(254);
-    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)moe_mxfp4_u8));
-    __m256 acc[4];
-    for (int v = 0; v < 4; v++) acc[v] = _mm256_setzero_ps();
-    for (int g = 0; g < G; g++) {
-        const uint8_t *gb = wp + (size_t)g * MOE_MXFP4_GROUP_BYTES;
-        for (int l = 0; l < 9; l++) {
-            _mm_prefetch((const char *)gb + STREAM2_PF + 64 * l, _MM_HINT_T0);
-            _mm_prefetch((const char *)gb + STREAM2_PF2 + 64 * l, _MM_HINT_T1);
-        }
-        const int8_t *xg = xq + (size_t)g * 64;
-        __m256 vxs = _mm256_set1_ps(xs[g]), vxc = _mm256_set1_ps(xc[g]);
-        for (int v = 0; v < 4; v++) {
-            __m256i s = _mm256_setzero_si256();
-            for (int op = 0; op < 4; op += 2) {
-                __m256i ph = _mm256_setzero_si256(), pl = ph;
-                for (int o = op; o < op + 2; o++) {
-                    __m256i pk = _mm256_loadu_si256((const __m256i *)(gb + o * 128 + 32 * v));
-                    __m256i l = _mm256_shuffle_epi8(lut, _mm256_and_si256(pk, lo4));
-                    __m256i h = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(pk, 4), lo4));
-                    const int8_t *xo = xg + 8 * o;
-                    __m256i a = _mm256_set1_epi32(*(const int32_t *)xo), b = _mm256_set1_epi32(*(const int32_t *)(xo + 4));
-                    __m256i c = _mm256_set1_epi32(*(const int32_t *)(xo + 32)), d = _mm256_set1_epi32(*(const int32_t *)(xo + 36));
-                    ph = _mm256_add_epi16(ph, _mm256_add_epi16(_mm256_maddubs_epi16(l, a), _mm256_maddubs_epi16(h, b)));
-                    pl = _mm256_add_epi16(pl, _mm256_add_epi16(_mm256_maddubs_epi16(l, c), _mm256_maddubs_epi16(h, d)));
-                }
-                s = _mm256_add_epi32(s, _mm256_add_epi32(_mm256_madd_epi16(ph, k254), _mm256_madd_epi16(pl, ones)));
-            }
-            acc[v] = _mm256_fmadd_ps(e8x8_to_ps(gb + 512 + 8 * v), _mm256_fmsub_ps(_mm256_cvtepi32_ps(s), vxs, vxc), acc[v]);
-        }
-    }
-    for (int v = 0; v < 4; v++) _mm256_storeu_ps(C + 8 * v, acc[v]);
-}
-
-/* int4: 0 int8, 1 int4 (nibble = q + 8; four vpmaddubsw products stay under 4 * 15 * 127 < 2^15) */
+/* int4: 0 int8, 1 int4 (nibble = q + 8), 2 mxfp4 (nibble = e2m1 code, vpshufb'd through moe_mxfp4_u8 to
+ * 2 * value + 12 <= 24: four vpmaddubsw products stay under 4 * 24 * 127 < 2^15, no saturation) */
 static void panel_int_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, int int4) {
     const uint8_t *wp = W->data + W->panel_bytes * (size_t)p;
     int G = W->Kp / MOE_GROUP, n = rows->n;
     const __m256i ones = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0f), x80 = _mm256_set1_epi8((char)0x80);
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)moe_mxfp4_u8));
     for (int g0 = 0; g0 < G; g0 += GC_INT) {
         int g1 = g0 + GC_INT < G ? g0 + GC_INT : G;
         for (int m = 0; m < n; m++) {
@@ -177,7 +135,7 @@ static void panel_int_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C
             for (int v = 0; v < 4; v++) acc[v] = g0 > 0 ? _mm256_loadu_ps(c + 8 * v) : _mm256_setzero_ps();
             for (int g = g0; g < g1; g++) {
                 if (n == 1) { /* a weight stream (decode): the lines ahead, as the bf16 GEMV */
-                    const char *gp = (const char *)wp + (size_t)g * (int4 ? MOE_INT4_GROUP_BYTES : 8 * 128);
+                    const char *gp = (const char *)wp + (size_t)g * (int4 ? NIB_GB(int4) : 8 * 128);
                     for (int l = 0; l < (int4 ? 9 : 16); l++) {
                         _mm_prefetch(gp + STREAM2_PF + 64 * l, _MM_HINT_T0);
                         _mm_prefetch(gp + STREAM2_PF2 + 64 * l, _MM_HINT_T1);
@@ -200,7 +158,7 @@ static void panel_int_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C
                         }
                     }
                 } else {
-                    const uint8_t *gb = wp + (size_t)g * MOE_INT4_GROUP_BYTES;
+                    const uint8_t *gb = wp + (size_t)g * NIB_GB(int4);
                     for (int o = 0; o < 4; o++) {
                         const int8_t *xq = xr + g * 64 + 8 * o;
                         __m256i a = _mm256_set1_epi32(*(const int32_t *)xq), b = _mm256_set1_epi32(*(const int32_t *)(xq + 4));
@@ -208,6 +166,10 @@ static void panel_int_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C
                         for (int v = 0; v < 4; v++) {
                             __m256i pk = _mm256_loadu_si256((const __m256i *)(gb + o * 128 + 32 * v));
                             __m256i l = _mm256_and_si256(pk, lo4), h = _mm256_and_si256(_mm256_srli_epi16(pk, 4), lo4);
+                            if (int4 == 2) {
+                                l = _mm256_shuffle_epi8(lut, l);
+                                h = _mm256_shuffle_epi8(lut, h);
+                            }
                             __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(l, a), _mm256_maddubs_epi16(h, b));
                             __m256i pl = _mm256_add_epi16(_mm256_maddubs_epi16(l, c), _mm256_maddubs_epi16(h, d));
                             ia[v] = _mm256_add_epi32(ia[v], _mm256_madd_epi16(ph, ones));
@@ -223,9 +185,9 @@ static void panel_int_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C
                     for (int v = 0; v < 4; v++) acc[v] = _mm256_fmadd_ps(SUM16(v), xs, acc[v]);
                 } else {
                     __m256 xc = _mm256_set1_ps(rows->xc[m][g]);
-                    const uint16_t *sp = (const uint16_t *)(wp + (size_t)g * MOE_INT4_GROUP_BYTES + 512);
+                    const uint8_t *gs = wp + (size_t)g * NIB_GB(int4);
                     for (int v = 0; v < 4; v++)
-                        acc[v] = _mm256_fmadd_ps(bf16x8_to_ps(sp + 8 * v),
+                        acc[v] = _mm256_fmadd_ps(group_scale8(gs, int4, 8 * v),
                                                  _mm256_fmsub_ps(SUM16(v), xs, xc), acc[v]);
                 }
             }
@@ -286,6 +248,15 @@ static void widen_tile(const uint8_t *wp, int g0, int ng, int int4, int16_t *til
     }
 }
 
+/* the f32 scales of groups [g0, g0 + ng) of a nibble panel into wsc[g][32] (int4 1: bf16, mxfp4 2: e8m0),
+ * once per k-block (or panel) instead of in every micro-tile, where the conversion's constants would
+ * spill the accumulators */
+static void group_scales(const uint8_t *wp, int g0, int ng, int int4, float *wsc) {
+    for (int g = 0; g < ng; g++)
+        for (int c0 = 0; c0 < 32; c0 += 8)
+            _mm256_store_ps(wsc + (size_t)g * 32 + c0, group_scale8(wp + (size_t)(g0 + g) * NIB_GB(int4), int4, c0));
+}
+
 /* x16[k] = 254 * q1 + q2 for the groups [g0, g0 + ng) of a two-level row */
 static void widen_x(const int8_t *xr, int g0, int ng, int16_t *x16) {
     const __m256i k254 = _mm256_set1_epi16(254);
@@ -301,7 +272,7 @@ static void widen_x(const int8_t *xr, int g0, int ng, int16_t *x16) {
 
 /* channels [c0, c0 + 8) of MR tokens over the block's ng groups: C (+)= the 1-token path's float steps */
 static inline __attribute__((always_inline)) void mk_wd(const int MR, const int int4, const int16_t *tile,
-                                                       const int16_t *x16, int ng, const uint8_t *wp, int g0,
+                                                       const int16_t *x16, int ng, const float *wsc, int g0,
                                                        const MoeRows *rows, int m0, int c0, float *C, int load) {
     __m256 acc[W_MR];
     for (int m = 0; m < MR; m++)
@@ -322,7 +293,7 @@ static inline __attribute__((always_inline)) void mk_wd(const int MR, const int 
             }
         }
         __m256 ws = _mm256_setzero_ps();
-        if (int4) ws = group_scale8(wp + (size_t)(g0 + g) * NIB_GB(int4), int4, c0);
+        if (int4) ws = _mm256_load_ps(wsc + (size_t)g * 32 + c0);
         for (int m = 0; m < MR; m++) {
             /* lanes (c, first half of a quad), (c, second half): hadd pairs them, permute restores c order */
             __m256i s = _mm256_permute4x64_epi64(_mm256_hadd_epi32(ia[m][0], ia[m][1]), 0xd8);
@@ -334,9 +305,9 @@ static inline __attribute__((always_inline)) void mk_wd(const int MR, const int 
     for (int m = 0; m < MR; m++) _mm256_storeu_ps(C + (size_t)(m0 + m) * 32 + c0, acc[m]);
 }
 
-static void mk_wd_n(int mr, int int4, const int16_t *tile, const int16_t *x16, int ng, const uint8_t *wp, int g0,
+static void mk_wd_n(int mr, int int4, const int16_t *tile, const int16_t *x16, int ng, const float *wsc, int g0,
                     const MoeRows *rows, int m0, float *C) {
-#define MKWD(R, F) for (int c0 = 0; c0 < 32; c0 += 8) mk_wd(R, F, tile, x16, ng, wp, g0, rows, m0, c0, C, g0 > 0)
+#define MKWD(R, F) for (int c0 = 0; c0 < 32; c0 += 8) mk_wd(R, F, tile, x16, ng, wsc, g0, rows, m0, c0, C, g0 > 0)
     switch (4 * int4 + mr) {
     case 1: MKWD(1, 0); break;
     case 2: MKWD(2, 0); break;
@@ -361,18 +332,21 @@ static void scale_channels_avx2(const float *chs, float *C, int n) {
             _mm256_storeu_ps(C + m * 32 + 8 * v, _mm256_mul_ps(_mm256_loadu_ps(C + m * 32 + 8 * v), _mm256_loadu_ps(chs + 8 * v)));
 }
 
-/* int4: 0 int8, 1 int4, 2 mxfp4; scratch holds the int16 tile (16 KiB) and W_MR x16 rows (2 KiB) */
+/* int4: 0 int8, 1 int4, 2 mxfp4; scratch holds the int16 tile (16 KiB), W_MR x16 rows (2 KiB) and the
+ * block's group scales (1 KiB) */
 static void panel_int_wd(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch, int int4) {
     const uint8_t *wp = W->data + W->panel_bytes * (size_t)p;
     int G = W->Kp / MOE_GROUP, n = rows->n;
     int16_t *tile = scratch, *x16 = tile + WGC * 8 * 128;
+    float *wsc = (float *)(x16 + W_MR * WGC * 32);
     for (int g0 = 0; g0 < G; g0 += WGC) {
         int ng = G - g0 < WGC ? G - g0 : WGC;
         widen_tile(wp, g0, ng, int4, tile);
+        if (int4) group_scales(wp, g0, ng, int4, wsc);
         for (int m0 = 0; m0 < n; m0 += W_MR) {
             int mr = n - m0 < W_MR ? n - m0 : W_MR;
             for (int m = 0; m < mr; m++) widen_x(rows->q[m0 + m], g0, ng, x16 + (size_t)m * WGC * 32);
-            mk_wd_n(mr, int4, tile, x16, ng, wp, g0, rows, m0, C);
+            mk_wd_n(mr, int4, tile, x16, ng, wsc, g0, rows, m0, C);
         }
     }
     if (!int4) scale_channels_avx2(W->chscale + p * 32, C, n);
@@ -388,7 +362,7 @@ static void panel_int_wd(const MoeMat *W, int p, const MoeRows *rows, float *C, 
  * vpmaddubsw step costs the same uops per product as vpmaddwd on widened weights. */
 #define UB_MR 4
 
-static inline __attribute__((always_inline)) void mk_ub(const int MR, const int mx, const uint8_t *wp, int G,
+static inline __attribute__((always_inline)) void mk_ub(const int MR, const int mx, const uint8_t *wp, const float *wsc, int G,
                                                        const MoeRows *rows, int m0, int c0, float *C) {
     const __m256i ones = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0f);
     const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)moe_mxfp4_u8));
@@ -415,7 +389,7 @@ static inline __attribute__((always_inline)) void mk_ub(const int MR, const int 
                 }
             }
         }
-        __m256 ws0 = group_scale8(gb, mx ? 2 : 1, c0), ws1 = group_scale8(gb, mx ? 2 : 1, c0 + 8);
+        __m256 ws0 = _mm256_load_ps(wsc + (size_t)g * 32 + c0), ws1 = _mm256_load_ps(wsc + (size_t)g * 32 + c0 + 8);
         for (int m = 0; m < MR; m++) {
             __m256 xs = _mm256_set1_ps(rows->xs[m0 + m][g]), xc = _mm256_set1_ps(rows->xc[m0 + m][g]);
             __m256 s0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[m][0]), k254, zf);
@@ -430,14 +404,16 @@ static inline __attribute__((always_inline)) void mk_ub(const int MR, const int 
     }
 }
 
-/* int4 (mx 0) / mxfp4 (mx 1) panel for 2+ rows at 8-bit activations */
-static void panel_int_ub(const MoeMat *W, int p, const MoeRows *rows, float *C, int mx) {
+/* int4 (mx 0) / mxfp4 (mx 1) panel for 2+ rows at 8-bit activations; scratch: the panel's group scales */
+static void panel_int_ub(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch, int mx) {
     const uint8_t *wp = W->data + W->panel_bytes * (size_t)p;
     int G = W->Kp / MOE_GROUP, n = rows->n;
+    float *wsc = scratch; /* G x 32 floats: 4 KiB per 1024 inputs, within moe_scratch_bytes */
+    group_scales(wp, 0, G, mx ? 2 : 1, wsc);
     for (int m0 = 0; m0 < n; m0 += UB_MR) {
         int mr = n - m0 < UB_MR ? n - m0 : UB_MR;
         for (int c0 = 0; c0 < 32; c0 += 16) {
-#define MKUB(R) (mx ? mk_ub(R, 1, wp, G, rows, m0, c0, C) : mk_ub(R, 0, wp, G, rows, m0, c0, C))
+#define MKUB(R) (mx ? mk_ub(R, 1, wp, wsc, G, rows, m0, c0, C) : mk_ub(R, 0, wp, wsc, G, rows, m0, c0, C))
             switch (mr) {
             case 1: MKUB(1); break;
             case 2: MKUB(2); break;
@@ -455,14 +431,12 @@ void moe_panel_int8_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, 
 }
 void moe_panel_int4_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {
     if (rows->n == 1) panel_int_avx2(W, p, rows, C, 1);
-    else if (rows->act8) panel_int_ub(W, p, rows, C, 0);
+    else if (rows->act8) panel_int_ub(W, p, rows, C, scratch, 0);
     else panel_int_wd(W, p, rows, C, scratch, 1);
 }
 void moe_panel_mxfp4_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {
-    if (rows->n == 1) {
-        const uint8_t *wp = W->data + W->panel_bytes * (size_t)p;
-        gemv_mxfp4_avx2(wp, W->Kp / MOE_GROUP, rows->q[0], rows->xs[0], rows->xc[0], C);
-    } else if (rows->act8) panel_int_ub(W, p, rows, C, 1);
+    if (rows->n == 1) panel_int_avx2(W, p, rows, C, 2);
+    else if (rows->act8) panel_int_ub(W, p, rows, C, scratch, 1);
     else panel_int_wd(W, p, rows, C, scratch, 2);
 }
 

@@ -254,11 +254,10 @@ AI __m512 bf16x16_to_ps(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
-/* 16 e8m0 bytes -> their mxfp4 group scales 2^(e - 128), moe_mxfp4_scale's steps on 16 lanes */
+/* 16 e8m0 bytes -> their mxfp4 group scales 2^(e - 127), moe_mxfp4_scale's steps on 16 lanes */
 AI __m512 e8x16_to_ps(const uint8_t *p) {
     __m512i b = _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)), 23);
-    b = _mm512_max_epi32(b, _mm512_set1_epi32(0x00400000));
-    return _mm512_mul_ps(_mm512_castsi512_ps(b), _mm512_set1_ps(0.5f));
+    return _mm512_castsi512_ps(_mm512_max_epi32(b, _mm512_set1_epi32(0x00400000)));
 }
 
 /* acc[m][v] (+)= sum over groups [g0, g0+ng) of the group partial products. Activations are

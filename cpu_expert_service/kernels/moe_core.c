@@ -533,7 +533,8 @@ static float mat_get(const MoeMat *m, int p, int c, int k) {
     const uint8_t *gb = base + (size_t)g * moe_nibble_group_bytes(m->fmt);
     uint8_t byte = gb[o * NP * 4 + c * 4 + (j & 3)];
     int nib = j < 4 ? (byte & 15) : (byte >> 4);
-    if (m->fmt == MOE_FMT_MXFP4) return ((int)moe_mxfp4_u8[nib] - MOE_MXFP4_OFFSET) * moe_mxfp4_scale(gb[4 * NP * 4 + c]);
+    if (m->fmt == MOE_FMT_MXFP4) /* (2 * value) / 2: exact, then one rounding of value * 2^(e-127), as numpy's */
+        return ((float)((int)moe_mxfp4_u8[nib] - MOE_MXFP4_OFFSET) * 0.5f) * moe_mxfp4_scale(gb[4 * NP * 4 + c]);
     return (nib - 8) * moe_bf16_to_f32(((const uint16_t *)(gb + 4 * NP * 4))[c]);
 }
 
@@ -559,9 +560,10 @@ void moe_expert_unpack(const MoeExpert *e, int which, float *out) {
  * Per group g of 32: q1 = round(x / s) with s = amax / 127, then the residual q2 =
  * round((x / s - q1) * 254), so x ~= (254 * q1 + q2) * s / 254: a 16-bit activation that
  * VNNI multiplies as two int8 halves (one int8 level alone costs ~0.8% relative error per
- * projection). Layout per group: [32 x q1][32 x q2]. xs[g] = s / 254; xc[g] = offset * xs[g] *
+ * projection). Layout per group: [32 x q1][32 x q2]. xs[g] = s / div (254; 508 for mxfp4, whose table
+ * doubles the e2m1 values: exactly half, so the e8m0 value scales a group as is); xc[g] = offset * xs[g] *
  * sum(254 q1 + q2), the correction for unsigned (offset) weights. levels 1 (8-bit activations): q2 = 0. */
-static void quant_row(const float *x, int K, int Kp, int offset, int levels, int8_t *q, float *xs, float *xc) {
+static void quant_row(const float *x, int K, int Kp, int offset, int levels, float div, int8_t *q, float *xs, float *xc) {
     for (int g = 0; g < Kp / MOE_GROUP; g++) {
         float amax = 0.f;
         int k0 = g * MOE_GROUP;
@@ -582,7 +584,7 @@ static void quant_row(const float *x, int K, int Kp, int offset, int levels, int
             ql[k - k0] = (int8_t)v2;
             sum += 254 * v1 + v2;
         }
-        xs[g] = s / 254.f;
+        xs[g] = s / div;
         xc[g] = (float)offset * xs[g] * (float)sum;
     }
 }
@@ -625,6 +627,7 @@ static void fwd_job(void *arg, int tid, int nt) {
     int fmt = f->fmt, isint = fmt != MOE_FMT_BF16;
     int off = fmt == MOE_FMT_INT8 ? 128 : fmt == MOE_FMT_MXFP4 ? MOE_MXFP4_OFFSET : 8;
     int levels = f->kern->act_bits == 8 ? 1 : 2;
+    float div = fmt == MOE_FMT_MXFP4 ? 508.f : 254.f; /* mxfp4: the table's doubled values halved here */
     int Kx = f->Kx, Ka = f->Ka, gx = Kx / MOE_GROUP, ga = Ka / MOE_GROUP;
     int r0, r1;
     /* phase 0: convert token rows */
@@ -639,7 +642,7 @@ static void fwd_job(void *arg, int tid, int nt) {
                 df[kk] = moe_bf16_to_f32(d[kk]);
             }
         } else
-            quant_row(xr, f->H, Kx, off, levels, f->xq + (size_t)t * 2 * Kx, f->xs + (size_t)t * gx, f->xc + (size_t)t * gx);
+            quant_row(xr, f->H, Kx, off, levels, div, f->xq + (size_t)t * 2 * Kx, f->xs + (size_t)t * gx, f->xc + (size_t)t * gx);
     }
     if (nt > 1) moe_pool_barrier(f->pool);
 
@@ -689,7 +692,7 @@ static void fwd_job(void *arg, int tid, int nt) {
     if (isint) { /* phase 1b: quantise the intermediate rows */
         part(f->na, tid, nt, &r0, &r1);
         for (int a = r0; a < r1; a++)
-            quant_row(f->af + (size_t)a * Ka, Ka, Ka, off, levels, f->aq + (size_t)a * 2 * Ka, f->as + (size_t)a * ga,
+            quant_row(f->af + (size_t)a * Ka, Ka, Ka, off, levels, div, f->aq + (size_t)a * 2 * Ka, f->as + (size_t)a * ga,
                       f->ac + (size_t)a * ga);
         if (nt > 1) moe_pool_barrier(f->pool);
     }
