@@ -277,7 +277,8 @@ def bench_ours(fmt: str, isa: str | None = None, tokens=TOKENS, swiglu_limit: fl
         for eng, lim, abits in engines:
             ms, cpu = timed(lambda: eng.forward(0, x, ids, w), reps_for(T))
             out.append(record("moesplit", fmt, T, ms, cpu, len(np.unique(ids)) * ebytes,
-                              {"isa": eng.isa, "swiglu_limit": lim, "act_bits": abits if fmt != "bf16" else None}))
+                              {"isa": eng.isa, "swiglu_limit": lim, "act_bits": abits if fmt != "bf16" else None,
+                               "bits_per_weight": round(8 * ebytes / (3 * H * I), 3)}))  # what a decode reads
             tag = "clamp" if lim else f"a{abits}" if fmt != "bf16" else ""
             print(f"  moesplit  {eng.isa:6s} {fmt:5s} {tag:5s} T={T:4d} {ms:9.2f} ms  {out[-1]['gbps']:7.2f} GB/s  "
                   f"{out[-1]['gflops']:7.1f} GFLOP/s  cpu {cpu:.2f}", flush=True)

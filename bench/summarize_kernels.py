@@ -57,6 +57,24 @@ def ratio_medians(paths: list[str]) -> dict:
     return {k: round(statistics.median(v), 3) for k, v in sorted(acc.items())}
 
 
+def cpu_ratio_medians(paths: list[str]) -> dict:
+    """The same-run ratios on CPU time per call (ms x cpu_util, what the call cost in core time: other
+    processes' load on a shared machine stretches wall time, not this), from each run's records,
+    median over the runs: each integer format over bf16 and mxfp4 over int8, per ISA, activation
+    width and token count (no clamp)."""
+    acc: dict = {}
+    for p in paths:
+        cpu = {key(r): r["ms"] * r["cpu_util"] for r in json.load(open(p))["records"] if r["impl"] == "moesplit"}
+        for (isa, fmt, ab, clamp, T), v in cpu.items():
+            if clamp or fmt == "bf16":
+                continue
+            for base_fmt, base_ab, name in (("bf16", None, "cpu_ms_over_bf16_cpu_ms"), ("int8", ab, "cpu_ms_over_int8_cpu_ms")):
+                b = cpu.get((isa, base_fmt, base_ab, False, T))
+                if b and (base_fmt == "bf16" or fmt == "mxfp4"):
+                    acc.setdefault(f"{isa}/{fmt}/a{ab}/T{T}/{name}", []).append(round(v / b, 3))
+    return {k: round(statistics.median(v), 3) for k, v in sorted(acc.items())}
+
+
 def main() -> int:
     """Print the table, write the summary JSON."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -81,12 +99,14 @@ def main() -> int:
               f"{r.get('frac_of_read_bw', 0):6.0%} {r.get('frac_of_compute_peak', 0):6.0%} "
               f"{r.get('frac_of_compute_peak_per_cpu_s', 0):9.0%}")
     ratios = ratio_medians(a.after)
-    for k, v in ratios.items():
+    cpu_ratios = cpu_ratio_medians(a.after)
+    for k, v in {**ratios, **cpu_ratios}.items():
         print(f"  {k}: {v}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"cpu": cpus, "after_files": a.after, "before_files": a.before, "ceilings_after": ceil_a,
-                       "ceilings_before": ceil_b, "table": table, "same_run_ratios_median": ratios}, f, indent=1)
+                       "ceilings_before": ceil_b, "table": table, "same_run_ratios_median": ratios,
+                       "same_run_cpu_time_ratios_median": cpu_ratios}, f, indent=1)
     return 0
 
 

@@ -18,7 +18,7 @@ from checkpoint.config import load_config
 from cpu_expert_service.backend import make_backend
 from cpu_expert_service.shard_load import load_shard
 from gpu_service.experts.client import ExpertsClient
-from gpu_service.experts.errors import CoverageError
+from gpu_service.experts.errors import CoverageError, ExpertsClientError
 from gpu_service.local.stack import start_shards
 
 kb = pytest.importorskip("cpu_expert_service.kernel_backend")
@@ -95,6 +95,63 @@ def test_mixed_act_bits_replicas_refused(ckpt):
     finally:
         a8.stop()
         a16.stop()
+
+
+def _call_until(client, cond, layer, x, ids, w, timeout_s=60.0) -> bool:
+    """Forward calls (failures allowed: a sole replica is down meanwhile) until cond() or the timeout."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        try:
+            client.forward(layer, x, ids, w)
+        except ExpertsClientError:
+            pass
+        time.sleep(0.05)
+    return cond()
+
+
+def _restart_with_act_bits(client, shards, i: int, bits: str, layer, x, ids, w):
+    """Kill shard process i, call until the client has marked it down, start it again on its port with
+    `--act-bits bits`, and call until the client's reconnect has refused it; returns why."""
+    replica = next(r for r in client.replicas if r.address == shards.addresses[i])
+    shards.kill(i)
+    assert _call_until(client, lambda: not replica.healthy, layer, x, ids, w), "the kill was not noticed"
+    cmd = shards.cmds[i]
+    cmd[cmd.index("--act-bits") + 1] = bits
+    shards.restart(i)
+    _call_until(client, lambda: replica.refused is not None or replica.healthy, layer, x, ids, w)
+    return replica.refused
+
+
+def test_replica_restarted_with_other_act_bits_refused(ckpt):
+    """A replica the client saw fail that comes back on its address with another --act-bits is refused on
+    reconnect, naming the flag (the mixed-replica rule, over time): with a replica that did not change, the
+    group keeps serving the same bits from it; a sole replica is refused too (its group's answers would
+    change with the restart)."""
+    cfg = load_config(ckpt)
+    layer = cfg.moe_layers[0]
+    x, ids, w = _routing(cfg, 5, 6)
+    pair = start_shards(ckpt, 1, backend="kernels", extra_args=INT8_A8, replicas=2)
+    try:
+        with ExpertsClient(pair.addresses, cfg, timeout_s=30.0) as client:
+            before = client.forward(layer, x, ids, w)
+            why = _restart_with_act_bits(client, pair, 1, "16", layer, x, ids, w)
+            assert why and "--act-bits 16" in why and "--act-bits 8" in why and pair.addresses[1] in why, why
+            for _ in range(4):  # round robin has one usable replica left: the unchanged one, same bits
+                np.testing.assert_array_equal(client.forward(layer, x, ids, w), before)
+    finally:
+        pair.stop()
+    sole = start_shards(ckpt, 1, backend="kernels", extra_args=INT8_A8)
+    try:
+        with ExpertsClient(sole.addresses, cfg, timeout_s=30.0) as client:
+            client.forward(layer, x, ids, w)
+            why = _restart_with_act_bits(client, sole, 0, "16", layer, x, ids, w)
+            assert why and "came back running --act-bits 16" in why and "start it again with --act-bits 8" in why, why
+            with pytest.raises(ExpertsClientError):  # no usable replica of the group is left
+                client.forward(layer, x, ids, w)
+    finally:
+        sole.stop()
 
 
 def test_packed_shard_with_act_bits_8(ckpt, tmp_path):

@@ -28,8 +28,8 @@ def fp8(out: int, inp: int) -> int:
 
 
 def mxfp4(out: int, inp: int) -> int:
-    """MXFP4 as the expert kernels hold it: nibbles + a 16-bit scale slot per 32 inputs (the
-    checkpoint's e8m0 byte widened; cpu_expert_service/kernels' int4 panel layout)."""
+    """MXFP4 as the plan counts it: nibbles + a 16-bit scale per 32 inputs (the GPU's hot experts widen
+    the checkpoint's e8m0 byte to bf16; the CPU kernels hold the byte, 1/18 less)."""
     return out * inp // 2 + 2 * (out * inp // 32)
 
 

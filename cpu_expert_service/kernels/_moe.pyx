@@ -7,6 +7,7 @@ mutual TLS: wire/tcp_link.pxi).
 Use cpu_expert_service.kernel_backend.KernelExperts, not this module directly."""
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t
 from libc.stdlib cimport calloc, free, realloc
+from libc.errno cimport EDOM
 
 import os
 
@@ -249,6 +250,9 @@ cdef class Engine:
         with nogil:
             rc = moe_expert_pack_mxfp4(self.pool, e, H, I, &gb[0, 0], &gs[0, 0], &ub[0, 0], &us[0, 0],
                                        &db[0, 0], &ds[0, 0])
+        if rc == -EDOM:
+            raise ValueError(f"layer {layer} expert {expert}: an e8m0 scale is 255 (NaN in OCP MX): the checkpoint's "
+                             f"block scales are corrupt; re-export it")
         if rc != 0:
             raise MemoryError(f"packing layer {layer} expert {expert} failed ({rc})")
 

@@ -10,9 +10,11 @@
  *   bf16 (NP = 64):  panel = [Kp/2][64 ch][2] bf16          (vdpbf16ps / AMX B-tile layout)
  *   int8 (NP = 32):  panel = [Kp/32 groups][8 quads][32 ch][4] u8 (w + 128)  (vpdpbusd layout)
  *                    + per-channel f32 scales in a separate array [Np]
- *   int4 (NP = 32):  panel = [Kp/32 groups] of { [4 octets][32 ch][4] u8, [32 ch] bf16 scale }
+ *   int4 (NP = 32):  panel = [Kp/32 groups] of { [4 octets][32 ch][4] u8, [32 ch] bf16 scale }  (576 B)
  *                    byte j of channel c in octet o: low nibble  = q+8 of k = 8o + j,
  *                                                    high nibble = q+8 of k = 8o + 4 + j
+ *   mxfp4 (NP = 32): panel = [Kp/32 groups] of { the int4 nibble layout of the e2m1 codes as stored,
+ *                    [32 ch] e8m0 byte as stored }  (544 B: 4.25 bits a weight, what the checkpoint holds)
  *
  *   gate and up are fused into one matrix whose panel holds NP/2 gate channels followed by
  *   the same NP/2 up channels, so silu(gate) * up is finished per panel.
@@ -46,10 +48,28 @@
 #define MOE_NP_BF16 64
 #define MOE_NP_INT 32
 #define MOE_INT4_GROUP_BYTES (4 * 32 * 4 + 32 * 2) /* weights + bf16 scales = 576 */
+#define MOE_MXFP4_GROUP_BYTES (4 * 32 * 4 + 32)    /* e2m1 codes + e8m0 bytes = 544 */
 #define MOE_MXFP4_OFFSET 12 /* the unsigned mxfp4 weight is 2 * e2m1 + 12 */
+#define MOE_E8M0_NAN 255    /* the e8m0 NaN scale: refused at load (moe_expert_pack_mxfp4 -> -EDOM) */
 
 /* e2m1 code (bit 3 sign) -> 2 * value + 12: 0,.5,1,1.5,2,3,4,6 doubled, offset to be unsigned */
 static const uint8_t moe_mxfp4_u8[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
+/* Bytes of one 32-input group of a nibble format's panel (int4, mxfp4). */
+static inline size_t moe_nibble_group_bytes(int fmt) {
+    return fmt == MOE_FMT_MXFP4 ? MOE_MXFP4_GROUP_BYTES : MOE_INT4_GROUP_BYTES;
+}
+
+/* e8m0 byte e -> its value 2^(e - 127) in f32, exact for every e in 0..254 (2^-127 is an f32 subnormal):
+ * bits(max(e << 23, 2^-127's)), the kernels' mxfp4 group scale. The table doubles the e2m1 values (2 *
+ * value + 12); the halving is in the activation scale of mxfp4 rows (quant_row: xs = amax / 127 / 508),
+ * not per group. The ISA files compute the same two steps on vectors of bytes (one definition). */
+static inline float moe_mxfp4_scale(uint8_t e) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)e << 23;
+    if (v.u < 0x00400000u) v.u = 0x00400000u;
+    return v.f;
+}
 
 /* One packed matrix. */
 typedef struct {

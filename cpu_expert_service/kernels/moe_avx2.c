@@ -107,6 +107,18 @@ static inline __m256 bf16x8_to_ps(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 
+/* 8 e8m0 bytes -> their mxfp4 group scales 2^(e - 127), moe_mxfp4_scale's steps on 8 lanes */
+static inline __m256 e8x8_to_ps(const uint8_t *p) {
+    __m256i b = _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), 23);
+    return _mm256_castsi256_ps(_mm256_max_epi32(b, _mm256_set1_epi32(0x00400000)));
+}
+
+/* a nibble group's bytes and its 32 scales from c0 (8 lanes): int4 (1) bf16, mxfp4 (2) e8m0 */
+#define NIB_GB(int4) ((int4) == 2 ? MOE_MXFP4_GROUP_BYTES : MOE_INT4_GROUP_BYTES)
+static inline __m256 group_scale8(const uint8_t *gb, int int4, int c0) {
+    return int4 == 2 ? e8x8_to_ps(gb + 512 + c0) : bf16x8_to_ps((const uint16_t *)(gb + 512) + c0);
+}
+
 /* int4: 0 int8, 1 int4 (nibble = q + 8), 2 mxfp4 (nibble = e2m1 code, vpshufb'd through moe_mxfp4_u8 to
  * 2 * value + 12 <= 24: four vpmaddubsw products stay under 4 * 24 * 127 < 2^15, no saturation) */
 static void panel_int_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, int int4) {
@@ -123,7 +135,7 @@ static void panel_int_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C
             for (int v = 0; v < 4; v++) acc[v] = g0 > 0 ? _mm256_loadu_ps(c + 8 * v) : _mm256_setzero_ps();
             for (int g = g0; g < g1; g++) {
                 if (n == 1) { /* a weight stream (decode): the lines ahead, as the bf16 GEMV */
-                    const char *gp = (const char *)wp + (size_t)g * (int4 ? MOE_INT4_GROUP_BYTES : 8 * 128);
+                    const char *gp = (const char *)wp + (size_t)g * (int4 ? NIB_GB(int4) : 8 * 128);
                     for (int l = 0; l < (int4 ? 9 : 16); l++) {
                         _mm_prefetch(gp + STREAM2_PF + 64 * l, _MM_HINT_T0);
                         _mm_prefetch(gp + STREAM2_PF2 + 64 * l, _MM_HINT_T1);
@@ -146,7 +158,7 @@ static void panel_int_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C
                         }
                     }
                 } else {
-                    const uint8_t *gb = wp + (size_t)g * MOE_INT4_GROUP_BYTES;
+                    const uint8_t *gb = wp + (size_t)g * NIB_GB(int4);
                     for (int o = 0; o < 4; o++) {
                         const int8_t *xq = xr + g * 64 + 8 * o;
                         __m256i a = _mm256_set1_epi32(*(const int32_t *)xq), b = _mm256_set1_epi32(*(const int32_t *)(xq + 4));
@@ -173,9 +185,9 @@ static void panel_int_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C
                     for (int v = 0; v < 4; v++) acc[v] = _mm256_fmadd_ps(SUM16(v), xs, acc[v]);
                 } else {
                     __m256 xc = _mm256_set1_ps(rows->xc[m][g]);
-                    const uint16_t *sp = (const uint16_t *)(wp + (size_t)g * MOE_INT4_GROUP_BYTES + 512);
+                    const uint8_t *gs = wp + (size_t)g * NIB_GB(int4);
                     for (int v = 0; v < 4; v++)
-                        acc[v] = _mm256_fmadd_ps(bf16x8_to_ps(sp + 8 * v),
+                        acc[v] = _mm256_fmadd_ps(group_scale8(gs, int4, 8 * v),
                                                  _mm256_fmsub_ps(SUM16(v), xs, xc), acc[v]);
                 }
             }
@@ -213,7 +225,7 @@ static void widen_tile(const uint8_t *wp, int g0, int ng, int int4, int16_t *til
                     a = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(gb + 2 * h * 128 + 32 * v)), x80);
                     b = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(gb + (2 * h + 1) * 128 + 32 * v)), x80);
                 } else {
-                    const uint8_t *gb = wp + (size_t)(g0 + g) * MOE_INT4_GROUP_BYTES;
+                    const uint8_t *gb = wp + (size_t)(g0 + g) * NIB_GB(int4);
                     __m256i pk = _mm256_loadu_si256((const __m256i *)(gb + h * 128 + 32 * v));
                     a = _mm256_and_si256(pk, lo4);
                     b = _mm256_and_si256(_mm256_srli_epi16(pk, 4), lo4);
@@ -236,6 +248,15 @@ static void widen_tile(const uint8_t *wp, int g0, int ng, int int4, int16_t *til
     }
 }
 
+/* the f32 scales of groups [g0, g0 + ng) of a nibble panel into wsc[g][32] (int4 1: bf16, mxfp4 2: e8m0),
+ * once per k-block (or panel) instead of in every micro-tile, where the conversion's constants would
+ * spill the accumulators */
+static void group_scales(const uint8_t *wp, int g0, int ng, int int4, float *wsc) {
+    for (int g = 0; g < ng; g++)
+        for (int c0 = 0; c0 < 32; c0 += 8)
+            _mm256_store_ps(wsc + (size_t)g * 32 + c0, group_scale8(wp + (size_t)(g0 + g) * NIB_GB(int4), int4, c0));
+}
+
 /* x16[k] = 254 * q1 + q2 for the groups [g0, g0 + ng) of a two-level row */
 static void widen_x(const int8_t *xr, int g0, int ng, int16_t *x16) {
     const __m256i k254 = _mm256_set1_epi16(254);
@@ -251,7 +272,7 @@ static void widen_x(const int8_t *xr, int g0, int ng, int16_t *x16) {
 
 /* channels [c0, c0 + 8) of MR tokens over the block's ng groups: C (+)= the 1-token path's float steps */
 static inline __attribute__((always_inline)) void mk_wd(const int MR, const int int4, const int16_t *tile,
-                                                       const int16_t *x16, int ng, const uint8_t *wp, int g0,
+                                                       const int16_t *x16, int ng, const float *wsc, int g0,
                                                        const MoeRows *rows, int m0, int c0, float *C, int load) {
     __m256 acc[W_MR];
     for (int m = 0; m < MR; m++)
@@ -272,7 +293,7 @@ static inline __attribute__((always_inline)) void mk_wd(const int MR, const int 
             }
         }
         __m256 ws = _mm256_setzero_ps();
-        if (int4) ws = bf16x8_to_ps((const uint16_t *)(wp + (size_t)(g0 + g) * MOE_INT4_GROUP_BYTES + 512) + c0);
+        if (int4) ws = _mm256_load_ps(wsc + (size_t)g * 32 + c0);
         for (int m = 0; m < MR; m++) {
             /* lanes (c, first half of a quad), (c, second half): hadd pairs them, permute restores c order */
             __m256i s = _mm256_permute4x64_epi64(_mm256_hadd_epi32(ia[m][0], ia[m][1]), 0xd8);
@@ -284,10 +305,10 @@ static inline __attribute__((always_inline)) void mk_wd(const int MR, const int 
     for (int m = 0; m < MR; m++) _mm256_storeu_ps(C + (size_t)(m0 + m) * 32 + c0, acc[m]);
 }
 
-static void mk_wd_n(int mr, int int4, const int16_t *tile, const int16_t *x16, int ng, const uint8_t *wp, int g0,
+static void mk_wd_n(int mr, int int4, const int16_t *tile, const int16_t *x16, int ng, const float *wsc, int g0,
                     const MoeRows *rows, int m0, float *C) {
-#define MKWD(R, F) for (int c0 = 0; c0 < 32; c0 += 8) mk_wd(R, F, tile, x16, ng, wp, g0, rows, m0, c0, C, g0 > 0)
-    switch ((int4 ? 4 : 0) + mr) {
+#define MKWD(R, F) for (int c0 = 0; c0 < 32; c0 += 8) mk_wd(R, F, tile, x16, ng, wsc, g0, rows, m0, c0, C, g0 > 0)
+    switch (4 * int4 + mr) {
     case 1: MKWD(1, 0); break;
     case 2: MKWD(2, 0); break;
     case 3: MKWD(3, 0); break;
@@ -295,7 +316,11 @@ static void mk_wd_n(int mr, int int4, const int16_t *tile, const int16_t *x16, i
     case 5: MKWD(1, 1); break;
     case 6: MKWD(2, 1); break;
     case 7: MKWD(3, 1); break;
-    default: MKWD(4, 1); break;
+    case 8: MKWD(4, 1); break;
+    case 9: MKWD(1, 2); break;
+    case 10: MKWD(2, 2); break;
+    case 11: MKWD(3, 2); break;
+    default: MKWD(4, 2); break;
     }
 #undef MKWD
 }
@@ -307,18 +332,21 @@ static void scale_channels_avx2(const float *chs, float *C, int n) {
             _mm256_storeu_ps(C + m * 32 + 8 * v, _mm256_mul_ps(_mm256_loadu_ps(C + m * 32 + 8 * v), _mm256_loadu_ps(chs + 8 * v)));
 }
 
-/* int4: 0 int8, 1 int4, 2 mxfp4; scratch holds the int16 tile (16 KiB) and W_MR x16 rows (2 KiB) */
+/* int4: 0 int8, 1 int4, 2 mxfp4; scratch holds the int16 tile (16 KiB), W_MR x16 rows (2 KiB) and the
+ * block's group scales (1 KiB) */
 static void panel_int_wd(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch, int int4) {
     const uint8_t *wp = W->data + W->panel_bytes * (size_t)p;
     int G = W->Kp / MOE_GROUP, n = rows->n;
     int16_t *tile = scratch, *x16 = tile + WGC * 8 * 128;
+    float *wsc = (float *)(x16 + W_MR * WGC * 32);
     for (int g0 = 0; g0 < G; g0 += WGC) {
         int ng = G - g0 < WGC ? G - g0 : WGC;
         widen_tile(wp, g0, ng, int4, tile);
+        if (int4) group_scales(wp, g0, ng, int4, wsc);
         for (int m0 = 0; m0 < n; m0 += W_MR) {
             int mr = n - m0 < W_MR ? n - m0 : W_MR;
             for (int m = 0; m < mr; m++) widen_x(rows->q[m0 + m], g0, ng, x16 + (size_t)m * WGC * 32);
-            mk_wd_n(mr, int4, tile, x16, ng, wp, g0, rows, m0, C);
+            mk_wd_n(mr, int4, tile, x16, ng, wsc, g0, rows, m0, C);
         }
     }
     if (!int4) scale_channels_avx2(W->chscale + p * 32, C, n);
@@ -334,7 +362,7 @@ static void panel_int_wd(const MoeMat *W, int p, const MoeRows *rows, float *C, 
  * vpmaddubsw step costs the same uops per product as vpmaddwd on widened weights. */
 #define UB_MR 4
 
-static inline __attribute__((always_inline)) void mk_ub(const int MR, const int mx, const uint8_t *wp, int G,
+static inline __attribute__((always_inline)) void mk_ub(const int MR, const int mx, const uint8_t *wp, const float *wsc, int G,
                                                        const MoeRows *rows, int m0, int c0, float *C) {
     const __m256i ones = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0f);
     const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)moe_mxfp4_u8));
@@ -342,7 +370,7 @@ static inline __attribute__((always_inline)) void mk_ub(const int MR, const int 
     __m256 acc[UB_MR][2];
     for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     for (int g = 0; g < G; g++) {
-        const uint8_t *gb = wp + (size_t)g * MOE_INT4_GROUP_BYTES;
+        const uint8_t *gb = wp + (size_t)g * NIB_GB(mx ? 2 : 1);
         __m256i ia[UB_MR][2];
         for (int m = 0; m < MR; m++) ia[m][0] = ia[m][1] = _mm256_setzero_si256();
         for (int o = 0; o < 4; o++) {
@@ -361,8 +389,7 @@ static inline __attribute__((always_inline)) void mk_ub(const int MR, const int 
                 }
             }
         }
-        const uint16_t *sp = (const uint16_t *)(gb + 512) + c0;
-        __m256 ws0 = bf16x8_to_ps(sp), ws1 = bf16x8_to_ps(sp + 8);
+        __m256 ws0 = _mm256_load_ps(wsc + (size_t)g * 32 + c0), ws1 = _mm256_load_ps(wsc + (size_t)g * 32 + c0 + 8);
         for (int m = 0; m < MR; m++) {
             __m256 xs = _mm256_set1_ps(rows->xs[m0 + m][g]), xc = _mm256_set1_ps(rows->xc[m0 + m][g]);
             __m256 s0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[m][0]), k254, zf);
@@ -377,14 +404,16 @@ static inline __attribute__((always_inline)) void mk_ub(const int MR, const int 
     }
 }
 
-/* int4 (mx 0) / mxfp4 (mx 1) panel for 2+ rows at 8-bit activations */
-static void panel_int_ub(const MoeMat *W, int p, const MoeRows *rows, float *C, int mx) {
+/* int4 (mx 0) / mxfp4 (mx 1) panel for 2+ rows at 8-bit activations; scratch: the panel's group scales */
+static void panel_int_ub(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch, int mx) {
     const uint8_t *wp = W->data + W->panel_bytes * (size_t)p;
     int G = W->Kp / MOE_GROUP, n = rows->n;
+    float *wsc = scratch; /* G x 32 floats: 4 KiB per 1024 inputs, within moe_scratch_bytes */
+    group_scales(wp, 0, G, mx ? 2 : 1, wsc);
     for (int m0 = 0; m0 < n; m0 += UB_MR) {
         int mr = n - m0 < UB_MR ? n - m0 : UB_MR;
         for (int c0 = 0; c0 < 32; c0 += 16) {
-#define MKUB(R) (mx ? mk_ub(R, 1, wp, G, rows, m0, c0, C) : mk_ub(R, 0, wp, G, rows, m0, c0, C))
+#define MKUB(R) (mx ? mk_ub(R, 1, wp, wsc, G, rows, m0, c0, C) : mk_ub(R, 0, wp, wsc, G, rows, m0, c0, C))
             switch (mr) {
             case 1: MKUB(1); break;
             case 2: MKUB(2); break;
@@ -402,12 +431,12 @@ void moe_panel_int8_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, 
 }
 void moe_panel_int4_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {
     if (rows->n == 1) panel_int_avx2(W, p, rows, C, 1);
-    else if (rows->act8) panel_int_ub(W, p, rows, C, 0);
+    else if (rows->act8) panel_int_ub(W, p, rows, C, scratch, 0);
     else panel_int_wd(W, p, rows, C, scratch, 1);
 }
 void moe_panel_mxfp4_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {
     if (rows->n == 1) panel_int_avx2(W, p, rows, C, 2);
-    else if (rows->act8) panel_int_ub(W, p, rows, C, 1);
+    else if (rows->act8) panel_int_ub(W, p, rows, C, scratch, 1);
     else panel_int_wd(W, p, rows, C, scratch, 2);
 }
 

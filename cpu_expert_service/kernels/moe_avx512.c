@@ -254,13 +254,20 @@ AI __m512 bf16x16_to_ps(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
+/* 16 e8m0 bytes -> their mxfp4 group scales 2^(e - 127), moe_mxfp4_scale's steps on 16 lanes */
+AI __m512 e8x16_to_ps(const uint8_t *p) {
+    __m512i b = _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)), 23);
+    return _mm512_castsi512_ps(_mm512_max_epi32(b, _mm512_set1_epi32(0x00400000)));
+}
+
 /* acc[m][v] (+)= sum over groups [g0, g0+ng) of the group partial products. Activations are
  * two-level int8 (q1 at 64g, q2 at 64g + 32): two vpdpbusd chains per weight vector; A8 (8-bit
  * activations, every q2 0): the q1 chain only, and s = 254 * ih by a multiply, which is the
  * two-level fma(ih, 254, il = 0) exactly (one rounding of the same product), so a row's bits equal
  * the 1-token paths' on the same rows.
  * INT4: 0 int8, 1 int4 (nibble = q + 8), 2 mxfp4 (nibble = e2m1 code, vpshufb'd through
- * moe_mxfp4_u8 to 2 * value + 12; the group scale slot and the correction are int4's). */
+ * moe_mxfp4_u8 to 2 * value + 12; 544-byte groups whose scales are the e8m0 bytes; the correction is
+ * int4's with offset 12). */
 AI void mk_int(const int MR, const int INT4, const int A8, const uint8_t *wp, int g0, int ng, const MoeRows *rows,
                int m0, float *C, int load) {
     __m512 acc[IN_MRMAX][2];
@@ -290,7 +297,7 @@ AI void mk_int(const int MR, const int INT4, const int A8, const uint8_t *wp, in
                 }
             }
         } else {
-            const uint8_t *gb = wp + (size_t)g * MOE_INT4_GROUP_BYTES;
+            const uint8_t *gb = wp + (size_t)g * (INT4 == 2 ? MOE_MXFP4_GROUP_BYTES : MOE_INT4_GROUP_BYTES);
             int4_prefetch(gb);
             for (int o = 0; o < 4; o++) {
                 __m512i p0 = _mm512_loadu_si512(gb + o * 128), p1 = _mm512_loadu_si512(gb + o * 128 + 64);
@@ -316,7 +323,11 @@ AI void mk_int(const int MR, const int INT4, const int A8, const uint8_t *wp, in
             }
         }
         __m512 ws0 = _mm512_setzero_ps(), ws1 = ws0;
-        if (INT4) {
+        if (INT4 == 2) {
+            const uint8_t *ep = wp + (size_t)g * MOE_MXFP4_GROUP_BYTES + 512;
+            ws0 = e8x16_to_ps(ep);
+            ws1 = e8x16_to_ps(ep + 16);
+        } else if (INT4) {
             const uint16_t *sp = (const uint16_t *)(wp + (size_t)g * MOE_INT4_GROUP_BYTES + 512);
             ws0 = bf16x16_to_ps(sp);
             ws1 = bf16x16_to_ps(sp + 16);
@@ -392,7 +403,8 @@ static void gemv_int4(const uint8_t *wp, int G, const int8_t *xq, const float *x
     _mm512_storeu_ps(C + 16, _mm512_mul_ps(acc1, r16));
 }
 
-/* 1 token, mxfp4: the weight stream of gemv_int4 (same 576-byte groups, same prefetch), each nibble
+/* 1 token, mxfp4: the weight stream of gemv_int4 (544-byte groups, e8m0 scales; the prefetch of 9 lines
+ * per group runs ahead of the stream), each nibble
  * decoded through moe_mxfp4_u8 (vpshufb), lo and hi codes in 8 independent vpdpbusd chains. The
  * integer group sums equal mk_int's exactly (no overflow: |sum| < 32 * 24 * 127 * 2), and the float
  * steps per group are mk_int's, in its order, so a row's bits match the multi-token path. */
@@ -402,7 +414,7 @@ static void gemv_mxfp4(const uint8_t *wp, int G, const int8_t *xq, const float *
     const __m512 k254 = _mm512_set1_ps(254.f);
     __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
     for (int g = 0; g < G; g++) {
-        const uint8_t *gb = wp + (size_t)g * MOE_INT4_GROUP_BYTES;
+        const uint8_t *gb = wp + (size_t)g * MOE_MXFP4_GROUP_BYTES;
         const int8_t *xg = xq + (size_t)g * 64;
         int4_prefetch(gb);
         __m512i hl0 = _mm512_setzero_si512(), hl1 = hl0, hh0 = hl0, hh1 = hl0; /* level 1 (q1): lo / hi codes */
@@ -426,8 +438,7 @@ static void gemv_mxfp4(const uint8_t *wp, int G, const int8_t *xq, const float *
         }
         __m512i ih0 = _mm512_add_epi32(hl0, hh0), ih1 = _mm512_add_epi32(hl1, hh1);
         __m512i il0 = _mm512_add_epi32(ll0, lh0), il1 = _mm512_add_epi32(ll1, lh1);
-        const uint16_t *sp = (const uint16_t *)(gb + 512);
-        __m512 ws0 = bf16x16_to_ps(sp), ws1 = bf16x16_to_ps(sp + 16);
+        __m512 ws0 = e8x16_to_ps(gb + 512), ws1 = e8x16_to_ps(gb + 528);
         __m512 vxs = _mm512_set1_ps(xs[g]), vxc = _mm512_set1_ps(xc[g]);
         __m512 s0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih0), k254, _mm512_cvtepi32_ps(il0));
         __m512 s1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih1), k254, _mm512_cvtepi32_ps(il1));

@@ -282,7 +282,7 @@ static int mat_init(MoeMat *m, int fmt, int N, int K, int Np) {
     m->Kp = rup(K, MOE_GROUP);
     if (fmt == MOE_FMT_BF16) m->panel_bytes = (size_t)m->Kp * m->NP * 2;
     else if (fmt == MOE_FMT_INT8) m->panel_bytes = (size_t)m->Kp * m->NP;
-    else m->panel_bytes = (size_t)(m->Kp / MOE_GROUP) * MOE_INT4_GROUP_BYTES;
+    else m->panel_bytes = (size_t)(m->Kp / MOE_GROUP) * moe_nibble_group_bytes(fmt);
     m->data = big_alloc(m->panel_bytes * (size_t)(m->Np / m->NP));
     if (!m->data) return -ENOMEM;
     if (fmt == MOE_FMT_INT8) {
@@ -301,10 +301,6 @@ typedef struct {
     const uint8_t *fp4, *e8; /* mxfp4: blocks [N][K/2], e8m0 scales [N][K/32] */
 } Src;
 
-/* the bf16 group scale of an e8m0 exponent: 2^(e-128) (the table doubles the e2m1 values), NaN at 255 */
-static uint16_t mxfp4_scale_bf16(uint8_t e) {
-    return e == 255 ? (uint16_t)0x7fc0 : moe_f32_to_bf16(ldexpf(1.f, (int)e - 128));
-}
 
 /* Fused gate/up: panel channel c of panel p -> (source, row) */
 static void gu_row(const MoeMat *m, const Src *g, const Src *u, int p, int c, const Src **s, int *row) {
@@ -334,11 +330,10 @@ static void prep_row(int fmt, const Src *s, int row, int Kp, uint16_t *bf, uint8
         }
         return;
     }
-    if (fmt == MOE_FMT_MXFP4) { /* e2m1 codes as stored (the kernels decode them), K a multiple of 32 */
+    if (fmt == MOE_FMT_MXFP4) { /* e2m1 codes and e8m0 bytes as stored (the kernels decode both) */
         const uint8_t *pr = s->fp4 + (size_t)row * (K / 2);
         for (int k = 0; k < Kp; k++) u[k] = k < K ? (uint8_t)((pr[k >> 1] >> (4 * (k & 1))) & 15u) : 0;
-        for (int g = 0; g < Kp / MOE_GROUP; g++)
-            gsc[g] = g < K / MOE_GROUP ? mxfp4_scale_bf16(s->e8[(size_t)row * (K / MOE_GROUP) + g]) : 0;
+        for (int g = 0; g < Kp / MOE_GROUP; g++) gsc[g] = g < K / MOE_GROUP ? s->e8[(size_t)row * (K / MOE_GROUP) + g] : 0;
         return;
     }
     if (fmt == MOE_FMT_INT4 && s->q4) { /* native compressed-tensors int4 */
@@ -426,13 +421,16 @@ static void pack_panel(MoeMat *m, const PanelSrc *ps, int p) {
             for (int c = 0; c < NP; c++) memcpy(&d[(size_t)qd * NP + c], u + (size_t)c * Kp + 4 * qd, 4);
     } else {
         for (int g = 0; g < ng; g++) {
-            uint8_t *gb = base + (size_t)g * MOE_INT4_GROUP_BYTES;
+            uint8_t *gb = base + (size_t)g * moe_nibble_group_bytes(m->fmt);
             for (int o = 0; o < 4; o++)
                 for (int c = 0; c < NP; c++) {
                     const uint8_t *r = u + (size_t)c * Kp + g * MOE_GROUP + 8 * o;
                     for (int j = 0; j < 4; j++) gb[o * NP * 4 + c * 4 + j] = (uint8_t)(r[j] | (r[j + 4] << 4));
                 }
-            for (int c = 0; c < NP; c++) ((uint16_t *)(gb + 4 * NP * 4))[c] = gsc[(size_t)c * ng + g];
+            for (int c = 0; c < NP; c++) { /* int4: bf16 scales; mxfp4: the e8m0 bytes */
+                if (m->fmt == MOE_FMT_MXFP4) gb[4 * NP * 4 + c] = (uint8_t)gsc[(size_t)c * ng + g];
+                else ((uint16_t *)(gb + 4 * NP * 4))[c] = gsc[(size_t)c * ng + g];
+            }
         }
     }
     free(bf);
@@ -493,6 +491,10 @@ int moe_expert_pack_int4(MoePool *pool, MoeExpert *e, int H, int I, const int32_
 int moe_expert_pack_mxfp4(MoePool *pool, MoeExpert *e, int H, int I, const uint8_t *gb, const uint8_t *gs,
                           const uint8_t *ub, const uint8_t *us, const uint8_t *db, const uint8_t *ds) {
     if (H % MOE_GROUP || I % MOE_GROUP) return -EINVAL;
+    const uint8_t *sc[3] = {gs, us, ds};
+    for (int t = 0; t < 3; t++) /* a NaN block scale (e8m0 255) is corrupt data, refused */
+        for (size_t i = 0; i < (size_t)H * I / MOE_GROUP; i++)
+            if (sc[t][i] == MOE_E8M0_NAN) return -EDOM;
     int rc = expert_alloc(e, MOE_FMT_MXFP4, H, I);
     if (rc) return rc;
     Src g = {NULL, NULL, NULL, I, H, gb, gs}, u = {NULL, NULL, NULL, I, H, ub, us}, d = {NULL, NULL, NULL, H, I, db, ds};
@@ -528,11 +530,12 @@ static float mat_get(const MoeMat *m, int p, int c, int k) {
     if (m->fmt == MOE_FMT_INT8)
         return ((int)base[(size_t)(k / 4) * NP * 4 + c * 4 + (k & 3)] - 128) * m->chscale[p * NP + c];
     int g = k / MOE_GROUP, r = k % MOE_GROUP, o = r / 8, j = r % 8;
-    const uint8_t *gb = base + (size_t)g * MOE_INT4_GROUP_BYTES;
+    const uint8_t *gb = base + (size_t)g * moe_nibble_group_bytes(m->fmt);
     uint8_t byte = gb[o * NP * 4 + c * 4 + (j & 3)];
     int nib = j < 4 ? (byte & 15) : (byte >> 4);
-    int q = m->fmt == MOE_FMT_MXFP4 ? (int)moe_mxfp4_u8[nib] - MOE_MXFP4_OFFSET : nib - 8;
-    return q * moe_bf16_to_f32(((const uint16_t *)(gb + 4 * NP * 4))[c]);
+    if (m->fmt == MOE_FMT_MXFP4) /* (2 * value) / 2: exact, then one rounding of value * 2^(e-127), as numpy's */
+        return ((float)((int)moe_mxfp4_u8[nib] - MOE_MXFP4_OFFSET) * 0.5f) * moe_mxfp4_scale(gb[4 * NP * 4 + c]);
+    return (nib - 8) * moe_bf16_to_f32(((const uint16_t *)(gb + 4 * NP * 4))[c]);
 }
 
 void moe_expert_unpack(const MoeExpert *e, int which, float *out) {
@@ -557,9 +560,10 @@ void moe_expert_unpack(const MoeExpert *e, int which, float *out) {
  * Per group g of 32: q1 = round(x / s) with s = amax / 127, then the residual q2 =
  * round((x / s - q1) * 254), so x ~= (254 * q1 + q2) * s / 254: a 16-bit activation that
  * VNNI multiplies as two int8 halves (one int8 level alone costs ~0.8% relative error per
- * projection). Layout per group: [32 x q1][32 x q2]. xs[g] = s / 254; xc[g] = offset * xs[g] *
+ * projection). Layout per group: [32 x q1][32 x q2]. xs[g] = s / div (254; 508 for mxfp4, whose table
+ * doubles the e2m1 values: exactly half, so the e8m0 value scales a group as is); xc[g] = offset * xs[g] *
  * sum(254 q1 + q2), the correction for unsigned (offset) weights. levels 1 (8-bit activations): q2 = 0. */
-static void quant_row(const float *x, int K, int Kp, int offset, int levels, int8_t *q, float *xs, float *xc) {
+static void quant_row(const float *x, int K, int Kp, int offset, int levels, float div, int8_t *q, float *xs, float *xc) {
     for (int g = 0; g < Kp / MOE_GROUP; g++) {
         float amax = 0.f;
         int k0 = g * MOE_GROUP;
@@ -580,7 +584,7 @@ static void quant_row(const float *x, int K, int Kp, int offset, int levels, int
             ql[k - k0] = (int8_t)v2;
             sum += 254 * v1 + v2;
         }
-        xs[g] = s / 254.f;
+        xs[g] = s / div;
         xc[g] = (float)offset * xs[g] * (float)sum;
     }
 }
@@ -623,6 +627,7 @@ static void fwd_job(void *arg, int tid, int nt) {
     int fmt = f->fmt, isint = fmt != MOE_FMT_BF16;
     int off = fmt == MOE_FMT_INT8 ? 128 : fmt == MOE_FMT_MXFP4 ? MOE_MXFP4_OFFSET : 8;
     int levels = f->kern->act_bits == 8 ? 1 : 2;
+    float div = fmt == MOE_FMT_MXFP4 ? 508.f : 254.f; /* mxfp4: the table's doubled values halved here */
     int Kx = f->Kx, Ka = f->Ka, gx = Kx / MOE_GROUP, ga = Ka / MOE_GROUP;
     int r0, r1;
     /* phase 0: convert token rows */
@@ -637,7 +642,7 @@ static void fwd_job(void *arg, int tid, int nt) {
                 df[kk] = moe_bf16_to_f32(d[kk]);
             }
         } else
-            quant_row(xr, f->H, Kx, off, levels, f->xq + (size_t)t * 2 * Kx, f->xs + (size_t)t * gx, f->xc + (size_t)t * gx);
+            quant_row(xr, f->H, Kx, off, levels, div, f->xq + (size_t)t * 2 * Kx, f->xs + (size_t)t * gx, f->xc + (size_t)t * gx);
     }
     if (nt > 1) moe_pool_barrier(f->pool);
 
@@ -687,7 +692,7 @@ static void fwd_job(void *arg, int tid, int nt) {
     if (isint) { /* phase 1b: quantise the intermediate rows */
         part(f->na, tid, nt, &r0, &r1);
         for (int a = r0; a < r1; a++)
-            quant_row(f->af + (size_t)a * Ka, Ka, Ka, off, levels, f->aq + (size_t)a * 2 * Ka, f->as + (size_t)a * ga,
+            quant_row(f->af + (size_t)a * Ka, Ka, Ka, off, levels, div, f->aq + (size_t)a * 2 * Ka, f->as + (size_t)a * ga,
                       f->ac + (size_t)a * ga);
         if (nt > 1) moe_pool_barrier(f->pool);
     }
@@ -921,8 +926,7 @@ static void panel_nibble_generic(const MoeMat *W, int p, const MoeRows *rows, fl
         for (int c = 0; c < NP; c++) acc[c] = 0.f;
         const int8_t *xr = rows->q[m];
         for (int g = 0; g < W->Kp / MOE_GROUP; g++) {
-            const uint8_t *gb = wp + (size_t)g * MOE_INT4_GROUP_BYTES;
-            const uint16_t *ws = (const uint16_t *)(gb + 4 * NP * 4);
+            const uint8_t *gb = wp + (size_t)g * moe_nibble_group_bytes(W->fmt);
             int32_t ia[NP];
             for (int c = 0; c < NP; c++) ia[c] = 0;
             for (int o = 0; o < 4; o++) {
@@ -936,7 +940,10 @@ static void panel_nibble_generic(const MoeMat *W, int p, const MoeRows *rows, fl
                     }
             }
             float s = rows->xs[m][g];
-            for (int c = 0; c < NP; c++) acc[c] += moe_bf16_to_f32(ws[c]) * s * (float)ia[c];
+            for (int c = 0; c < NP; c++) { /* int4: bf16 scales; mxfp4: e8m0 bytes */
+                float ws = lut ? moe_mxfp4_scale(gb[4 * NP * 4 + c]) : moe_bf16_to_f32(((const uint16_t *)(gb + 4 * NP * 4))[c]);
+                acc[c] += ws * s * (float)ia[c];
+            }
         }
         for (int c = 0; c < NP; c++) C[(size_t)m * NP + c] = acc[c];
     }

@@ -12,6 +12,15 @@ static inline simde__m512i moe_simde_cvtepu16_epi32(simde__m256i a) {
 }
 #undef _mm512_cvtepu16_epi32
 #define _mm512_cvtepu16_epi32 moe_simde_cvtepu16_epi32
+static inline simde__m512i moe_simde_cvtepu8_epi32(simde__m128i a) { /* absent from SIMDe */
+    uint8_t s[16]; uint32_t d[16]; simde__m512i r;
+    memcpy(s, &a, 16);
+    for (int i = 0; i < 16; i++) d[i] = s[i];
+    memcpy(&r, d, 64);
+    return r;
+}
+#undef _mm512_cvtepu8_epi32
+#define _mm512_cvtepu8_epi32 moe_simde_cvtepu8_epi32
 static inline uint16_t moe_simde_bf16(float f) {
     uint32_t u; memcpy(&u, &f, 4);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);

@@ -42,7 +42,7 @@ from gpu_service.experts.call import array_of, Hold, LayerCall, Moved, Part, WIR
 from gpu_service.experts.errors import CoverageError, ExpertsClientError, FingerprintError, ShardError
 from gpu_service.experts.fast import FastPaths
 from gpu_service.experts.health import check_parallel, HealthCache
-from gpu_service.experts.groups import _coverage_key, _Group, _Replica, check_coverage, ShardDesc
+from gpu_service.experts.groups import _coverage_key, _Group, _Replica, check_coverage, check_returning, ShardDesc
 from gpu_service.experts.stream import _retryable, _ShardStream
 from protos.moesplit.v1 import experts_pb2, experts_pb2_grpc
 from wire.channel import (
@@ -254,8 +254,8 @@ class ExpertsClient:
             try:
                 info = f.result()
                 self._check_shard(r.address, info)
-                if r.desc is not None and _coverage_key(info) != _coverage_key(r.desc.info):
-                    raise CoverageError(f"expert shard {r.address} came back serving different experts", [], [])
+                if r.desc is not None:
+                    check_returning(r.address, r.desc.info, info)
             except (grpc.RpcError, ExpertsClientError) as e:
                 ch.close()
                 if isinstance(e, (FingerprintError, CoverageError)):

@@ -118,6 +118,20 @@ def act_bits_of(info: experts_pb2.ShardInfo) -> int:
     return int(info.act_bits) or 16
 
 
+def check_returning(address: str, before: experts_pb2.ShardInfo, now: experts_pb2.ShardInfo) -> None:
+    """A replica that reconnects must serve what it served when the client connected: the same experts
+    (else it matches no group) and the same --act-bits (else its group's answers would change with a
+    restart: the mixed-replica rule over time, a sole replica included). CoverageError naming the fix."""
+    if _coverage_key(now) != _coverage_key(before):
+        raise CoverageError(f"expert shard {address} came back serving different experts", [], [])
+    if act_bits_of(now) != act_bits_of(before):
+        raise CoverageError(
+            f"expert shard {address} came back running --act-bits {act_bits_of(now)}, but ran --act-bits "
+            f"{act_bits_of(before)} when this GPU service connected; a greedy answer must not change with a "
+            f"restart: start it again with --act-bits {act_bits_of(before)} (or restart the GPU service to take "
+            "the new setting)", [], [])
+
+
 class _Group:
     """Replicas serving the same (layers, experts, intermediate slice); any one answers a call."""
 

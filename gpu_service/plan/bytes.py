@@ -86,8 +86,9 @@ def linear_bytes(out: int, inp: int, fmt: str, fp8_block: tuple[int, int] = FP8_
         return n + 4 * out
     if fmt == "int4":
         return 4 * out * math.ceil(inp / 8) + 2 * out * math.ceil(inp / INT4_GROUP)
-    if fmt == "mxfp4":  # DeepSeek-V4 experts as the kernels hold them: e2m1 nibbles in the int4 panels, the
-        # e8m0 byte of each 32 inputs widened to the panels' 16-bit scale slot (4.5 bits a weight; stored: 4.25)
+    if fmt == "mxfp4":  # DeepSeek-V4 experts: e2m1 nibbles + the e8m0 scale of each 32 inputs held as a 16-bit
+        # bf16 power of two (4.5 bits a weight: the GPU's hot experts, qlinear.Mxfp4Linear); the CPU kernels
+        # hold the e8m0 byte as stored (4.25 bits), so a shard's RAM is over-counted by 1/18, never under
         return out * math.ceil(inp / 2) + 2 * out * math.ceil(inp / MXFP4_GROUP)
     raise ValueError(f"unknown weight format {fmt!r}; expected bf16, fp8, int8, int4 or mxfp4")
 
