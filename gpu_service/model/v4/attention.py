@@ -140,7 +140,7 @@ class Attention(nn.Module):
         skip = set(dec.segs) if dec is not None else set()
         for j, ((a, b, p), st) in enumerate(zip(segs, states)):
             if j not in skip:
-                o[a:b] = self._attend(x[a:b], qr[a:b], q[a:b], kv[a:b], p, st, _rows(cp, a, b), _rows(ip, a, b))
+                self._attend(x[a:b], qr[a:b], q[a:b], kv[a:b], p, st, o[a:b], _rows(cp, a, b), _rows(ip, a, b))
         if dec is not None:
             r = dec.rows
             o_d, *new = self.decode_core(q[r], kv[r], _pick(cp, r), _pick(ip, r), dec.pos, cos[r], sin[r],
@@ -187,11 +187,11 @@ class Attention(nn.Module):
         return (out[0] if len(out) == 1 else torch.cat(out)), new_keys, cstate, istate
 
     def _attend(self, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor,
-                st: AttnState, cp=None, ip=None) -> torch.Tensor:
+                st: AttnState, dest: torch.Tensor, cp=None, ip=None) -> None:
         """One sequence's chunk: its window keys and compressed entries (`st` extended by the chunk;
         cp / ip: the compressor's / indexer's projections of its rows) -> the attention output
-        [n, H, D] (before the inverse RoPE). HCA reads every entry of its layer (masked to the complete
-        ones); CSA gathers each query's picks; ATTN_BLOCK queries at a time."""
+        [n, H, D] (before the inverse RoPE) written into `dest`. HCA reads every entry of its layer
+        (masked to the complete ones); CSA gathers each query's picks; ATTN_BLOCK queries at a time."""
         n, dt, W1 = x.shape[0], x.dtype, self.window - 1
         keys = torch.cat([st.keys if st.keys is not None else kv.new_zeros((W1, kv.shape[1])), kv])
         k_pos = torch.arange(st.length - W1, st.length + n, device=x.device)
@@ -206,12 +206,12 @@ class Attention(nn.Module):
                 bias = torch.cat([bias, compressed_bias(pos, count, self.ratio, dt)], dim=-1)
             else:  # CSA: each query's own picks
                 picks = self.indexer.pick(x, qr, pos, st.index, ip)  # [n, k], -1: none
-        out, B = [], ATTN_BLOCK
+        B = ATTN_BLOCK
         for a in range(0, n, B):
             own = own_bias = None
             if picks is not None:
                 own = st.comp.store.gather(picks[a:a + B].clamp(min=0), kv)  # [b, k, D]
                 own_bias = picks_bias(picks[a:a + B], dt)
-            out.append(sink_attention(q[a:a + B], keys, bias[a:a + B], self.attn_sink, self.D ** -0.5, own, own_bias))
+            sink_attention(q[a:a + B], keys, bias[a:a + B], self.attn_sink, self.D ** -0.5, own, own_bias,
+                           out=dest[a:a + B])
             del own
-        return out[0] if len(out) == 1 else torch.cat(out)  # [n, H, D]

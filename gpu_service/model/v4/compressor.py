@@ -25,7 +25,7 @@ from torch import nn
 
 from gpu_service.attention.sink_torch import complete_entries
 from gpu_service.model.layers import RMSNorm, Rope
-from gpu_service.model.v4.blocks import INDEX_BLOCK
+from gpu_service.model.v4.blocks import DECODE_INDEX_BLOCK, INDEX_BLOCK
 from gpu_service.model.v4.pieces import rope_tail
 
 
@@ -240,7 +240,7 @@ class Indexer(nn.Module):
         return out[0] if len(out) == 1 else torch.cat(out)
 
     def decode_pick(self, proj: tuple, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, state: tuple,
-                    entries: tuple, block: int = INDEX_BLOCK) -> tuple[torch.Tensor, tuple]:
+                    entries: tuple, block: int = DECODE_INDEX_BLOCK) -> tuple[torch.Tensor, tuple]:
         """The batched decode's picks (static shapes): proj = this indexer's `projections` of the B
         rows, pos [B], cos / sin (model dtype, the query's RoPE at pos), state = its compressor's stacked
         state (`Compressor.decode`), entries = (src, write [B], read [B, E], cos_e, sin_e): its keys'
@@ -249,13 +249,16 @@ class Indexer(nn.Module):
         (ckv, cgate), qb, wp = proj
         src, write, read, cos_e, sin_e = entries
         key, _, state = self.compressor.decode(ckv, cgate, pos, cos_e, sin_e, state)
-        keys = write_entries(src, write, key, read, qb).float()  # [B, E, d]
+        write_entries(src, write, key)
         q = rope_tail(qb.view(-1, self.heads, self.d), cos, sin)  # [B, h, d]
         w = wp.float() * self.heads ** -0.5
         ready, k = complete_entries(pos, self.ratio), min(self.topk, read.shape[1])
         out = []
         for a in range(0, pos.shape[0], block):
-            scores, r = self.score(q[a:a + block], w[a:a + block], keys[a:a + block], ready[a:a + block])
+            rows = read[a:a + block]
+            keys = src.index_select(0, rows.reshape(-1)).view(*rows.shape, -1).to(qb.dtype).float()  # [b, E, d]
+            scores, r = self.score(q[a:a + block], w[a:a + block], keys, ready[a:a + block])
+            del keys
             out.append(self.top(scores, r, k))
             del scores
         return (out[0] if len(out) == 1 else torch.cat(out)), state

@@ -360,4 +360,6 @@ def build_v4(cfg: V4Config, get: Callable[[str], "np.ndarray | torch.Tensor"], d
         loaded.add(name)
     model.prepare()
     reserve_scratch(model, dtype)  # the FP8 linears' dequantisation buffer, sized once
+    for dev in {blk.attn_norm.weight.device for blk in model.layers} | {model.head.weight.device}:
+        model.row_block(dev)  # measured now (once per process and shapes), not inside a step
     return model.eval(), loaded
