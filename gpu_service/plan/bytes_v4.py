@@ -16,7 +16,7 @@ What differs from V3 (MLA):
   logits and probabilities over window + chunk + its keys: every entry of an HCA layer, a CSA
   query's gathered index_topk picks), the indexer (f32 scores of INDEX_BLOCK queries and every head
   over all of the sequence's CSA entries) and the compressor; the larger of a prefill chunk's and a
-  decode batch's step.
+  decode batch's step (every row at once), and with CUDA graphs one pool per batch bucket.
 - Experts: MXFP4 (`linear_bytes(..., "mxfp4")`) as stored, on the shards and as hot GPU experts.
 """
 from __future__ import annotations
@@ -131,8 +131,8 @@ def _rows(cfg: V4Config, e: int, mlp_width: int) -> int:
 
 def layer_step_bytes_v4(cfg: V4Config, o: Options, *, rows: int, span: int, seqs: int, mlp_width: int) -> int:
     """Transient bytes of one layer over `rows` token rows of `seqs` sequences whose queries see at most
-    `span` keys of their own chunk (prefill: T rows, span T, 1 sequence; decode: B rows, span 1, B
-    sequences), as the torch model computes it (docs/v4.md "Memory plan"): the streams and projections
+    `span` keys of their own chunk (a prefill chunk: T rows, span T, 1 sequence; the batched decode is
+    `decode_step_bytes_v4`), as the torch model computes it (docs/v4.md "Memory plan"): the streams and projections
     over all rows, then one sequence at a time (r = rows / seqs) what attention holds beside its scores
     and the largest of the attention core (ATTN_BLOCK queries at a time), the indexer (INDEX_BLOCK
     queries at a time) and the compressor, which run one after the other."""

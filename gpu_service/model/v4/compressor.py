@@ -153,7 +153,8 @@ class Compressor(nn.Module):
         if self.overlap:
             slots_kv, slots_gate = torch.cat([prev_kv, buf_kv[..., d:]], 1), torch.cat([prev_gate, gate_a[..., d:]], 1)
             done = complete[:, None, None]
-            prev_kv, prev_gate = torch.where(done, buf_kv[..., :d], prev_kv), torch.where(done, gate_a[..., :d], prev_gate)
+            prev_kv = torch.where(done, buf_kv[..., :d], prev_kv)
+            prev_gate = torch.where(done, gate_a[..., :d], prev_gate)
         else:
             slots_kv, slots_gate = buf_kv, gate_a
         return self.pool(slots_kv, slots_gate, cos, sin), complete, (buf_kv, buf_gate, prev_kv, prev_gate)

@@ -3,7 +3,10 @@ hc_mult streams, per layer mHC -> attention -> mHC -> MoE, the hc_head reduction
 
 `DeepseekV4.forward(tokens, cache, experts)` runs a chunk of one sequence after what its
 `SeqCache` holds (a fresh cache: prefill of the whole prompt), `forward_batch` chunks of several
-sequences in one step (attention per sequence, the rest over all rows); `greedy` decodes with the cache,
+sequences in one step (a prefill chunk's attention per chunk, every one-token chunk's attention at once:
+the batched decode, gpu_service.model.v4.decode; the rest over all rows, padded to the CPU's GEMM row
+block so that a sequence's logits do not depend on its batch; an all-decode step as the layers' decode
+pieces, replayed as CUDA graphs where the runner gives them); `greedy` decodes with the cache,
 by recomputing the whole sequence each step (`recompute`), or after a chunked prefill (`chunk`).
 Parameters and buffers are named as the original checkpoint (`embed`, `layers.N.attn.wq_a`,
 `layers.N.hc_attn_fn`, `layers.N.ffn.gate.tid2eid`, `hc_head_fn`, `head`, ...); `build_v4` fills
