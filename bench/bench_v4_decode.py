@@ -8,7 +8,8 @@ V4Runner on the CPU in float32 (paged pool, no prefix cache, no CUDA graphs), on
 Every stream gets a 64-token prompt (past the window and several CSA / HCA blocks), prefilled alone;
 then all streams decode together through `runner.step` (one all-decode step per token): 4 warm-up
 steps, then STEPS timed ones. tok/s = streams x steps / seconds. Trees alternate per round (the
-machine is shared: compare within a round), the best round per tree and stream count is reported.
+machine is shared: compare within a round); the best round per tree and stream count, every round's
+figures and the per-round after / before ratios are reported.
 
     python bench/bench_v4_decode.py [--ref COMMIT] [--steps 32] [--rounds 3] [--out bench/results/v4_decode.json]
 """
@@ -127,10 +128,12 @@ def main() -> None:
         make_tiny(ckpt, fmt="mxfp4", arch="deepseek_v4", v4_schedule="flash", seed=11)
         trees = {"before": _tree(ref, tmp), "after": ROOT}
         best: dict = {k: {} for k in trees}
+        rounds: list = []
         for r in range(a.rounds):
             for n in STREAMS:
                 for name, tree in trees.items():
                     m = _run(tree, n, a.steps, ckpt)
+                    rounds.append({"round": r, "tree": name, "streams": n, "tok_per_s": m["tok_per_s"]})
                     print(f"round {r} {name} streams {n}: {m['tok_per_s']} tok/s", file=sys.stderr)
                     if n not in best[name] or m["tok_per_s"] > best[name][n]["tok_per_s"]:
                         best[name][n] = m
@@ -138,8 +141,12 @@ def main() -> None:
               "model": "make-tiny deepseek_v4 flash (mxfp4 experts in process)", "prompt_tokens": PROMPT,
               "before": {"commit": ref, "runs": [best["before"][n] for n in STREAMS]},
               "after": {"commit": head, "runs": [best["after"][n] for n in STREAMS]},
-              "speedup": {str(n): round(best["after"][n]["tok_per_s"] / best["before"][n]["tok_per_s"], 2)
-                          for n in STREAMS}}
+              "speedup_best": {str(n): round(best["after"][n]["tok_per_s"] / best["before"][n]["tok_per_s"], 2)
+                               for n in STREAMS},
+              "speedup_per_round": {str(n): [round(x["tok_per_s"] / y["tok_per_s"], 2) for x, y in zip(
+                  [q for q in rounds if q["tree"] == "after" and q["streams"] == n],
+                  [q for q in rounds if q["tree"] == "before" and q["streams"] == n])] for n in STREAMS},
+              "rounds": rounds, "load_average_after": os.getloadavg()}
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
