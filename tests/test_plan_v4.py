@@ -118,8 +118,25 @@ def hand_items(d: dict, o: dict, layers: list[int], *, first: bool, last: bool, 
         comp = (4 * e + 12) * R * wc
         return streams + R * rows + held + max(attn, index, comp)
 
+    # the batched decode of Bd rows: every row's window (W-1 stacked + the new key), its HCA entries (E
+    # padded, at most the pool's) or CSA picks at once; the indexer 8 rows at a time over E4 padded entries
+    kinds = {r: (2 * e * r * (2 * hd if r == 4 else hd) if r else 0)
+             + ((e + 4) * 4 * hd + 2 * e * 4 * 2 * dI + (e + 4) * 4 * dI if r == 4 else 0) for r in set(sched)}
+    state = e * (W - 1) * hd + max(kinds.values())
+    slots = max(r * (2 * hd if r == 4 else hd) for r in sched if r)
+
+    def decode(Bd: int) -> int:
+        S = W + max(Eh, topk)
+        proj = e * Bd * (2 * wc + 4 * dI + nI * dI + nI)
+        held = proj + 2 * Bd * state + e * Bd * S * (hd + 1) + 16 * Bd * topk
+        attn = 2 * e * min(Bd, 256) * H * S + e * Bd * H * hd + e * Bd * max(Eh, topk) * hd
+        index = e * Bd * nI * dI + 4 * Bd * nI + 28 * Bd * topk + min(Bd, 8) * E4 * ((e + 4) * dI + 4 * nI + 4)
+        comp = (3 * e + 12) * Bd * slots
+        return 2 * 4 * Bd * 4 * D + 4 * Bd * 24 + Bd * rows + held + max(attn, index, comp)
+
     buckets = sorted({1, 2, 4, 8, 16, 32} | {1 << j for j in range(max(B, 32).bit_length()) if (1 << j) <= max(B, 32)})
-    graphs = 2 * sum(buckets) * (2 * 2 * 4 * 4 * D + 2 * rows + 8 * E)
+    static = 3 * 4 * 4 * D + 3 * e * D + 2 * 4 * 24 + 2 * state + 8 * (Eh + 2 * E4) + 12 * k
+    graphs = sum(decode(b) + b * static for b in buckets)  # one pool per bucket: a decode step and the buffers
     # the one reused dequantisation buffer: min(1024, out) rows of the widest quantised linear [out, in]
     quantised = [(ql, D), (H * hd, ql), (hd, D), (G * ol, H * hd // G), (D, G * ol), (I, D), (D, I), (nI * dI, ql)]
     scratch = max(e * min(1024, out) * inp for out, inp in quantised)
@@ -128,7 +145,7 @@ def hand_items(d: dict, o: dict, layers: list[int], *, first: bool, last: bool, 
                                    for out, inp in ((I, D), (D, I))])
     # hot experts: their summed output [T, D] and one expert's rows at its worst (D + 6I, or 3D, per row)
     hot = e * T * (D + max(D + 6 * I, 3 * D)) if o["gpu_experts"] else 0
-    it["workspace"] = (max(step(T, T, 1), step(B, 1, B)) + 4 * T * D + 12 * T * k + hot
+    it["workspace"] = (max(step(T, T, 1), decode(B)) + 4 * T * D + 12 * T * k + hot
                        + (2 * 4 * B * V if last else 0)
                        + scratch + graphs + e * H * hd * ol)  # + wo_a (FP8) dequantised whole per step
     return it

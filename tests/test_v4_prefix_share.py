@@ -20,7 +20,7 @@ from gpu_service.runtime.engine import Engine
 from gpu_service.runtime.runner_v4 import V4Runner
 from gpu_service.runtime.sampling import SamplingParams
 
-PAGE, KV, STEPS = 16, 1024, 12
+PAGE, KV, STEPS = 16, 2048, 12  # KV: room for every kept snapshot (13 pages each) beside the prompts
 
 
 @pytest.fixture(scope="module")
