@@ -17,7 +17,9 @@ What differs from V3 (MLA):
   query's gathered index_topk picks), the indexer (f32 scores of INDEX_BLOCK queries and every head
   over all of the sequence's CSA entries) and the compressor; the larger of a prefill chunk's and a
   decode batch's step (every row at once), and with CUDA graphs one pool per batch bucket.
-- Experts: MXFP4 (`linear_bytes(..., "mxfp4")`) as stored, on the shards and as hot GPU experts;
+- Experts: MXFP4 as each side holds it: on the shards the e8m0 byte as stored (`linear_bytes(..., "mxfp4",
+  host=True)`: 4.25 bits a weight, the kernels' panels), as hot GPU experts the scale as bf16 (4.5 bits,
+  `Mxfp4Linear`);
   FP8 experts (Pro-style base releases) as stored as hot GPU experts (`linear_bytes(..., "fp8")`: e4m3
   bytes + an f32 scale per 128x128 block, as `Fp8Linear` holds them), the shards' format searched.
 """

@@ -73,6 +73,9 @@ class V4Runner:
         # prompt boundaries kept for prefixes shared across prompts (a system prompt): every `snapshot_every`
         # tokens (None: the first multiple of the page size from SNAPSHOT_EVERY, at most one more pass per chunk)
         every = -(-SNAPSHOT_EVERY // self.page_size) * self.page_size if snapshot_every is None else snapshot_every
+        if every < 0 or (snapshot_every is not None and not prefix_cache):
+            raise ValueError(f"snapshot_every {snapshot_every}: >= 0 tokens (0: none), and only with the prefix "
+                             "cache (--prefix-snapshot-every without --no-prefix-cache)")
         self.prefix_cache = V4PrefixCache(self.pool, every) if prefix_cache else None
         self.forked = 0  # choices forked from a sequence's state (copy_prefix), not prefilled again
         self.set_cuda_graphs(cuda_graphs and os.environ.get("MOESPLIT_CUDA_GRAPHS", "1") != "0", graph_buckets)
