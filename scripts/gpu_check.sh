@@ -13,7 +13,7 @@
 #      grpc_health refused (absent there), naming what fails before any time is spent (then runs
 #      what can run: the failures are problems in the report);
 #   4. builds the C extensions in place (a failure is a problem in the report, not a stop);
-#   5. runs every `gpu`-marked test (tests/test_gpu.py, test_decode.py, test_doctor.py); the tests
+#   5. runs every `gpu`-marked test (tests/test_gpu.py, test_decode.py, test_doctor.py, test_v4_decode.py); the tests
 #      record their numbers in records.jsonl; a skipped gpu test is a failure;
 #   6. bench/bench_gpu.py: decode with CUDA graphs vs eager at batch 1/8/32 (equal tokens, ms per
 #      step), the same for one layer at DeepSeek-V3's real shapes, time per bf16/fp8/int8 linear;
@@ -71,7 +71,7 @@ fi
   || { echo "failed" > "$OUT/build_status"; echo "gpu-check: building the C extensions failed (see $OUT/build.txt); running the tests anyway" >&2; }
 rm -f "$OUT/records.jsonl" "$OUT/junit.xml" "$OUT/bench_gpu.json"
 GPU_CHECK_RECORDS="$OUT/records.jsonl" timeout 300 "$PY" -m pytest -q -m gpu -rA -s -p no:cacheprovider \
-  --junitxml="$OUT/junit.xml" tests/test_gpu.py tests/test_decode.py tests/test_doctor.py 2>&1 | tee "$OUT/pytest.txt"
+  --junitxml="$OUT/junit.xml" tests/test_gpu.py tests/test_decode.py tests/test_doctor.py tests/test_v4_decode.py 2>&1 | tee "$OUT/pytest.txt"
 timeout 150 "$PY" bench/bench_gpu.py --out "$OUT/bench_gpu.json" > "$OUT/bench.txt" 2>&1
 echo "gpu-check: bench exit $? (log $OUT/bench.txt)"
 $REPORT report "$OUT"

@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # absent on the lent machine (its interpreter has torch and little else): the gpu checks must not need them
 ABSENT = ("fastapi", "uvicorn", "pydantic", "openai", "starlette", "grpc_health")
 # what the gpu checks import: the gpu-marked test files and the benchmark
-CHECK_MODULES = ("test_gpu", "test_decode", "test_doctor", "bench.bench_gpu")
+CHECK_MODULES = ("test_gpu", "test_decode", "test_doctor", "test_v4_decode", "bench.bench_gpu")
 # the report's keys (the dry run checks them; docs/gpu-first-run.md describes each)
 KEYS = ("ok", "problems", "machine", "torch", "build", "tests", "records", "graphs_vs_eager", "real_shapes_layer",
         "linears", "dry_run")
