@@ -106,6 +106,7 @@ class _Replica:
         self.probing = False
         self.last_error = "not connected yet"
         self.refused: str | None = None  # answered, but serves something we cannot use
+        self.instance = ""  # ShardInfo.instance_id of the process checked (gpu_service.experts.rejoin)
 
 
 def _coverage_key(info: experts_pb2.ShardInfo) -> tuple:
