@@ -94,6 +94,8 @@ def test_idle_restart_with_other_act_bits_refused(ckpts, transport):
             why = _refused_while_other_serves(client, replica, layer, x, ids, w, before)
             assert "--act-bits 16" in why and "--act-bits 8" in why and pair.addresses[1] in why, why
             assert replica.desc.info.act_bits == 8  # what it was checked with stays on record
+            ok, status = client.health()
+            assert ok and status[pair.addresses[1]].startswith("REFUSED: ") and "--act-bits 16" in status[pair.addresses[1]]
     finally:
         pair.stop()
 

@@ -15,7 +15,8 @@ round-robin per call); a replica that fails mid-call is replaced by another for 
 layer call has a deadline (`timeout_s`, `--expert-timeout`); a group with no replica left fails
 fast with ShardError(UNAVAILABLE); failed replicas are reconnected with capped exponential
 backoff. Channels use model-sized message limits, keepalive pings and optional mutual TLS
-(wire.channel).
+(wire.channel). A connection re-opened to a shard restarted at its address (no failure seen) is
+re-checked before its answers are used (gpu_service.experts.rejoin).
 
 Fast paths: with `transport="auto"` (default) each replica is offered the shared-memory fast path
 at connect (gpu_service.experts.shm; same host), else the TCP data path (gpu_service.experts.tcp;
@@ -309,8 +310,8 @@ class ExpertsClient:
                 out[r.address] = f"UNAVAILABLE: {r.last_error}"
                 continue
             status = checked.get(r.address, "UNKNOWN: not checked yet")
-            if status == "SERVING" and not r.healthy:
-                status = f"RECONNECTING: {r.last_error}"
+            if status == "SERVING" and not r.healthy:  # (refused: serves something this GPU service cannot use)
+                status = f"REFUSED: {r.refused}" if r.refused else f"RECONNECTING: {r.last_error}"
             out[r.address] = status
         ok = bool(self.groups) and all(any(out.get(r.address) == "SERVING" for r in g.replicas) for g in self.groups)
         return ok, out

@@ -8,7 +8,8 @@ broken, more rows than a slot holds, every slot busy): the caller then uses gRPC
 breaks mid-call (the doorbell socket fails) re-sends its pending calls over gRPC; the replica then
 stays on gRPC until a fresh fast path is negotiated (when it reconnects, or, while its gRPC channel
 still works, e.g. a shard restarted at the same address, after a back-off of RETRY_MIN_S doubling
-to RETRY_MAX_S); a refused call (INVALID_ARGUMENT) fails like gRPC's; a call
+to RETRY_MAX_S; a path accepted by a restarted shard process is used only once that process passed the
+returning replica's checks: gpu_service.experts.rejoin); a refused call (INVALID_ARGUMENT) fails like gRPC's; a call
 past its deadline fails with DEADLINE_EXCEEDED (the client then fails over to another replica).
 
 mode: "grpc" never negotiates; "auto" offers shared memory, then the cross-host TCP data path
