@@ -126,7 +126,9 @@ class FastPaths:
     def drop(self, address: str, why: str) -> None:
         """Close the fast path to `address` (a replica refused): its calls go nowhere near it again."""
         with self._lock:
-            old = self.paths.pop(address, None)
+            old = self.paths.get(address)
+            if old is not None:  # (kept as an entry without a path: a call that just took it finds its entry)
+                self.paths[address] = (None, old[1])
             self.reasons[address] = why
         if old is not None and old[0] is not None:
             old[0].close()
