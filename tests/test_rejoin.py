@@ -118,6 +118,22 @@ def test_idle_restart_with_other_model_refused(ckpts, transport):
         pair.stop()
 
 
+def test_idle_restart_serving_other_experts_refused(ckpts):
+    """Same, the replica restarted serving only some of the experts (over the gRPC stream): refused."""
+    cfg = load_config(ckpts[0])
+    layer = cfg.moe_layers[0]
+    x, ids, w = _routing(cfg, 4, 10)
+    pair = start_shards(ckpts[0], 1, replicas=2)
+    try:
+        with ExpertsClient(pair.addresses, cfg, timeout_s=30.0, transport="grpc") as client:
+            before = client.forward(layer, x, ids, w)
+            replica, _ = _restart_idle(client, pair, 1, lambda cmd: cmd.extend(["--experts", "0-3"]))
+            why = _refused_while_other_serves(client, replica, layer, x, ids, w, before)
+            assert "came back serving different experts" in why and pair.addresses[1] in why, why
+    finally:
+        pair.stop()
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_sole_replica_identical_restart_rejoins(ckpts, transport):
     """A sole replica restarted identically while idle: the next call is answered by the new process
