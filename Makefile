@@ -5,7 +5,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-test protos build test soak nethosts demo bench bench-tcp-hosts bench-decode bench-doctor bench-grammar bench-tool-stream bench-kernels bench-prefix gpu-check gpu-check-dry-run chart-check images image-test clean
+.PHONY: setup setup-test protos build test soak nethosts demo bench bench-tcp-hosts bench-decode bench-doctor bench-grammar bench-tool-stream bench-kernels bench-prefix bench-v4-decode gpu-check gpu-check-dry-run chart-check images image-test clean
 
 setup: $(STAMP)
 
@@ -71,6 +71,11 @@ bench-tool-stream: setup
 # the decode step's fixed cost per MoE layer (3 vs 27 layers) and 1/8/32 streams through `moesplit serve`
 bench-decode: setup
 	$(PY) bench/bench_decode.py
+
+# DeepSeek-V4 tiny-model decode tok/s at 1, 4 and 8 streams, this tree vs the merge base with main
+# (bench/results/v4_decode.json)
+bench-v4-decode: setup
+	$(PY) bench/bench_v4_decode.py
 
 gpu-check:  # offline, the interpreter's own CUDA torch (PYTHON=...); no venv, no download (docs/gpu-first-run.md)
 	scripts/gpu_check.sh

@@ -1,7 +1,8 @@
 """Build hooks that pyproject.toml cannot express: the Cython extensions.
 
-cpu_expert_service.kernels._moe is one extension built from the Cython binding and one C file per
-ISA. No -march flag: every ISA file selects its own target with `#pragma GCC target`, so the .so
+cpu_expert_service.kernels._moe is one extension built from the Cython binding, the ISA-independent
+C (moe_core.c: features, pool, fused op; moe_pack.c: packing; moe_generic.c: portable kernels) and one
+C file per ISA. No -march flag: every ISA file selects its own target with `#pragma GCC target`, so the .so
 loads on any x86-64 and the dispatcher (moe_cpu_has, decided once per backend) picks what runs.
 gpu_service.experts._shm_client is the GPU side's shared-memory client (shm_client.c) and
 gpu_service.experts._tcp_client its TCP data path client (tcp_client.c), plain C for any Linux machine.
@@ -14,7 +15,8 @@ import numpy
 from setuptools import Extension, setup
 
 KDIR = "cpu_expert_service/kernels"
-ISA_FILES = ["moe_core.c", "moe_avx2.c", "moe_avx512.c", "moe_amx.c", "moe_shm.c", "moe_tcp.c"]
+ISA_FILES = ["moe_core.c", "moe_pack.c", "moe_generic.c", "moe_avx2.c", "moe_avx512.c", "moe_amx.c", "moe_shm.c",
+             "moe_tcp.c"]
 TLS = dict(libraries=["ssl", "crypto"])  # wire/tcp_io.c: the TCP data path's mutual TLS (OpenSSL 3, libssl-dev)
 
 ext_modules = []

@@ -156,7 +156,7 @@ INT8_MAX = 127
 def quant_int8_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """w [out, in] float -> (q int8 [out, in] in [-127, 127], scale f32 [out]); value = q * scale.
 
-    Exactly what the CPU kernels do when handed float weights for int8 (moe_core.c prep_row):
+    Exactly what the CPU kernels do when handed float weights for int8 (moe_pack.c prep_row):
     scale = amax(|row|) / 127 in float32, q = round_half_even(w / scale); an all-zero row gets
     scale 0 and q 0. So quantising here and dequantising into the kernels reproduces this q."""
     _check_2d(w, "quant_int8_channel")

@@ -174,9 +174,11 @@ def measure(model_dir: str, dtype: str, gpu_experts: int = 0, token: int | None 
                  layers=cfg.num_hidden_layers, scratch=gp_scratch(plan, gpu_experts))
     assert workspace_bytes_v4(cfg, plan.options, **ws_kw) == plan.gpus[0].items["workspace"]
     no_graphs = workspace_bytes_v4(cfg, dataclasses.replace(plan.options, cuda_graphs=False), **ws_kw)
-    # the same formula for one token of one sequence: what a decode step of this run may keep
+    # the same formula for one token of one sequence: what a decode step of this run may keep (its row
+    # padded to the CPU's GEMM row block, gpu_service.model.rows: the batched decode runs those rows; 1 on CUDA)
+    rows = loaded.model.row_block(torch.device("cpu"))
     one_token = workspace_bytes_v4(cfg, dataclasses.replace(plan.options, cuda_graphs=False, chunk_tokens=1,
-                                                            max_batch=1), **ws_kw)
+                                                            max_batch=rows), **ws_kw)
     tracker = ByteTracker()
     # the engine's runner: its model, its paged pool of KV tokens (allocated before the steps), no prefix cache
     hot_ids = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 
 from gpu_service import plan as P
@@ -28,9 +29,13 @@ def fp8(out: int, inp: int) -> int:
 
 
 def mxfp4(out: int, inp: int) -> int:
-    """MXFP4 as the plan counts it: nibbles + a 16-bit scale per 32 inputs (the GPU's hot experts widen
-    the checkpoint's e8m0 byte to bf16; the CPU kernels hold the byte, 1/18 less)."""
+    """MXFP4 as the GPU's hot experts hold it: nibbles + a bf16 scale per 32 inputs (the e8m0 byte widened)."""
     return out * inp // 2 + 2 * (out * inp // 32)
+
+
+def mxfp4_host(out: int, inp: int) -> int:
+    """MXFP4 as the CPU shards hold it (dims multiples of 32): nibbles + the e8m0 byte per 32 inputs."""
+    return out * inp // 2 + out * inp // 32
 
 
 def hand_params(d: dict) -> dict:
@@ -118,8 +123,25 @@ def hand_items(d: dict, o: dict, layers: list[int], *, first: bool, last: bool, 
         comp = (4 * e + 12) * R * wc
         return streams + R * rows + held + max(attn, index, comp)
 
+    # the batched decode of Bd rows: every row's window (W-1 stacked + the new key), its HCA entries (E
+    # padded, at most the pool's) or CSA picks at once; the indexer 8 rows at a time over E4 padded entries
+    kinds = {r: (2 * e * r * (2 * hd if r == 4 else hd) if r else 0)
+             + ((e + 4) * 4 * hd + 2 * e * 4 * 2 * dI + (e + 4) * 4 * dI if r == 4 else 0) for r in set(sched)}
+    state = e * (W - 1) * hd + max(kinds.values())
+    slots = max(r * (2 * hd if r == 4 else hd) for r in sched if r)
+
+    def decode(Bd: int) -> int:
+        S = W + max(Eh, topk)
+        proj = e * Bd * (2 * wc + 4 * dI + nI * dI + nI)
+        held = proj + 2 * Bd * state + e * Bd * S * (hd + 1) + 16 * Bd * topk
+        attn = 2 * e * min(Bd, 256) * H * S + e * Bd * H * hd + e * Bd * max(Eh, topk) * hd
+        index = e * Bd * nI * dI + 4 * Bd * nI + 28 * Bd * topk + min(Bd, 8) * E4 * ((e + 4) * dI + 4 * nI + 4)
+        comp = (3 * e + 12) * Bd * slots
+        return 2 * 4 * Bd * 4 * D + 4 * Bd * 24 + Bd * rows + held + max(attn, index, comp)
+
     buckets = sorted({1, 2, 4, 8, 16, 32} | {1 << j for j in range(max(B, 32).bit_length()) if (1 << j) <= max(B, 32)})
-    graphs = 2 * sum(buckets) * (2 * 2 * 4 * 4 * D + 2 * rows + 8 * E)
+    static = 3 * 4 * 4 * D + 3 * e * D + 2 * 4 * 24 + 2 * state + 8 * (Eh + 2 * E4) + 12 * k
+    graphs = sum(decode(b) + b * static for b in buckets)  # one pool per bucket: a decode step and the buffers
     # the one reused dequantisation buffer: min(1024, out) rows of the widest quantised linear [out, in]
     quantised = [(ql, D), (H * hd, ql), (hd, D), (G * ol, H * hd // G), (D, G * ol), (I, D), (D, I), (nI * dI, ql)]
     scratch = max(e * min(1024, out) * inp for out, inp in quantised)
@@ -128,7 +150,7 @@ def hand_items(d: dict, o: dict, layers: list[int], *, first: bool, last: bool, 
                                    for out, inp in ((I, D), (D, I))])
     # hot experts: their summed output [T, D] and one expert's rows at its worst (D + 6I, or 3D, per row)
     hot = e * T * (D + max(D + 6 * I, 3 * D)) if o["gpu_experts"] else 0
-    it["workspace"] = (max(step(T, T, 1), step(B, 1, B)) + 4 * T * D + 12 * T * k + hot
+    it["workspace"] = (max(step(T, T, 1), decode(B)) + 4 * T * D + 12 * T * k + hot
                        + (2 * 4 * B * V if last else 0)
                        + scratch + graphs + e * H * hd * ol)  # + wo_a (FP8) dequantised whole per step
     return it
@@ -155,7 +177,7 @@ def check_plan(name: str, gpus: list[str], host: str, **kw) -> tuple[object, dic
     # shards: MXFP4 experts as stored
     E, I, D, L = d["n_routed_experts"], d["moe_intermediate_size"], d["hidden_size"], d["num_hidden_layers"]
     assert o["expert_format"] == "mxfp4"
-    w = L * E * 3 * mxfp4(I, D)
+    w = L * E * 3 * mxfp4_host(I, D)
     (s,) = j["shards"]
     assert s["weight_bytes"] == w
     T, k = o["chunk_tokens"], d["num_experts_per_tok"]
@@ -230,3 +252,34 @@ def test_plan_of_a_tiny_v4_checkpoint_and_shared_config(tmp_path, capsys):
     assert "kv_window" in j["gpus"][0]["items"] and "dense_mlp" not in j["gpus"][0]["items"]
     rc = cli_main(["plan", "--model", FLASH_CFG, "--gpu", "24GiB", "--host-ram", "256GiB"])
     assert rc == 0 and "FITS" in capsys.readouterr().out
+
+
+def test_shard_and_hot_mxfp4_bytes_are_what_each_side_holds(tmp_path):
+    """On a tiny V4 MXFP4 checkpoint: the plan's shard weight bytes equal what the mxfp4 kernels allocate
+    (whole, in two intermediate slices, in two expert ranges), and its hot-expert bytes what
+    Mxfp4Linear holds on the GPU (the scales as bf16: more than the shards' e8m0 bytes)."""
+    from cpu_expert_service.backend import available_backends
+    from cpu_expert_service.server import load_shard
+    from gpu_service.local import tiny
+    from gpu_service.model.qlinear import Mxfp4Linear
+
+    if "kernels" not in available_backends():
+        pytest.skip("C kernels not built")
+    d = tiny.make_tiny(str(tmp_path / "flash"), fmt="mxfp4", seed=5, arch="deepseek_v4")
+    cfg, _ = P.load_model_config(d)
+    E, I, H = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    for n, split in ((1, "slice"), (2, "slice"), (2, "experts")):
+        for s in P.shard_plans(cfg, "mxfp4", n, 64, split=split):
+            experts = list(range(*s.experts)) if split == "experts" else None
+            _, be, info = load_shard(d, experts, s.slice if split == "slice" else None, backend="kernels")
+            assert info["serve_format"] == "mxfp4"
+            assert be.weight_bytes() == s.weight_bytes, (n, split, s.index)
+    whole = P.shard_plans(cfg, "mxfp4", 1, 64)[0].weight_bytes
+    assert whole == len(cfg.moe_layers) * E * 3 * mxfp4_host(I, H)  # 4.25 bits a weight
+    rng = np.random.default_rng(0)
+    hot = 0
+    for out, inp in ((I, H), (I, H), (H, I)):
+        lin = Mxfp4Linear.from_stored(rng.integers(0, 256, (out, inp // 2), dtype=np.uint8).view(np.int8),
+                                      rng.integers(100, 140, (out, inp // 32), dtype=np.uint8), "cpu")
+        hot += sum(p.numel() * p.element_size() for p in lin.parameters())
+    assert hot == P.expert_bytes(cfg, "mxfp4") == 3 * mxfp4(I, H) > whole // (len(cfg.moe_layers) * E)

@@ -249,7 +249,7 @@ def test_cache_holds_the_window_and_the_entries():
         assert st.keys.shape[0] == cfg.sliding_window - 1 and st.length == PROMPT_LEN
         if blk.attn.ratio:
             assert st.comp.count == PROMPT_LEN // blk.attn.ratio
-            assert st.comp.buf_kv.shape[0] == PROMPT_LEN % blk.attn.ratio
+            assert st.comp.pending == PROMPT_LEN % blk.attn.ratio and st.comp.buf_kv.shape[0] == blk.attn.ratio
             assert st.comp.store.read(st.comp.count, st.keys).shape == (st.comp.count, cfg.head_dim)
         else:
             assert st.comp.count == 0 and st.comp.store.t is None

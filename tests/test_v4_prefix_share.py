@@ -20,17 +20,23 @@ from gpu_service.runtime.engine import Engine
 from gpu_service.runtime.runner_v4 import V4Runner
 from gpu_service.runtime.sampling import SamplingParams
 
-PAGE, KV, STEPS = 16, 1024, 12
+PAGE, KV, STEPS = 16, 2048, 12  # KV: room for every kept snapshot (13 pages each) beside the prompts
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    """(reader, in-process experts) of a tiny Flash-like V4 checkpoint."""
+def ckpt_dir(tmp_path_factory):
+    """A tiny Flash-like V4 checkpoint's directory."""
     from gpu_service.local import tiny
 
     d = str(tmp_path_factory.mktemp("v4share") / "flash")
     tiny.make_tiny(d, fmt="mxfp4", arch="deepseek_v4", v4_schedule="flash", seed=5)
-    reader = CheckpointReader(d, any_architecture=True)
+    return d
+
+
+@pytest.fixture(scope="module")
+def ckpt(ckpt_dir):
+    """(reader, in-process experts) of a tiny Flash-like V4 checkpoint."""
+    reader = CheckpointReader(ckpt_dir, any_architecture=True)
     cfg = reader.config
     return reader, ReferenceExperts(reader.get, cfg.n_routed_experts, cfg.swiglu_limit)
 
@@ -83,3 +89,47 @@ def test_snapshot_interval_must_be_whole_pages(ckpt):
     with pytest.raises(ValueError, match="multiple of the page size"):
         V4Runner(reader, experts, device=torch.device("cpu"), dtype=torch.float32, kv_tokens=KV, page_size=PAGE,
                  snapshot_every=24)
+
+
+def test_prefix_snapshot_every_flag(ckpt_dir, tmp_path):
+    """serve / gpu-server's --prefix-snapshot-every: checked against the page size, refused with
+    --no-prefix-cache and by name for a model that is not DeepSeek-V4, and handed to V4Runner."""
+    import argparse
+    import shutil
+
+    from gpu_service.entrypoints import serve
+    from gpu_service.entrypoints.serving import build_runner, check_serving_args
+    from gpu_service.local.stack import start_shards
+
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    base = ["--model", ckpt_dir, "--page-size", str(PAGE)]
+    assert p.parse_args(base).prefix_snapshot_every is None  # the runner's default
+    from gpu_service.entrypoints import server
+
+    gs = argparse.ArgumentParser()
+    server.add_arguments(gs)
+    assert gs.parse_args(base + ["--prefix-snapshot-every", "64"]).prefix_snapshot_every == 64  # gpu-server too
+    for ok in ("32", "0"):
+        assert check_serving_args(p.parse_args(base + ["--prefix-snapshot-every", ok])) is None
+    for extra, words in ((["--prefix-snapshot-every", "24"], ("multiple of the page", str(PAGE))),
+                         (["--prefix-snapshot-every", "-16"], (">= 0",)),
+                         (["--prefix-snapshot-every", "32", "--no-prefix-cache"], ("--no-prefix-cache",))):
+        err = check_serving_args(p.parse_args(base + extra))
+        assert err is not None and "--prefix-snapshot-every" in err and all(w in err for w in words), err
+    v3 = tmp_path / "v3"
+    v3.mkdir()
+    shutil.copy("/work/shared/model-configs/deepseek-v3.json", v3 / "config.json")
+    assert check_serving_args(p.parse_args(["--model", str(v3)])) is None
+    err = check_serving_args(p.parse_args(["--model", str(v3), "--prefix-snapshot-every", "2048"]))
+    assert err is not None and "--prefix-snapshot-every" in err and "DeepSeek-V4 only" in err
+
+    shards = start_shards(ckpt_dir, 1, backend="numpy")
+    try:
+        for every, want in ((32, 32), (None, 2048)):
+            runner, client, _ = build_runner(ckpt_dir, shards.addresses, "cpu", "float32", kv_tokens=KV,
+                                             page_size=PAGE, prefix_snapshot_every=every)
+            client.close()
+            assert runner.prefix_cache.keep_every == want
+    finally:
+        shards.stop()

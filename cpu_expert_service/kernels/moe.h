@@ -71,6 +71,15 @@ static inline float moe_mxfp4_scale(uint8_t e) {
     return v.f;
 }
 
+/* a rounded up to a multiple of b */
+static inline int moe_rup(int a, int b) { return (a + b - 1) / b * b; }
+
+/* thread tid's share [*p0, *p1) of P items split over nt threads (packing and compute split alike) */
+static inline void moe_part(int P, int tid, int nt, int *p0, int *p1) {
+    *p0 = (int)((long)P * tid / nt);
+    *p1 = (int)((long)P * (tid + 1) / nt);
+}
+
 /* One packed matrix. */
 typedef struct {
     int fmt;

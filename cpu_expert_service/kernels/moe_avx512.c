@@ -45,8 +45,7 @@ AI void mk_bf16(const int MR, const uint16_t *w, int nkp, const uint16_t *const 
             for (int v = 0; v < 4; v++) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], wv[v], xb);
         }
     }
-    for (int m = 0; m < MR; m++)
-        for (int v = 0; v < 4; v++) _mm512_storeu_ps(C + m * 64 + 16 * v, acc[m][v]);
+    for (int m = 0; m < MR; m++) for (int v = 0; v < 4; v++) _mm512_storeu_ps(C + m * 64 + 16 * v, acc[m][v]);
 }
 
 /* Weight-stream prefetch of the 1-token paths (bf16 GEMV, int8 and int4 groups), in bytes ahead
@@ -177,8 +176,7 @@ AI void mk_bf16_fma(const int MR, const uint16_t *w, int nkp, const float *const
             for (int v = 0; v < 2; v++) acc[m][v] = _mm512_fmadd_ps(wo[v], xo, acc[m][v]);
         }
     }
-    for (int m = 0; m < MR; m++)
-        for (int v = 0; v < 2; v++) _mm512_storeu_ps(C + m * 64 + 16 * v, acc[m][v]);
+    for (int m = 0; m < MR; m++) for (int v = 0; v < 2; v++) _mm512_storeu_ps(C + m * 64 + 16 * v, acc[m][v]);
 }
 
 /* 1 token: the micro-kernel's chains over all 64 channels (4 accumulators), one k-pair

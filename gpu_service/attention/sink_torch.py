@@ -13,14 +13,20 @@ import torch
 
 
 def sink_attention(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sinks: torch.Tensor,
-                   scale: float, own: torch.Tensor | None = None, own_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """q [n, H, D], kv [S, D] (keys and values shared by the queries), bias [n, S] (0 or -inf), sinks
-    [H] -> [n, H, D]; `own` [n, k, D] with `own_bias` [n, k]: further keys each query has to itself
-    (a CSA query's picked entries, gathered). softmax over the keys and the head's sink logit (whose
-    value is 0); the max is subtracted first, as the reference does."""
+                   scale: float, own: torch.Tensor | None = None, own_bias: torch.Tensor | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [n, H, D], kv [S, D] (keys and values shared by the queries) or [n, S, D] (each query's own:
+    the batched decode's padded keys), bias [n, S] (0 or -inf), sinks [H] -> [n, H, D]; `own` [n, k, D]
+    with `own_bias` [n, k]: further keys each query has to itself (a CSA query's picked entries,
+    gathered); `out` [n, H, D]: where to write the result (else a new tensor). softmax over the keys and
+    the head's sink logit (whose value is 0); the max is
+    subtracted first, as the reference does. Per-query keys are the GEMM's rows (M = S; K, N fixed),
+    so a key's score does not depend on how far another query's keys were padded."""
     n, H, _ = q.shape
-    S = kv.shape[0]
-    parts = [torch.matmul(q, kv.t()).mul_(scale).add_(bias[:, None, :])]  # [n, H, S]
+    S = kv.shape[-2]
+    scores = torch.matmul(q, kv.t()) if kv.dim() == 2 else torch.bmm(kv, q.transpose(1, 2)).transpose(1, 2)
+    parts = [scores.mul_(scale).add_(bias[:, None, :])]  # [n, H, S]
+    del scores
     if own is not None:
         parts.append(torch.matmul(q, own.transpose(1, 2)).mul_(scale).add_(own_bias[:, None, :]))  # [n, H, k]
     parts.append(sinks.to(q.dtype)[None, :, None].expand(n, H, 1))
@@ -29,17 +35,19 @@ def sink_attention(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sinks:
     logits.sub_(logits.max(dim=-1, keepdim=True).values)
     probs = torch.softmax(logits, dim=-1).to(kv.dtype)  # [n, H, S (+ k) + 1]: the sink's share dropped below
     del logits
-    out = torch.matmul(probs[..., :S], kv)
+    out = torch.matmul(probs[..., :S], kv, out=out)
     if own is not None:
         out += torch.matmul(probs[..., S:-1], own)
     return out
 
 
 def window_bias(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, dtype: torch.dtype) -> torch.Tensor:
-    """[n, S]: 0 where 0 <= q - k < window, else -inf (causal sliding window)."""
-    d = q_pos[:, None] - k_pos[None, :]
+    """[n, S]: 0 where 0 <= q - k < window and k >= 0, else -inf (causal sliding window; negative key
+    positions are the zero-padded window of a sequence shorter than it). k_pos [S] (shared) or [n, S]."""
+    k = k_pos[None, :] if k_pos.dim() == 1 else k_pos
+    d = q_pos[:, None] - k
     bias = torch.zeros(d.shape, dtype=dtype, device=q_pos.device)
-    return bias.masked_fill((d < 0) | (d >= window), float("-inf"))
+    return bias.masked_fill((d < 0) | (d >= window) | (k < 0), float("-inf"))
 
 
 def complete_entries(q_pos: torch.Tensor, ratio: int) -> torch.Tensor:

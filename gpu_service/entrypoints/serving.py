@@ -72,6 +72,10 @@ def add_serving_arguments(p: argparse.ArgumentParser) -> None:
                         "compression blocks >= that, e.g. 128 for HCA ratio 128)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="recompute every prompt (default: share full KV pages of common prefixes)")
+    p.add_argument("--prefix-snapshot-every", type=int, default=None, metavar="TOKENS",
+                   help="DeepSeek-V4 only: keep the prefix cache's snapshots at prompt boundaries that are multiples "
+                        "of TOKENS (a multiple of the page size), so prompts sharing a prefix (a system prompt) "
+                        "resume there; 0: none (default: 2048 rounded up to whole pages)")
     p.add_argument("--host-kv-cache", default="auto", metavar="SIZE|auto|0",
                    help="host-RAM tier of the prefix cache, e.g. 64GiB (pinned on CUDA); auto: half the RAM the "
                         "plan leaves free with --host-ram, else a quarter of MemAvailable (at most 64 GiB); "
@@ -158,6 +162,12 @@ def v4_option_error(args: argparse.Namespace, cfg) -> str | None:
     if args.page_size % block:
         return (f"--page-size {args.page_size}: a DeepSeek-V4 page must hold whole compression blocks of every "
                 f"layer; use a multiple of {block} (lcm of 4 and the HCA ratios)")
+    every = getattr(args, "prefix_snapshot_every", None)
+    if every is not None and every % args.page_size:
+        return (f"--prefix-snapshot-every {every}: snapshots sit on page boundaries; use a multiple of the page "
+                f"size {args.page_size} (or 0 for none)")
+    if every is not None and not getattr(args, "prefix_cache", True):
+        return "--prefix-snapshot-every: there is no prefix cache with --no-prefix-cache; drop one of the two"
 
     aw = getattr(args, "attention_weights", "auto")
     if aw not in V4_ATTENTION_WEIGHTS:
@@ -179,6 +189,8 @@ def check_serving_args(args: argparse.Namespace) -> str | None:
     for name in ("kv_tokens", "page_size", "max_batch", "chunk_tokens", "max_waiting", "max_new_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
+    if getattr(args, "prefix_snapshot_every", None) is not None and args.prefix_snapshot_every < 0:
+        return f"--prefix-snapshot-every must be >= 0 (0: no snapshots kept), got {args.prefix_snapshot_every}"
     if getattr(args, "host_kv_cache", "auto") != "auto":
         from gpu_service.plan.bytes import parse_size
 
@@ -215,6 +227,9 @@ def check_serving_args(args: argparse.Namespace) -> str | None:
         return str(e)
     if args.page_size is None:
         args.page_size = page_size_for(cfg)
+    if not cfg.is_v4 and getattr(args, "prefix_snapshot_every", None) is not None:
+        return ("--prefix-snapshot-every: DeepSeek-V4 only (its prefix cache keeps snapshots of prompt "
+                "boundaries); this model's prefix cache shares whole KV pages without them; drop the option")
     return v4_option_error(args, cfg) if cfg.is_v4 else None
 
 
@@ -231,9 +246,10 @@ def page_size_for(cfg) -> int:
 def build_runner(model_dir: str, addresses: list[str], device=None, dtype=None, kv_tokens: int = 8192,
                  page_size: int = DEFAULT_PAGE_SIZE, expert_timeout: float = 5.0, tls=None, tls_server_name: str | None = None,
                  placement=None, chat_template: str | None = None, prefix_cache: bool = True,
-                 host_kv_cache: str | int = 0, cuda_graphs: bool = True):
+                 host_kv_cache: str | int = 0, cuda_graphs: bool = True, prefix_snapshot_every: int | None = None):
     """Connect to the shards (fingerprint + coverage checked) and load the GPU side; returns (runner,
-    experts_client, tokenizer or None)."""
+    experts_client, tokenizer or None). `prefix_snapshot_every`: DeepSeek-V4's V4Runner snapshot_every
+    (None: its default; refused for other models)."""
     import torch
 
     from checkpoint.reader import CheckpointReader
@@ -243,6 +259,11 @@ def build_runner(model_dir: str, addresses: list[str], device=None, dtype=None, 
     from gpu_service.api.tokenizer import TokenizerError, load_tokenizer
 
     reader = CheckpointReader(model_dir, any_architecture=True)  # DeepSeek-V4 too (a V4Config)
+    snap = {}
+    if prefix_snapshot_every is not None:
+        if not reader.config.is_v4:
+            raise ValueError("--prefix-snapshot-every: DeepSeek-V4 only; drop the option for this model")
+        snap = {"snapshot_every": prefix_snapshot_every}
     client = ExpertsClient(addresses, reader.config, timeout_s=expert_timeout, tls=tls,
                            tls_server_name=tls_server_name).connect()
     try:
@@ -251,7 +272,7 @@ def build_runner(model_dir: str, addresses: list[str], device=None, dtype=None, 
         runner = make_runner(reader, RemoteExperts(client), device=torch.device(device) if device else None,
                              dtype=getattr(torch, dtype) if dtype else None, kv_tokens=kv_tokens,
                              page_size=page_size, placement=placement, prefix_cache=prefix_cache,
-                             host_kv_bytes=host_bytes, cuda_graphs=cuda_graphs)
+                             host_kv_bytes=host_bytes, cuda_graphs=cuda_graphs, **snap)
     except BaseException:
         client.close()
         raise
@@ -407,7 +428,8 @@ def run_stack(args: argparse.Namespace, prog: str, addresses: list[str], closers
                                                  args.kv_tokens, args.page_size, args.expert_timeout,
                                                  expert_client_tls(args, prog), args.tls_server_name, placement,
                                                  getattr(args, "chat_template", None), args.prefix_cache,
-                                                 args.host_kv_cache, getattr(args, "cuda_graphs", True))
+                                                 args.host_kv_cache, getattr(args, "cuda_graphs", True),
+                                                 getattr(args, "prefix_snapshot_every", None))
         closers.append(client.close)
         shard_max = min((int(s.info.max_tokens) for s in client.shards if s.info.max_tokens), default=None)
         chunk = args.chunk_tokens

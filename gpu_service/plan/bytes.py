@@ -29,6 +29,7 @@ HOST_OS_RESERVE_BYTES = 8 * GiB
 FP8_BLOCK = (128, 128)
 INT4_GROUP = 32
 MXFP4_GROUP = 32
+MXFP4_HOST_GROUP_BYTES = 17  # one channel's 32 inputs on the shards: 16 bytes of e2m1 codes + the e8m0 byte
 QLINEAR_ROWS = 1024  # weight rows a quantised linear dequantises at once (a multiple of 128, the FP8 block)
 INDEX_SCORE_ELEMS = 1 << 26  # fp32 V3.2 index scores [queries, heads, S] the indexer holds at once
 
@@ -75,8 +76,10 @@ def fmt_gib(n: int | float) -> str:
 
 
 # ----------------------------------------------------------------------------- weight bytes
-def linear_bytes(out: int, inp: int, fmt: str, fp8_block: tuple[int, int] = FP8_BLOCK, eb: int = 2) -> int:
-    """Bytes of one linear [out, inp] in `fmt`; "bf16" is held in the compute dtype (`eb` bytes)."""
+def linear_bytes(out: int, inp: int, fmt: str, fp8_block: tuple[int, int] = FP8_BLOCK, eb: int = 2,
+                 host: bool = False) -> int:
+    """Bytes of one linear [out, inp] in `fmt`; "bf16" is held in the compute dtype (`eb` bytes). `host`:
+    as the CPU shards' kernels hold it (differs for "mxfp4" only)."""
     n = out * inp
     if fmt == "bf16":
         return eb * n
@@ -86,10 +89,13 @@ def linear_bytes(out: int, inp: int, fmt: str, fp8_block: tuple[int, int] = FP8_
         return n + 4 * out
     if fmt == "int4":
         return 4 * out * math.ceil(inp / 8) + 2 * out * math.ceil(inp / INT4_GROUP)
-    if fmt == "mxfp4":  # DeepSeek-V4 experts: e2m1 nibbles + the e8m0 scale of each 32 inputs held as a 16-bit
-        # bf16 power of two (4.5 bits a weight: the GPU's hot experts, qlinear.Mxfp4Linear); the CPU kernels
-        # hold the e8m0 byte as stored (4.25 bits), so a shard's RAM is over-counted by 1/18, never under
-        return out * math.ceil(inp / 2) + 2 * out * math.ceil(inp / MXFP4_GROUP)
+    if fmt == "mxfp4":  # DeepSeek-V4 experts: e2m1 codes two a byte + one e8m0 scale per 32 inputs
+        groups = math.ceil(inp / MXFP4_GROUP)
+        if host:  # the kernels' panels: 32 channels x 32 inputs in 544 bytes (16 of codes + the e8m0 byte as
+            # stored per channel: 4.25 bits a weight), channels padded to the panel's 32
+            return MXFP4_HOST_GROUP_BYTES * (math.ceil(out / MXFP4_GROUP) * MXFP4_GROUP) * groups
+        # the GPU's hot experts (qlinear.Mxfp4Linear): the scale as a bf16 power of two, 4.5 bits a weight
+        return out * math.ceil(inp / 2) + 2 * out * groups
     raise ValueError(f"unknown weight format {fmt!r}; expected bf16, fp8, int8, int4 or mxfp4")
 
 
@@ -220,11 +226,12 @@ def param_bytes_by_module(cfg: ModelConfig, options: Options | dict | str = "che
     return {m.name: module_bytes(cfg, m, aw, dtype_bytes(dt)) for m in gpu_modules(cfg)}
 
 
-def expert_bytes(cfg: ModelConfig, fmt: str, inter: int | None = None, eb: int = 2) -> int:
+def expert_bytes(cfg: ModelConfig, fmt: str, inter: int | None = None, eb: int = 2, host: bool = False) -> int:
     """Bytes of one routed expert (or of an intermediate slice of `inter` rows of it); a "bf16"
-    expert on the GPU is held in the compute dtype (`eb` bytes), on the shards in bf16."""
+    expert on the GPU is held in the compute dtype (`eb` bytes), on the shards in bf16. `host`: as a
+    CPU shard holds it (`linear_bytes`), else as the GPU holds a hot expert."""
     I, H = inter if inter is not None else cfg.moe_intermediate_size, cfg.hidden_size
-    return 2 * linear_bytes(I, H, fmt, eb=eb) + linear_bytes(H, I, fmt, eb=eb)
+    return 2 * linear_bytes(I, H, fmt, eb=eb, host=host) + linear_bytes(H, I, fmt, eb=eb, host=host)
 
 
 def kv_bytes_per_token_layer(cfg: ModelConfig, eb: int = 2) -> tuple[int, int]:

@@ -16,8 +16,10 @@ What differs from V3 (MLA):
   logits and probabilities over window + chunk + its keys: every entry of an HCA layer, a CSA
   query's gathered index_topk picks), the indexer (f32 scores of INDEX_BLOCK queries and every head
   over all of the sequence's CSA entries) and the compressor; the larger of a prefill chunk's and a
-  decode batch's step.
-- Experts: MXFP4 (`linear_bytes(..., "mxfp4")`) as stored, on the shards and as hot GPU experts;
+  decode batch's step (every row at once), and with CUDA graphs one pool per batch bucket.
+- Experts: MXFP4 as each side holds it: on the shards the e8m0 byte as stored (`linear_bytes(..., "mxfp4",
+  host=True)`: 4.25 bits a weight, the kernels' panels), as hot GPU experts the scale as bf16 (4.5 bits,
+  `Mxfp4Linear`);
   FP8 experts (Pro-style base releases) as stored as hot GPU experts (`linear_bytes(..., "fp8")`: e4m3
   bytes + an f32 scale per 128x128 block, as `Fp8Linear` holds them), the shards' format searched.
 """
@@ -26,8 +28,8 @@ from __future__ import annotations
 import math
 
 from checkpoint.config_v4 import CSA_RATIO, V4Config
-from gpu_service.model.v4.blocks import ATTN_BLOCK, INDEX_BLOCK
-from gpu_service.plan.bytes import checkpoint_format, Module, Options, graph_buckets, GRAPH_SLOTS
+from gpu_service.model.v4.blocks import ATTN_BLOCK, DECODE_INDEX_BLOCK, INDEX_BLOCK
+from gpu_service.plan.bytes import checkpoint_format, Module, Options, graph_buckets
 
 F32 = 4
 V4_HOT_FORMATS = ("mxfp4", "fp8")  # hot GPU experts the V4 model holds: the checkpoint's experts as stored
@@ -134,8 +136,8 @@ def _rows(cfg: V4Config, e: int, mlp_width: int) -> int:
 
 def layer_step_bytes_v4(cfg: V4Config, o: Options, *, rows: int, span: int, seqs: int, mlp_width: int) -> int:
     """Transient bytes of one layer over `rows` token rows of `seqs` sequences whose queries see at most
-    `span` keys of their own chunk (prefill: T rows, span T, 1 sequence; decode: B rows, span 1, B
-    sequences), as the torch model computes it (docs/v4.md "Memory plan"): the streams and projections
+    `span` keys of their own chunk (a prefill chunk: T rows, span T, 1 sequence; the batched decode is
+    `decode_step_bytes_v4`), as the torch model computes it (docs/v4.md "Memory plan"): the streams and projections
     over all rows, then one sequence at a time (r = rows / seqs) what attention holds beside its scores
     and the largest of the attention core (ATTN_BLOCK queries at a time), the indexer (INDEX_BLOCK
     queries at a time) and the compressor, which run one after the other."""
@@ -167,6 +169,69 @@ def layer_step_bytes_v4(cfg: V4Config, o: Options, *, rows: int, span: int, seqs
     return streams + act + held + max(attn, index, comp)
 
 
+def _state_row(cfg: V4Config, e: int) -> int:
+    """Bytes of one sequence's stacked bounded state of the widest layer kind, as the batched decode
+    stacks it: window keys [W-1, hd], the compressor's pending kv / gate [r, wc] and (overlap) previous
+    half [r, hd] (kv in the compute dtype, gate f32), the CSA indexer's the same at index_head_dim."""
+    W, hd, dI = cfg.sliding_window, cfg.head_dim, cfg.index_head_dim
+    best = 0
+    for r in set(cfg.compress_ratios):
+        b = 0
+        if r:
+            b += 2 * e * r * compressor_width(cfg, r)
+        if r == CSA_RATIO:
+            b += (e + F32) * r * hd + 2 * e * r * 2 * dI + (e + F32) * r * dI
+        best = max(best, b)
+    return e * (W - 1) * hd + best
+
+
+def _slots(cfg: V4Config) -> int:
+    """The widest compressor window a decode row pools: max over ratios of ratio * compressor width
+    (a CSA entry pools 2 * 4 slots of head_dim, an HCA entry r slots)."""
+    return max((r * compressor_width(cfg, r) for r in cfg.compress_ratios if r), default=0)
+
+
+def decode_step_bytes_v4(cfg: V4Config, o: Options, *, rows: int, mlp_width: int) -> int:
+    """Transient bytes of one layer's batched decode of `rows` sequences' new tokens (docs/v4.md
+    "Memory plan"; gpu_service.model.v4 `Attention.decode_core`): the streams and projections of the
+    rows, the stacked state in and out, then the largest of the attention (ATTN_BLOCK rows' logits over
+    the window and E gathered entries or k picks), the indexer (DECODE_INDEX_BLOCK rows' gathered keys,
+    their f32 copy and scores over E4 padded entries) and the compressors' pooling of every row's window."""
+    e, kv, D, hc, B = o.eb, o.kv_tokens, cfg.hidden_size, cfg.hc_mult, rows
+    H, hd, W = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
+    Eh = _hca_entries(cfg, kv)
+    topk = cfg.index_topk if CSA_RATIO in cfg.compress_ratios else 0
+    streams = 2 * F32 * B * hc * D + F32 * B * (2 + hc) * hc
+    act = B * _rows(cfg, e, mlp_width)
+    widest = max((compressor_width(cfg, r) for r in cfg.compress_ratios if r), default=0)
+    proj = e * B * (2 * widest + (4 * cfg.index_head_dim + cfg.index_n_heads * (cfg.index_head_dim + 1)
+                                  if topk else 0))
+    S = W + max(Eh, topk)  # a row's key columns: window, HCA entries or CSA picks (+ the sink)
+    held = proj + 2 * B * _state_row(cfg, e) + e * B * S * (hd + 1) + 16 * B * topk  # keys ++ entries, bias, picks
+    b = min(B, ATTN_BLOCK)
+    attn = 2 * e * b * H * S + e * B * H * hd + e * B * max(Eh, topk) * hd  # logits, probs; outputs; gathered
+    index = 0
+    if topk:
+        E4, nI, dI = entries(kv, CSA_RATIO), cfg.index_n_heads, cfg.index_head_dim
+        bi = min(B, DECODE_INDEX_BLOCK)
+        index = e * B * nI * dI + F32 * B * nI + 28 * B * topk + bi * E4 * ((e + F32) * dI + F32 * nI + F32)
+    comp = (3 * e + 3 * F32) * B * _slots(cfg)  # new buffers, gate + ape, slots, softmax (f32)
+    return streams + act + held + max(attn, index, comp)
+
+
+def graph_pool_bytes_v4(cfg: V4Config, o: Options, *, mlp_width: int) -> int:
+    """CUDA-graph pools of V4's decode pieces (gpu_service.runtime.runner_v4): per batch bucket b (one
+    micro-batch: V4 has no ping-pong) one piece's temporaries (a batched decode layer step of b rows)
+    and the pieces' static inputs and outputs (streams in / out, h, the shared and routed rows, the
+    stacked state in and out, the entry rows)."""
+    e, D, hc = o.eb, cfg.hidden_size, cfg.hc_mult
+    E4 = entries(o.kv_tokens, CSA_RATIO) if CSA_RATIO in cfg.compress_ratios else 0
+    static = (3 * F32 * hc * D + 3 * e * D + 2 * F32 * (2 + hc) * hc + 2 * _state_row(cfg, e)
+              + 8 * (_hca_entries(cfg, o.kv_tokens) + 2 * E4) + 12 * cfg.num_experts_per_tok)
+    return sum(decode_step_bytes_v4(cfg, o, rows=b, mlp_width=mlp_width) + b * static
+               for b in graph_buckets(o.max_batch))
+
+
 def workspace_bytes_v4(cfg: V4Config, o: Options, *, mlp_width: int, lm_head: bool, scratch: int = 0,
                        layers: int = 0) -> int:
     """Activation workspace of one GPU running V4 layers (docs/v4.md "Memory plan"): the larger of a
@@ -177,13 +242,10 @@ def workspace_bytes_v4(cfg: V4Config, o: Options, *, mlp_width: int, lm_head: bo
         else o.attention_weights
     wo_a_dq = e * cfg.num_attention_heads * cfg.head_dim * cfg.o_lora_rank if wo_a != "bf16" else 0
     prefill = layer_step_bytes_v4(cfg, o, rows=T, span=T, seqs=1, mlp_width=mlp_width)
-    decode = layer_step_bytes_v4(cfg, o, rows=B, span=1, seqs=B, mlp_width=mlp_width)
+    decode = decode_step_bytes_v4(cfg, o, rows=B, mlp_width=mlp_width)
     moe = F32 * T * D + 12 * T * cfg.num_experts_per_tok + hot_experts_bytes_v4(cfg, o)
     logits = 2 * F32 * B * cfg.vocab_size if lm_head else 0
-    graphs = 0
-    if o.cuda_graphs and layers:
-        row = 2 * 2 * F32 * cfg.hc_mult * D + 2 * _rows(cfg, e, mlp_width) + 8 * cfg.n_routed_experts
-        graphs = GRAPH_SLOTS * sum(graph_buckets(B)) * row
+    graphs = graph_pool_bytes_v4(cfg, o, mlp_width=mlp_width) if o.cuda_graphs and layers else 0
     return max(prefill, decode) + moe + logits + scratch + graphs + wo_a_dq
 
 

@@ -74,7 +74,7 @@ def model_bytes_from_plan(cfg: ModelConfig, plan: dict) -> ModelBytes:
         for k, v in g["items"].items():
             items[k] = items.get(k, 0) + v
     return ModelBytes(cfg.n_routed_experts, cfg.num_experts_per_tok, len(cfg.moe_layers), cfg.hidden_size,
-                      cfg.moe_intermediate_size, expert_bytes(cfg, o["expert_format"]), o["expert_format"],
+                      cfg.moe_intermediate_size, expert_bytes(cfg, o["expert_format"], host=True), o["expert_format"],
                       int(o["gpu_experts"]), items.get("gpu_experts", 0),
                       sum(items.get(k, 0) for k in READ_PER_STEP), int(plan["kv_bytes_per_token"]))
 

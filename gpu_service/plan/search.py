@@ -279,12 +279,12 @@ def shard_plans(cfg: ModelConfig, fmt: str, numa_nodes: int, chunk_tokens: int,
     for s in range(n):
         if split == "slice":
             I_s = I // n + (1 if s < I % n else 0)
-            w = nl * E * expert_bytes(cfg, fmt, I_s)
+            w = nl * E * expert_bytes(cfg, fmt, I_s, host=True)
             ident: dict[str, Any] = {"slice": (s, n)}
         elif split == "experts":
             a, b = s * E // n, (s + 1) * E // n
             I_s = I
-            w = nl * (b - a) * expert_bytes(cfg, fmt)
+            w = nl * (b - a) * expert_bytes(cfg, fmt, host=True)
             ident = {"experts": (a, b)}
         else:
             raise ValueError(f"shard split {split!r}: expected 'slice' or 'experts'")

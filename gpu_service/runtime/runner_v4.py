@@ -16,13 +16,16 @@ hidden streams hop between devices at the split), the embeddings on the CPU or t
 norm / hc_head / head on the last, the attention weights as the plan chose ("checkpoint": the FP8
 linears as stored, `Fp8Linear`; "bf16": dequantised to the compute dtype). The plan's hot
 experts are held as stored (MXFP4 checkpoints: `Mxfp4Linear`; FP8-expert ones: `Fp8Linear`) and
-computed on their layer's device.
-Not built for V4 (refused by name, or off and logged): CUDA graphs, hot experts of an unquantised checkpoint, re-quantised attention weights
-(fp8 / int8 of a plan), the prefix cache's host tier, MTP (not loaded).
+computed on their layer's device. An all-decode step runs every sequence's attention at once
+(gpu_service.model.v4.decode) and, on CUDA, each layer's decode pieces as CUDA graphs per batch bucket
+(`set_cuda_graphs`, as ModelRunner: the expert hand-off between them eager). Not built for V4 (refused
+by name): hot experts of an unquantised checkpoint, re-quantised attention weights (fp8 / int8 of a
+plan), the prefix cache's host tier, MTP (not loaded).
 """
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -70,12 +73,26 @@ class V4Runner:
         # prompt boundaries kept for prefixes shared across prompts (a system prompt): every `snapshot_every`
         # tokens (None: the first multiple of the page size from SNAPSHOT_EVERY, at most one more pass per chunk)
         every = -(-SNAPSHOT_EVERY // self.page_size) * self.page_size if snapshot_every is None else snapshot_every
+        if every < 0 or (snapshot_every is not None and not prefix_cache):
+            raise ValueError(f"snapshot_every {snapshot_every}: >= 0 tokens (0: none), and only with the prefix "
+                             "cache (--prefix-snapshot-every without --no-prefix-cache)")
         self.prefix_cache = V4PrefixCache(self.pool, every) if prefix_cache else None
-        self.graphs = None
         self.forked = 0  # choices forked from a sequence's state (copy_prefix), not prefilled again
-        if cuda_graphs and self.device.type == "cuda":
-            log.info("CUDA graphs are off for DeepSeek-V4: its decode step (window + compressed entries + "
-                     "indexer) has no captured graphs yet; every step runs eagerly")
+        self.set_cuda_graphs(cuda_graphs and os.environ.get("MOESPLIT_CUDA_GRAPHS", "1") != "0", graph_buckets)
+
+    def set_cuda_graphs(self, on: bool, buckets: tuple[int, ...] | None = None, mode: str = "cuda") -> None:
+        """The all-decode steps' layer pieces as CUDA graphs per batch-size bucket (and entry bucket),
+        CUDA only, as ModelRunner's (the plan's buckets); mode="static" runs the same plumbing on CPU
+        (tests)."""
+        from gpu_service.plan.bytes import graph_buckets
+        from gpu_service.runtime.cuda_graphs import Graphs
+
+        if not on or (mode == "cuda" and self.device.type != "cuda"):
+            self.graphs = None
+            return
+        if buckets is None:  # the buckets the plan counted: powers of two up to its max batch (at least 1..32)
+            buckets = graph_buckets(self.plan.options.max_batch if self.plan is not None else 0)
+        self.graphs = Graphs(buckets, mode, min_rows=self.model.row_block(self.device) if mode == "static" else 1)
 
     def new_seq(self) -> V4Seq:
         """An empty sequence of the pool."""
@@ -137,7 +154,7 @@ class V4Runner:
     def _pass(self, batch: list[tuple[torch.Tensor, V4Seq]], all_logits: bool) -> list[torch.Tensor]:
         """forward_batch of (tokens, sequence) chunks; a sequence it leaves on a page boundary keeps
         its bounded state for the prefix cache."""
-        out = self.model.forward_batch(batch, self.experts, all_logits)
+        out = self.model.forward_batch(batch, self.experts, all_logits, graphs=self.graphs)
         for _, seq in batch:
             if seq.cache_root is not None and seq.length % self.page_size == 0:  # looked up in the prefix cache
                 seq.take_snapshot()  # (its step's commit places it; `generate` keeps none)

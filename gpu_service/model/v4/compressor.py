@@ -25,7 +25,7 @@ from torch import nn
 
 from gpu_service.attention.sink_torch import complete_entries
 from gpu_service.model.layers import RMSNorm, Rope
-from gpu_service.model.v4.blocks import INDEX_BLOCK
+from gpu_service.model.v4.blocks import DECODE_INDEX_BLOCK, INDEX_BLOCK
 from gpu_service.model.v4.pieces import rope_tail
 
 
@@ -61,16 +61,19 @@ class TensorEntries:
 
 
 class CompressorState:
-    """One sequence's compressor progress (module docstring); `store` holds its entries."""
+    """One sequence's compressor progress (module docstring); `store` holds its entries. The pending
+    rows live in fixed [ratio, c * d] buffers (the first `pending` rows valid), so the batched decode
+    stacks every sequence's state without padding it."""
 
-    __slots__ = ("buf_kv", "buf_gate", "prev_kv", "prev_gate", "store", "count")
-    BOUNDED = ("buf_kv", "buf_gate", "prev_kv", "prev_gate", "count")  # all but the entries
+    __slots__ = ("buf_kv", "buf_gate", "prev_kv", "prev_gate", "store", "count", "pending")
+    BOUNDED = ("buf_kv", "buf_gate", "prev_kv", "prev_gate", "count", "pending")  # all but the entries
 
     def __init__(self, store=None):
-        self.buf_kv = self.buf_gate = None  # [< ratio, c * d]: tokens of the window not yet complete
+        self.buf_kv = self.buf_gate = None  # [ratio, c * d]: tokens of the window not yet complete (None: none yet)
         self.prev_kv = self.prev_gate = None  # [ratio, d]: overlap half of the last complete window
         self.store = store if store is not None else TensorEntries()  # entries [W, d]
         self.count = 0  # W
+        self.pending = 0  # rows of buf_kv / buf_gate in use (tokens fed mod ratio)
 
 
 class Compressor(nn.Module):
@@ -103,15 +106,23 @@ class Compressor(nn.Module):
         """The row-wise projections (kv, score before ape) of hidden states x [T, hidden]."""
         return self.wkv(x), self.wgate(x)
 
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Complete windows' slots kv [n, slots, d], gate [n, slots, d] (ape added) -> their entries [n, d]:
+        the per-channel softmax over the slots weighs kv, then `norm` and RoPE (cos, sin float32 [n, r/2]
+        at each entry's position w * ratio)."""
+        pooled = self.norm.norm((kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1))  # [n, d]
+        return rope_tail(pooled, cos.to(pooled.dtype), sin.to(pooled.dtype))
+
     def extend(self, x: torch.Tensor, st: CompressorState, proj=None) -> int:
         """Feed the chunk's hidden states x [n, hidden] (the tokens after those already fed; `proj`:
         their `projections` when already computed over a batch's rows); returns W, the entries so far
         (complete windows), which `st.store` holds."""
         kv, gate = proj if proj is not None else self.projections(x)
-        if st.buf_kv is not None and st.buf_kv.shape[0]:
-            kv, gate = torch.cat([st.buf_kv, kv]), torch.cat([st.buf_gate, gate])
+        if st.pending:
+            kv, gate = torch.cat([st.buf_kv[:st.pending], kv]), torch.cat([st.buf_gate[:st.pending], gate])
         usable = kv.shape[0] // self.ratio * self.ratio
-        st.buf_kv, st.buf_gate = kv[usable:].clone(), gate[usable:].clone()  # not the chunk's whole storage
+        st.pending = kv.shape[0] - usable
+        st.buf_kv, st.buf_gate = _buffer(kv[usable:], self.ratio), _buffer(gate[usable:], self.ratio)
         if usable == 0:
             return st.count
         n_w, first = usable // self.ratio, st.count * self.ratio
@@ -119,13 +130,52 @@ class Compressor(nn.Module):
         gate = gate[:usable].view(n_w, self.ratio, -1) + self.ape
         if self.overlap:
             kv, gate = self._slots(kv, gate, st)
-        pooled = self.norm.norm((kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1))  # [n_w, d]
         pos = torch.arange(n_w, device=x.device) * self.ratio + first
         cos, sin = self.rope.cos_sin(pos, torch.float32)
-        new = rope_tail(pooled, cos.to(pooled.dtype), sin.to(pooled.dtype))
-        st.store.write(st.count, new)
+        st.store.write(st.count, self.pool(kv, gate, cos, sin))
         st.count += n_w
         return st.count
+
+    def decode(self, kv: torch.Tensor, gate: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               state: tuple) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        """One token per row (the batched decode, static shapes): kv, gate [B, c * d] (its `projections`)
+        at positions pos [B], state = (buf_kv, buf_gate [B, ratio, c * d], prev_kv, prev_gate [B, ratio, d]
+        or None without overlap) stacked -> (entry [B, d]: the window's entry, meaningful where it
+        completes; complete [B] bool; the new state). cos, sin: RoPE at the entry's position
+        (pos // ratio) * ratio. Every row pools its window (the ones not complete are not written)."""
+        buf_kv, buf_gate, prev_kv, prev_gate = state
+        m, d = self.ratio, self.d
+        slot = ((pos % m)[:, None] == torch.arange(m, device=pos.device))[..., None]  # [B, m, 1]
+        buf_kv = torch.where(slot, kv[:, None], buf_kv)
+        buf_gate = torch.where(slot, gate[:, None], buf_gate)
+        gate_a = buf_gate + self.ape  # [B, m, c * d]
+        complete = (pos + 1) % m == 0
+        if self.overlap:
+            slots_kv, slots_gate = torch.cat([prev_kv, buf_kv[..., d:]], 1), torch.cat([prev_gate, gate_a[..., d:]], 1)
+            done = complete[:, None, None]
+            prev_kv = torch.where(done, buf_kv[..., :d], prev_kv)
+            prev_gate = torch.where(done, gate_a[..., :d], prev_gate)
+        else:
+            slots_kv, slots_gate = buf_kv, gate_a
+        return self.pool(slots_kv, slots_gate, cos, sin), complete, (buf_kv, buf_gate, prev_kv, prev_gate)
+
+
+def _buffer(rows: torch.Tensor, ratio: int) -> torch.Tensor:
+    """A fixed [ratio, width] pending buffer holding `rows` first (the rest zeros)."""
+    buf = rows.new_zeros((ratio, rows.shape[1]))
+    buf[:rows.shape[0]] = rows
+    return buf
+
+
+def write_entries(src: torch.Tensor, write: torch.Tensor, entry: torch.Tensor, read: torch.Tensor | None = None,
+                  like: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The batched decode's entries: each row's new entry into src at its row `write` [B] (a row no
+    sequence reads unmasked where the window is not complete), then (with `read`) rows read [B, E] of
+    src gathered -> [B, E, d] in like's dtype (padded columns read a row the caller masks off)."""
+    src.index_copy_(0, write, entry.to(src.dtype))
+    if read is None:
+        return None
+    return src.index_select(0, read.reshape(-1)).view(*read.shape, src.shape[1]).to(like.dtype)
 
 
 class Indexer(nn.Module):
@@ -148,12 +198,24 @@ class Indexer(nn.Module):
     def score(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, ready: torch.Tensor) \
             -> tuple[torch.Tensor, torch.Tensor]:
         """A block of queries: q [b, h, d] (after RoPE), w [b, h] float32 (head weights, n_h^-1/2
-        applied), keys [d, W] float32 (every entry so far, transposed), ready [b] (complete entries
-        per query) -> (scores [b, W] float32, -inf for entries not complete at the query; ready)."""
-        scores = torch.matmul(q.float(), keys).relu_().mul_(self.d ** -0.5)  # [b, h, W]: the one big tensor
-        scores = scores.mul_(w.unsqueeze(-1)).sum(dim=1)  # [b, W]
-        cols = torch.arange(keys.shape[1], device=q.device)
+        applied), keys [d, W] float32 (every entry so far, transposed, shared by the queries) or
+        [b, W, d] float32 (each query's own, padded: the batched decode, keys as the GEMM's rows), ready
+        [b] (complete entries per query) -> (scores [b, W] float32, -inf for entries not complete at the
+        query; ready)."""
+        if keys.dim() == 2:
+            scores = torch.matmul(q.float(), keys).relu_().mul_(self.d ** -0.5)  # [b, h, W]: the one big tensor
+            scores = scores.mul_(w.unsqueeze(-1)).sum(dim=1)  # [b, W]
+        else:
+            scores = torch.bmm(keys, q.float().transpose(1, 2)).relu_().mul_(self.d ** -0.5)  # [b, W, h]
+            scores = scores.mul_(w.unsqueeze(1)).sum(dim=2)  # [b, W]
+        cols = torch.arange(scores.shape[1], device=q.device)
         return scores.masked_fill_(cols[None, :] >= ready[:, None], float("-inf")), ready
+
+    @staticmethod
+    def top(scores: torch.Tensor, ready: torch.Tensor, k: int) -> torch.Tensor:
+        """A block's picks [b, k] from its `score`s: the top k entries, -1 for those not complete."""
+        picks = scores.topk(k, dim=-1).indices
+        return torch.where(picks >= ready[:, None], torch.full_like(picks, -1), picks)
 
     def pick(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, st: CompressorState,
              proj=None, block: int = INDEX_BLOCK) -> torch.Tensor:
@@ -174,7 +236,30 @@ class Indexer(nn.Module):
         out = []
         for a in range(0, n, block):
             scores, r = self.score(q[a:a + block], w[a:a + block], keys, ready[a:a + block])
-            picks = scores.topk(k, dim=-1).indices
+            out.append(self.top(scores, r, k))
             del scores
-            out.append(torch.where(picks >= r[:, None], torch.full_like(picks, -1), picks))
         return out[0] if len(out) == 1 else torch.cat(out)
+
+    def decode_pick(self, proj: tuple, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, state: tuple,
+                    entries: tuple, block: int = DECODE_INDEX_BLOCK) -> tuple[torch.Tensor, tuple]:
+        """The batched decode's picks (static shapes): proj = this indexer's `projections` of the B
+        rows, pos [B], cos / sin (model dtype, the query's RoPE at pos), state = its compressor's stacked
+        state (`Compressor.decode`), entries = (src, write [B], read [B, E], cos_e, sin_e): its keys'
+        tensor, the rows of each row's new key and of its keys 0..E-1, the RoPE at the new key's
+        position -> (picks [B, min(topk, E)], -1: none; the new state). Rows `block` at a time."""
+        (ckv, cgate), qb, wp = proj
+        src, write, read, cos_e, sin_e = entries
+        key, _, state = self.compressor.decode(ckv, cgate, pos, cos_e, sin_e, state)
+        write_entries(src, write, key)
+        q = rope_tail(qb.view(-1, self.heads, self.d), cos, sin)  # [B, h, d]
+        w = wp.float() * self.heads ** -0.5
+        ready, k = complete_entries(pos, self.ratio), min(self.topk, read.shape[1])
+        out = []
+        for a in range(0, pos.shape[0], block):
+            rows = read[a:a + block]
+            keys = src.index_select(0, rows.reshape(-1)).view(*rows.shape, -1).to(qb.dtype).float()  # [b, E, d]
+            scores, r = self.score(q[a:a + block], w[a:a + block], keys, ready[a:a + block])
+            del keys
+            out.append(self.top(scores, r, k))
+            del scores
+        return (out[0] if len(out) == 1 else torch.cat(out)), state

@@ -18,7 +18,8 @@ from torch import nn
 
 from gpu_service.model.deepseek import MoE as MoEV3
 from gpu_service.model.experts_api import ExpertsFn, Ready
-from gpu_service.model.v4.pieces import swiglu_limited
+from gpu_service.model.rows import pad_rows, padded, row_block
+from gpu_service.model.v4.pieces import elementwise, swiglu_limited
 
 
 class Gate(nn.Module):
@@ -37,7 +38,7 @@ class Gate(nn.Module):
 
     def route(self, h: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids [T, k], weights [T, k] float32) of h [T, hidden] and the tokens' ids [T]."""
-        scores = F.softplus(F.linear(h.float(), self.weight.float())).sqrt()  # [T, E]
+        scores = elementwise(F.softplus, F.linear(h.float(), self.weight.float())).sqrt()  # [T, E]
         if self.hashed:
             ids = self.tid2eid[tokens].long()
         else:
@@ -78,17 +79,34 @@ class MoE(nn.Module):
         self.experts = nn.ModuleDict({str(e): SharedExpert(cfg.hidden_size, cfg.moe_intermediate_size,
                                                            cfg.swiglu_limit) for e in self.hot}) if self.hot else None
 
-    def forward(self, h: torch.Tensor, tokens: torch.Tensor, experts: ExpertsFn) -> torch.Tensor:
-        """h [T, hidden] (post-attention normed), tokens [T] -> routed + shared [T, hidden]; the
-        shared expert (and the hot experts) run while the routed experts are in flight."""
+    def forward(self, h: torch.Tensor, tokens: torch.Tensor, experts: ExpertsFn, T: int | None = None) -> torch.Tensor:
+        """h [R, hidden] (post-attention normed), tokens [R] -> routed + shared [R, hidden]; the
+        shared expert (and the hot experts) run while the routed experts are in flight. Only the first
+        T rows go to the experts (the rest are padding: routed 0)."""
+        T = h.shape[0] if T is None else T
         ids, w = self.gate.route(h, tokens)
-        handle = experts(self.layer, h, ids, w if self.experts is None else self.remote_weights(ids, w))
+        handle = self.send(h[:T], ids[:T], w[:T], experts)
         shared = self.shared_experts(h) if self.shared_experts is not None else None
+        return self.combine(self.routed(handle, h[:T], ids[:T], w[:T], h.shape[0]), shared, own=self.experts is not None)
+
+    def send(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts: ExpertsFn):
+        """The routed experts' call on rows h with the router's ids, w (hot experts sent with weight 0)."""
+        return experts(self.layer, h, ids, w if self.experts is None else self.remote_weights(ids, w))
+
+    def routed(self, handle, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, rows: int) -> torch.Tensor:
+        """The routed output of `send`'s rows (+ the hot experts', computed before waiting), zero-padded
+        to `rows`."""
         hot = self.hot_output(h, ids, w, h) if self.experts is not None else None
         routed = handle.wait()
-        if hot is not None:  # summed into the hot experts' own buffer: no [T, hidden] sums beside it
-            out = hot.add_(routed)
-            return out if shared is None else out.add_(shared)
+        if hot is not None:  # summed into the hot experts' own buffer: no [T, hidden] sum beside it
+            routed = hot.add_(routed)
+        return pad_rows(routed, rows)
+
+    @staticmethod
+    def combine(routed: torch.Tensor, shared: torch.Tensor | None, own: bool = False) -> torch.Tensor:
+        """routed + shared (the MoE's output); `own`: routed is this call's own buffer, summed in place."""
+        if own and shared is not None:
+            return routed.add_(shared)
         return routed if shared is None else routed + shared
 
 
@@ -115,7 +133,14 @@ class ReferenceExperts:
         for e in ids.unique().tolist():
             rows, cols = torch.where(ids == e)
             gate_up, down = self._weights(layer, e, h.device)
-            g, u = F.linear(h[rows], gate_up.to(h.dtype)).chunk(2, dim=-1)
-            y = F.linear(swiglu_limited(g, u, self.limit), down.to(h.dtype)) * w[rows, cols, None].to(h.dtype)
+            n = rows.shape[0]
+            x = pad_rows(h[rows], padded(n, self._block(h, gate_up, down)))  # a row's result: not its batch's
+            g, u = F.linear(x, gate_up.to(h.dtype)).chunk(2, dim=-1)
+            y = F.linear(swiglu_limited(g, u, self.limit), down.to(h.dtype))[:n] * w[rows, cols, None].to(h.dtype)
             out.index_add_(0, rows, y)
         return Ready(out)
+
+    @staticmethod
+    def _block(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> int:
+        """The GEMM row block of these shapes (gpu_service.model.rows)."""
+        return row_block(h.device, h.dtype, ((gate_up.shape[1], gate_up.shape[0]), (down.shape[1], down.shape[0])))

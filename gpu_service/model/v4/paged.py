@@ -6,7 +6,9 @@ holds, per CSA layer, S/4 entries of head_dim and S/4 indexer keys of index_head
 of ratio m, S/m entries of head_dim; window-only layers hold nothing in pages. Entry w of a layer of
 ratio r lives in the page of token w·r, slot page·(S/r) + w mod (S/r); S must be a multiple of
 lcm(4, every HCA ratio), so a page holds whole compression blocks of every layer. One row past the
-pages per tensor is never written (as the MLA pool's null slot; the memory plan counts it).
+pages per tensor belongs to no page (the memory plan counts it): the batched decode
+(gpu_service.model.v4.decode) points its padded reads there (masked) and writes there the entries of
+windows not complete yet (a static-shaped write per row); no sequence reads it unmasked.
 
 `V4Seq` is the engine's `SeqKV` plus the bounded per-sequence state the model keeps outside pages
 (per layer an `AttnState`: the last window - 1 keys, the compressors' pending rows and overlap

@@ -44,6 +44,20 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     return torch.cat([nope, rotated], dim=-1)
 
 
+def elementwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn (an elementwise transcendental: sigmoid, softplus) of x with every element on the same code
+    path. On CPU, torch's elementwise kernels run vectors of 2 x 16 floats and a short tail
+    scalar, whose exp can differ in the last bit; padding the flat tensor to a multiple of 64 elements
+    keeps every element vectorised, so a row's value does not depend on how many rows are batched."""
+    if x.device.type != "cpu":
+        return fn(x)
+    n = x.numel()
+    flat = x.reshape(-1)
+    if n % 64:
+        flat = torch.cat([flat, flat.new_zeros(64 - n % 64)])
+    return fn(flat)[:n].view(x.shape)
+
+
 def rms_unit(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) over the last dim (an RMS norm without weight), in x's dtype."""
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
@@ -59,8 +73,8 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     pre_w, post_w, comb_w = m.split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = base.float().split([n, n, n * n])
     s_pre, s_post, s_comb = scale.float().unbind(0)
-    pre = torch.sigmoid(pre_w * s_pre + pre_b) + eps
-    post = 2 * torch.sigmoid(post_w * s_post + post_b)
+    pre = elementwise(torch.sigmoid, pre_w * s_pre + pre_b) + eps
+    post = 2 * elementwise(torch.sigmoid, post_w * s_post + post_b)
     comb = torch.softmax(comb_w.view(-1, n, n) * s_comb + comb_b.view(n, n), dim=-1) + eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     for _ in range(cfg.hc_sinkhorn_iters - 1):
@@ -79,7 +93,7 @@ def hc_post(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
 def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, cfg) -> torch.Tensor:
     """The final reduction of the streams before the norm: sum_j (sigmoid(m_j s + b_j) + eps) X_j."""
     m = F.linear(rms_unit(X.flatten(1).float(), cfg.rms_norm_eps), fn.float())  # [T, n]
-    pre = torch.sigmoid(m * scale.float() + base.float()) + cfg.hc_eps
+    pre = elementwise(torch.sigmoid, m * scale.float() + base.float()) + cfg.hc_eps
     return (pre.unsqueeze(-1) * X).sum(dim=1).to(X.dtype)
 
 
