@@ -177,3 +177,51 @@ def test_sole_replica_restarted_with_other_act_bits_fails_naming_it(ckpts):
                 client.forward(layer, x, ids, w)
     finally:
         sole.stop()
+
+
+def test_idle_restart_with_other_weight_format_refused(ckpts):
+    """Same, the replica restarted with another --weight-format (its kernel, ShardInfo.kernel, computes
+    other bits): refused naming both kernels while the other replica serves the same bits."""
+    cfg = load_config(ckpts[0])
+    layer = cfg.moe_layers[0]
+    x, ids, w = _routing(cfg, 4, 11)
+    pair = start_shards(ckpts[0], 1, backend="kernels", extra_args=INT8_A8, replicas=2)
+    try:
+        with ExpertsClient(pair.addresses, cfg, timeout_s=30.0, transport="tcp") as client:
+            before = client.forward(layer, x, ids, w)
+            kernel = next(r for r in client.replicas if r.address == pair.addresses[1]).desc.info.kernel
+            replica, _ = _restart_idle(client, pair, 1, _set_flag("--weight-format", "int4"))
+            why = _refused_while_other_serves(client, replica, layer, x, ids, w, before)
+            assert kernel in why and "int4" in why and "--weight-format" in why and pair.addresses[1] in why, why
+    finally:
+        pair.stop()
+
+
+def test_replicas_computing_with_other_kernels_refused(ckpts):
+    """Two replicas of one group whose ShardInfo.kernel differ (another weight format or ISA) are not
+    equivalent: the second is refused at connect naming both kernels and MOESPLIT_KERNEL_ISA, and a
+    replica returning with another kernel is refused naming the flags; equal kernels pass."""
+    from gpu_service.experts.groups import _Group, _Replica, check_returning, ShardDesc
+    from gpu_service.experts.errors import CoverageError
+    from protos.moesplit.v1 import experts_pb2
+
+    cfg = load_config(ckpts[0])
+
+    def desc(address, kernel):
+        info = experts_pb2.ShardInfo(layers=cfg.moe_layers, experts=range(cfg.n_routed_experts), slice_count=1,
+                                     intermediate_stop=cfg.moe_intermediate_size, kernel=kernel, act_bits=16)
+        return ShardDesc(address, info, np.arange(cfg.n_routed_experts), False)
+
+    a, b = desc("h1:1", "kernel-avx512-int8"), desc("h2:1", "kernel-avx2-int8")
+    group = _Group(a, cfg)
+    first = _Replica(a.address)
+    first.desc = a
+    group.replicas.append(first)
+    group.check_equivalent("h1:1", a.info)  # itself: nothing to compare
+    group.check_equivalent("h3:1", desc("h3:1", "kernel-avx512-int8").info)  # same kernel: equivalent
+    with pytest.raises(CoverageError, match="MOESPLIT_KERNEL_ISA") as e:
+        group.check_equivalent("h2:1", b.info)
+    assert "kernel-avx2-int8" in str(e.value) and "kernel-avx512-int8" in str(e.value) and "h1:1" in str(e.value)
+    check_returning("h1:1", a.info, desc("h1:1", "kernel-avx512-int8").info)
+    with pytest.raises(CoverageError, match="--weight-format"):
+        check_returning("h1:1", a.info, desc("h1:1", "kernel-avx512-int4").info)
