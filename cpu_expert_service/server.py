@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -48,6 +49,7 @@ from checkpoint.config import ModelConfig
 from checkpoint.config_v4 import load_any_config
 from checkpoint.names import compact_ranges
 from wire import channel as transport
+from wire.channel import INSTANCE_KEY
 from wire.ratelog import RateLimitedLog
 from cpu_expert_service import auth
 from cpu_expert_service.backend import ExpertBackend
@@ -118,6 +120,9 @@ class ExpertServicer(experts_pb2_grpc.ExpertServiceServicer):
         self.backend = backend
         self.info = info
         self.shard_id = shard_id
+        # this process's identity: a restart at the same address answers with another one, and the GPU
+        # side re-describes (and re-checks) a replica whose connection shows a new one
+        self.instance_id = secrets.token_hex(8)
         self.max_tokens = int(max_tokens)
         self.layers = frozenset(info["layers"])
         self._errors = RateLimitedLog(log)
@@ -197,10 +202,12 @@ class ExpertServicer(experts_pb2_grpc.ExpertServiceServicer):
             context.abort(grpc.StatusCode.INTERNAL, f"shard {self.shard_id}: seq {req.seq}: {type(e).__name__}: {e}")
 
     def Forward(self, request_iterator, context):
+        context.send_initial_metadata(((INSTANCE_KEY, self.instance_id),))
         for req in request_iterator:
             yield self._compute_or_abort(req, context)
 
     def ForwardOne(self, request, context):
+        context.send_initial_metadata(((INSTANCE_KEY, self.instance_id),))
         return self._compute_or_abort(request, context)
 
     shm_dir: str | None = None  # shared directory of the co-located fast path (None: refused)
@@ -212,18 +219,18 @@ class ExpertServicer(experts_pb2_grpc.ExpertServiceServicer):
             thread = shm_transport.attach(self, request.path, request.token, request.socket_path, self.shm_dir)
         except shm_transport.Refused as e:
             log.info("shard %s: shared-memory fast path refused: %s", self.shard_id, e)
-            return experts_pb2.AttachShmResponse(accepted=False, reason=str(e))
+            return experts_pb2.AttachShmResponse(accepted=False, reason=str(e), instance_id=self.instance_id)
         log.info("shard %s: shared-memory fast path %s attached", self.shard_id, thread)
-        return experts_pb2.AttachShmResponse(accepted=True)
+        return experts_pb2.AttachShmResponse(accepted=True, instance_id=self.instance_id)
 
     data: "object | None" = None  # cpu_expert_service.tcp_transport.DataServer (None: refused)
     data_refusal = "the TCP data path is off on this shard (--data-port -1 or MOESPLIT_TCP=0)"
 
     def AttachTcp(self, request, context):
         if self.data is None:
-            return experts_pb2.AttachTcpResponse(accepted=False, reason=self.data_refusal)
+            return experts_pb2.AttachTcpResponse(accepted=False, reason=self.data_refusal, instance_id=self.instance_id)
         port, token = self.data.offer()
-        return experts_pb2.AttachTcpResponse(accepted=True, port=port, token=token)
+        return experts_pb2.AttachTcpResponse(accepted=True, port=port, token=token, instance_id=self.instance_id)
 
     def Describe(self, request, context):
         i = self.info
@@ -247,6 +254,7 @@ class ExpertServicer(experts_pb2_grpc.ExpertServiceServicer):
             loaded_modules=[m for m in WATCHED_MODULES if m in sys.modules],
             swiglu_limit=getattr(self.backend, "swiglu_limit", None) or 0.0,
             act_bits=int(i.get("act_bits", 16)),
+            instance_id=self.instance_id,
         )
 
 

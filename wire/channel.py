@@ -24,6 +24,9 @@ import grpc
 
 from checkpoint.config import ModelConfig
 
+# initial metadata of a shard's Forward / ForwardOne answers: its process's ShardInfo.instance_id (a restart
+# at the same address shows another one: the GPU side re-describes and re-checks it before using answers)
+INSTANCE_KEY = "x-moesplit-instance"
 DEFAULT_MAX_TOKENS = 16384  # largest T per layer call (shard --max-tokens default)
 HEADROOM_BYTES = 4 << 20  # protobuf framing, dtype strings, shapes, metadata
 GRPC_MAX_MESSAGE = 2**31 - 1

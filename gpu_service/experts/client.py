@@ -15,7 +15,8 @@ round-robin per call); a replica that fails mid-call is replaced by another for 
 layer call has a deadline (`timeout_s`, `--expert-timeout`); a group with no replica left fails
 fast with ShardError(UNAVAILABLE); failed replicas are reconnected with capped exponential
 backoff. Channels use model-sized message limits, keepalive pings and optional mutual TLS
-(wire.channel).
+(wire.channel). A connection re-opened to a shard restarted at its address (no failure seen) is
+re-checked before its answers are used (gpu_service.experts.rejoin).
 
 Fast paths: with `transport="auto"` (default) each replica is offered the shared-memory fast path
 at connect (gpu_service.experts.shm; same host), else the TCP data path (gpu_service.experts.tcp;
@@ -43,6 +44,7 @@ from gpu_service.experts.errors import CoverageError, ExpertsClientError, Finger
 from gpu_service.experts.fast import FastPaths
 from gpu_service.experts.health import check_parallel, HealthCache
 from gpu_service.experts.groups import _coverage_key, _Group, _Replica, check_coverage, check_returning, ShardDesc
+from gpu_service.experts.rejoin import Rejoin
 from gpu_service.experts.stream import _retryable, _ShardStream
 from protos.moesplit.v1 import experts_pb2, experts_pb2_grpc
 from wire.channel import (
@@ -99,6 +101,8 @@ class ExpertsClient:
         self.fast = FastPaths(transport, shm_dir, wire_dtype, tls=tls, tls_server_name=tls_server_name,
                               tcp_max_tokens=max_tokens)
         self._wire_np = np.dtype(WIRE_NP[wire_dtype])
+        self.rejoin = Rejoin(self)  # a replica's connection showing a new process: re-checked before use
+        self.fast.verify = self.rejoin.check
 
     # ---- set-up -------------------------------------------------------------------------------
     def _channel(self, address: str) -> grpc.Channel:
@@ -177,7 +181,9 @@ class ExpertsClient:
         r.desc, r.group = desc, g
         if r not in g.replicas:
             g.replicas.append(r)
-        r.stream = _ShardStream(r.address, experts_pb2_grpc.ExpertServiceStub(r.channel))
+        r.instance = info.instance_id
+        r.stream = _ShardStream(r.address, experts_pb2_grpc.ExpertServiceStub(r.channel),
+                                lambda inst, r=r: self.rejoin.check(r, inst))
         r.healthy, r.backoff_s, r.last_error = True, 0.0, ""
 
     def _check_shard(self, addr: str, info: experts_pb2.ShardInfo) -> None:
@@ -304,8 +310,8 @@ class ExpertsClient:
                 out[r.address] = f"UNAVAILABLE: {r.last_error}"
                 continue
             status = checked.get(r.address, "UNKNOWN: not checked yet")
-            if status == "SERVING" and not r.healthy:
-                status = f"RECONNECTING: {r.last_error}"
+            if status == "SERVING" and not r.healthy:  # (refused: serves something this GPU service cannot use)
+                status = f"REFUSED: {r.refused}" if r.refused else f"RECONNECTING: {r.last_error}"
             out[r.address] = status
         ok = bool(self.groups) and all(any(out.get(r.address) == "SERVING" for r in g.replicas) for g in self.groups)
         return ok, out
@@ -350,14 +356,8 @@ class ExpertsClient:
             req = experts_pb2.LayerRequest(seq=next(self._seq), layer=layer, hidden=tensors[0],
                                            topk_ids=tensors[1], topk_weights=tensors[2])
             f: Future = Future()
-
-            def done(g):
-                try:
-                    f.set_result(g.result())
-                except grpc.RpcError as e:
-                    f.set_exception(ShardError(r.address, e.code(), e.details() or str(e)))
             experts_pb2_grpc.ExpertServiceStub(r.channel).ForwardOne.future(req, timeout=self.timeout_s) \
-                .add_done_callback(done)
+                .add_done_callback(lambda g: self.rejoin.unary_done(r, g, f))
             return f
         errors: list[str] = []
         unary_tried: list[_Replica] = []

@@ -8,7 +8,8 @@ broken, more rows than a slot holds, every slot busy): the caller then uses gRPC
 breaks mid-call (the doorbell socket fails) re-sends its pending calls over gRPC; the replica then
 stays on gRPC until a fresh fast path is negotiated (when it reconnects, or, while its gRPC channel
 still works, e.g. a shard restarted at the same address, after a back-off of RETRY_MIN_S doubling
-to RETRY_MAX_S); a refused call (INVALID_ARGUMENT) fails like gRPC's; a call
+to RETRY_MAX_S; a path accepted by a restarted shard process is used only once that process passed the
+returning replica's checks: gpu_service.experts.rejoin); a refused call (INVALID_ARGUMENT) fails like gRPC's; a call
 past its deadline fails with DEADLINE_EXCEEDED (the client then fails over to another replica).
 
 mode: "grpc" never negotiates; "auto" offers shared memory, then the cross-host TCP data path
@@ -54,9 +55,24 @@ class FastPaths:
         self._renegotiating: set[str] = set()
         self._retry: dict[str, tuple[float, float]] = {}  # address -> (next try, back-off) after a break
         self._lock = threading.Lock()
+        # verify(replica, instance id of the process that accepted a fast path): returns when it may be used,
+        # else raises ShardError (gpu_service.experts.rejoin: a restarted shard is re-checked first)
+        self.verify = None
 
     def _negotiate(self, r, cfg) -> tuple[_Path | None, str]:
-        """Shared memory (same host), else the TCP data path (any host, not with TLS), else gRPC."""
+        """Shared memory (same host), else the TCP data path (any host, not with TLS), else gRPC; a path
+        accepted by another process than the one the client checked is used only once `verify` passes."""
+        fp, why = self._offer(r, cfg)
+        if fp is not None and self.verify is not None:
+            try:
+                self.verify(r, fp.instance)
+            except ExpertsClientError as e:  # refused (or not re-checked): its answers must not be used
+                fp.close()
+                return None, f"{fp.kind}: {e}"
+        return fp, why
+
+    def _offer(self, r, cfg) -> tuple[_Path | None, str]:
+        """The first fast path the shard accepts (shared memory, then TCP) or (None, why none)."""
         why = []
         if self.mode in ("auto", "shm"):
             fp, w = negotiate(r.channel, r.address, cfg.hidden_size, cfg.num_experts_per_tok, self.shm_dir,
@@ -106,6 +122,16 @@ class FastPaths:
             log.info("expert shard %s: %s", r.address, fp.describe())
         else:
             log.info("expert shard %s: gRPC transport (%s)", r.address, why)
+
+    def drop(self, address: str, why: str) -> None:
+        """Close the fast path to `address` (a replica refused): its calls go nowhere near it again."""
+        with self._lock:
+            old = self.paths.get(address)
+            if old is not None:  # (kept as an entry without a path: a call that just took it finds its entry)
+                self.paths[address] = (None, old[1])
+            self.reasons[address] = why
+        if old is not None and old[0] is not None:
+            old[0].close()
 
     def transport_of(self, address: str) -> str:
         fp = self.paths.get(address, (None, None))[0]

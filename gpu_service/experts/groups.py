@@ -106,11 +106,15 @@ class _Replica:
         self.probing = False
         self.last_error = "not connected yet"
         self.refused: str | None = None  # answered, but serves something we cannot use
+        self.instance = ""  # ShardInfo.instance_id of the process checked (gpu_service.experts.rejoin)
 
 
 def _coverage_key(info: experts_pb2.ShardInfo) -> tuple:
     return (tuple(sorted(int(l) for l in info.layers)), tuple(sorted(int(e) for e in info.experts)),
             int(info.intermediate_start), int(info.intermediate_stop))
+
+
+ISA_FIX = "MOESPLIT_KERNEL_ISA=<isa> picks one the hosts share"
 
 
 def act_bits_of(info: experts_pb2.ShardInfo) -> int:
@@ -121,7 +125,8 @@ def act_bits_of(info: experts_pb2.ShardInfo) -> int:
 def check_returning(address: str, before: experts_pb2.ShardInfo, now: experts_pb2.ShardInfo) -> None:
     """A replica that reconnects must serve what it served when the client connected: the same experts
     (else it matches no group) and the same --act-bits (else its group's answers would change with a
-    restart: the mixed-replica rule over time, a sole replica included). CoverageError naming the fix."""
+    restart: the mixed-replica rule over time, a sole replica included), computing with the same kernel
+    (ShardInfo.kernel: backend, ISA, weight format). CoverageError naming the fix."""
     if _coverage_key(now) != _coverage_key(before):
         raise CoverageError(f"expert shard {address} came back serving different experts", [], [])
     if act_bits_of(now) != act_bits_of(before):
@@ -130,6 +135,12 @@ def check_returning(address: str, before: experts_pb2.ShardInfo, now: experts_pb
             f"{act_bits_of(before)} when this GPU service connected; a greedy answer must not change with a "
             f"restart: start it again with --act-bits {act_bits_of(before)} (or restart the GPU service to take "
             "the new setting)", [], [])
+    if now.kernel != before.kernel:
+        raise CoverageError(
+            f"expert shard {address} came back computing with {now.kernel!r}, but computed with {before.kernel!r} "
+            "when this GPU service connected; a greedy answer must not change with a restart: start it again "
+            f"with the same --backend / --weight-format (and the same ISA: {ISA_FIX}), or restart the GPU service "
+            "to take the new setting", [], [])
 
 
 class _Group:
@@ -164,8 +175,8 @@ class _Group:
 
     def check_equivalent(self, address: str, info: experts_pb2.ShardInfo) -> None:
         """Replicas of one group must compute the same numbers (a greedy answer must not depend on which
-        replica served a call): a replica whose --act-bits differs from the group's other replicas' is
-        refused (CoverageError naming the flag)."""
+        replica served a call): a replica whose --act-bits or kernel (ShardInfo.kernel: backend, ISA,
+        weight format) differs from the group's other replicas' is refused (CoverageError naming the fix)."""
         have = act_bits_of(info)
         others = [o for o in self.replicas if o.address != address and o.desc is not None]
         bad = [o.address for o in others if act_bits_of(o.desc.info) != have]
@@ -175,6 +186,13 @@ class _Group:
                 f"expert shard {address} runs --act-bits {have} but its replicas {', '.join(bad)} of {self.label()} "
                 f"run --act-bits {want}; replicas of a group must compute the same outputs: start every replica "
                 "of the group with the same --act-bits", [], [])
+        bad = [o for o in others if o.desc.info.kernel != info.kernel]
+        if bad:
+            raise CoverageError(
+                f"expert shard {address} computes with {info.kernel!r} but its replicas "
+                f"{', '.join(o.address for o in bad)} of {self.label()} compute with {bad[0].desc.info.kernel!r} "
+                "(backend, ISA, weight format); replicas of a group must compute the same bits: start every replica "
+                f"of the group with the same --backend / --weight-format and the same ISA ({ISA_FIX})", [], [])
 
     def advance(self) -> None:
         """Take the round-robin turn (after a peeked pick was sent)."""

@@ -50,6 +50,7 @@ class _Path:
 
     kind = "?"
     direct = False  # takes calls from raw addresses (send_at / finish / inputs): handoff's direct calls
+    instance = ""  # ShardInfo.instance_id of the shard process that accepted it (its Attach answer)
 
     def __init__(self, address: str, sock: socket.socket):
         self.address, self.sock = address, sock

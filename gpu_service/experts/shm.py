@@ -264,6 +264,7 @@ def negotiate(channel: grpc.Channel, address: str, hidden_size: int, max_k: int,
             return None, "the shard accepted but never connected its doorbell"
         conn.settimeout(None)
         fp = FastPath(address, mm, lay, conn, wire_dtype)
+        fp.instance = resp.instance_id
         mm = conn = None  # owned by the fast path now
         return fp, ""
     except OSError as e:

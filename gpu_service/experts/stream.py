@@ -10,6 +10,7 @@ import grpc
 
 from gpu_service.experts.errors import ShardError
 from protos.moesplit.v1 import experts_pb2, experts_pb2_grpc
+from wire.channel import INSTANCE_KEY
 
 
 # ---- one persistent stream per replica ---------------------------------------------------------
@@ -21,6 +22,16 @@ RETRYABLE = frozenset({
 
 def _retryable(e: BaseException) -> bool:
     return isinstance(e, ShardError) and e.code in RETRYABLE
+
+
+def instance_of(call) -> str:
+    """The shard process id in a call's initial metadata ("" when absent: the call failed before the
+    shard answered, or a shard that predates instance ids)."""
+    try:
+        md = call.initial_metadata()
+    except Exception:  # noqa: BLE001 - a call torn down under us: no identity to check
+        return ""
+    return next((v for k, v in (md or ()) if k == INSTANCE_KEY), "")
 
 
 class _ShardStream:
@@ -36,9 +47,12 @@ class _ShardStream:
 
     _CLOSE = object()
 
-    def __init__(self, address: str, stub: experts_pb2_grpc.ExpertServiceStub):
+    def __init__(self, address: str, stub: experts_pb2_grpc.ExpertServiceStub, verify=None):
         self.address = address
         self.stub = stub
+        # verify(instance id in the answer's initial metadata): returns when the process may be used, else
+        # raises ShardError (gpu_service.experts.rejoin); called on each (re)opened stream before any answer
+        self.verify = verify
         self.lock = threading.Lock()
         # seq -> (future, monotonic deadline, request), in the order the requests were queued
         self.pending: dict[int, tuple[Future, float, experts_pb2.LayerRequest]] = {}
@@ -62,6 +76,8 @@ class _ShardStream:
     def _read(self, call, q) -> None:
         err: ShardError | None = None
         try:
+            if self.verify is not None:  # a re-opened stream may reach a restarted process: check it first
+                self.verify(instance_of(call))
             for resp in call:
                 with self.lock:
                     fut = self.pending.pop(resp.seq, (None,))[0]
@@ -69,6 +85,9 @@ class _ShardStream:
                     fut.set_result(resp)
         except grpc.RpcError as e:
             err = ShardError(self.address, e.code(), e.details() or str(e))
+        except ShardError as e:  # the process changed and was refused (or could not be re-checked)
+            err = e
+            call.cancel()
         except Exception as e:  # noqa: BLE001 - surface anything on the waiting futures
             err = ShardError(self.address, None, repr(e))
         with self.lock:

@@ -298,4 +298,6 @@ def negotiate_tcp(channel: grpc.Channel, address: str, hidden_size: int, wire_dt
             link.close()
         sock.close()
         return None, f"data port {host}:{resp.port}: {e}"
-    return TcpPath(address, sock, wire_dtype, hidden_size, max_tokens, link), ""
+    tp = TcpPath(address, sock, wire_dtype, hidden_size, max_tokens, link)
+    tp.instance = resp.instance_id
+    return tp, ""

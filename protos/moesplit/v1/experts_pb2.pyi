@@ -49,7 +49,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ShardInfo(_message.Message):
-    __slots__ = ("shard_id", "layers", "experts", "slice_index", "slice_count", "intermediate_start", "intermediate_stop", "weight_format", "kernel", "model_fingerprint", "hidden_size", "n_routed_experts", "num_experts_per_tok", "weight_bytes", "max_tokens", "pid", "loaded_modules", "swiglu_limit", "act_bits")
+    __slots__ = ("shard_id", "layers", "experts", "slice_index", "slice_count", "intermediate_start", "intermediate_stop", "weight_format", "kernel", "model_fingerprint", "hidden_size", "n_routed_experts", "num_experts_per_tok", "weight_bytes", "max_tokens", "pid", "loaded_modules", "swiglu_limit", "act_bits", "instance_id")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class ShardInfo(_message.Message):
     LOADED_MODULES_FIELD_NUMBER: _ClassVar[int]
     SWIGLU_LIMIT_FIELD_NUMBER: _ClassVar[int]
     ACT_BITS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     shard_id: str
     layers: _containers.RepeatedScalarFieldContainer[int]
     experts: _containers.RepeatedScalarFieldContainer[int]
@@ -88,7 +89,8 @@ class ShardInfo(_message.Message):
     loaded_modules: _containers.RepeatedScalarFieldContainer[str]
     swiglu_limit: float
     act_bits: int
-    def __init__(self, shard_id: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., experts: _Optional[_Iterable[int]] = ..., slice_index: _Optional[int] = ..., slice_count: _Optional[int] = ..., intermediate_start: _Optional[int] = ..., intermediate_stop: _Optional[int] = ..., weight_format: _Optional[str] = ..., kernel: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., hidden_size: _Optional[int] = ..., n_routed_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., max_tokens: _Optional[int] = ..., pid: _Optional[int] = ..., loaded_modules: _Optional[_Iterable[str]] = ..., swiglu_limit: _Optional[float] = ..., act_bits: _Optional[int] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, shard_id: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., experts: _Optional[_Iterable[int]] = ..., slice_index: _Optional[int] = ..., slice_count: _Optional[int] = ..., intermediate_start: _Optional[int] = ..., intermediate_stop: _Optional[int] = ..., weight_format: _Optional[str] = ..., kernel: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., hidden_size: _Optional[int] = ..., n_routed_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., max_tokens: _Optional[int] = ..., pid: _Optional[int] = ..., loaded_modules: _Optional[_Iterable[str]] = ..., swiglu_limit: _Optional[float] = ..., act_bits: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class AttachShmRequest(_message.Message):
     __slots__ = ("path", "token", "socket_path")
@@ -101,25 +103,29 @@ class AttachShmRequest(_message.Message):
     def __init__(self, path: _Optional[str] = ..., token: _Optional[bytes] = ..., socket_path: _Optional[str] = ...) -> None: ...
 
 class AttachShmResponse(_message.Message):
-    __slots__ = ("accepted", "reason")
+    __slots__ = ("accepted", "reason", "instance_id")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class AttachTcpRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class AttachTcpResponse(_message.Message):
-    __slots__ = ("accepted", "reason", "port", "token")
+    __slots__ = ("accepted", "reason", "port", "token", "instance_id")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     port: int
     token: bytes
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., port: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., port: _Optional[int] = ..., token: _Optional[bytes] = ..., instance_id: _Optional[str] = ...) -> None: ...
