@@ -14,7 +14,7 @@ static void scale_channels_avx2(const float *chs, float *C, int n);
 
 #define KC_BF 128 /* k-pairs per block: 64 ch x 256 k x 2 B = 32 KiB of weights, L1-resident */
 #define GC_INT 16 /* groups per block */
-#define BF2_MR 4  /* tokens per micro-tile: 4 x 2 ymm = 8 accumulators + 4 widened weights + 2 broadcasts */
+#define BF2_MR 5  /* tokens per micro-tile: 5 x 2 ymm = 10 accumulators + 4 widened weights + 2 broadcasts */
 
 /* C[m][c0 .. c0+16) (+)= x[m] . W over k-pairs [kp0, kp0 + nkp): each loaded weight vector (8
  * channels x one k-pair) is widened to f32 once and feeds MR tokens. Per output element the
@@ -97,6 +97,7 @@ void moe_panel_bf16_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, 
                 case 1: mk_bf16_avx2(1, w, kc, x, k0, Cm, k0 > 0); break;
                 case 2: mk_bf16_avx2(2, w, kc, x, k0, Cm, k0 > 0); break;
                 case 3: mk_bf16_avx2(3, w, kc, x, k0, Cm, k0 > 0); break;
+                case 4: mk_bf16_avx2(4, w, kc, x, k0, Cm, k0 > 0); break;
                 default: mk_bf16_avx2(BF2_MR, w, kc, x, k0, Cm, k0 > 0); break;
                 }
             }
@@ -362,8 +363,15 @@ static void panel_int_wd(const MoeMat *W, int p, const MoeRows *rows, float *C, 
  * vpmaddubsw step costs the same uops per product as vpmaddwd on widened weights. */
 #define UB_MR 4
 
+/* UB_V x 8 channels [c0, c0 + 8 UB_V) of MR tokens over all G groups. The int16 partial sums run over
+ * UB_K octets before one vpmaddwd widens them (int4: all 4 octets, 8 products of <= 2 * 15 * 127 per
+ * lane, < 2^15; mxfp4: 2 octets, 4 of <= 2 * 24 * 127): the integer group sum is exact in any order,
+ * so the bits equal the 1-token path's. int4 shares each unpacked 16-channel slice across MR tokens;
+ * mxfp4, whose two half-group sums need 2 MR more registers, takes 8-channel slices. */
+#define UB_V(mx) ((mx) ? 1 : 2)
 static inline __attribute__((always_inline)) void mk_ub(const int MR, const int mx, const uint8_t *wp, const float *wsc, int G,
                                                        const MoeRows *rows, int m0, int c0, float *C) {
+    const int V = UB_V(mx), K = mx ? 2 : 4;
     const __m256i ones = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0f);
     const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)moe_mxfp4_u8));
     const __m256 k254 = _mm256_set1_ps(254.f), zf = _mm256_setzero_ps();
@@ -371,37 +379,48 @@ static inline __attribute__((always_inline)) void mk_ub(const int MR, const int 
     for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     for (int g = 0; g < G; g++) {
         const uint8_t *gb = wp + (size_t)g * NIB_GB(mx ? 2 : 1);
-        __m256i ia[UB_MR][2];
-        for (int m = 0; m < MR; m++) ia[m][0] = ia[m][1] = _mm256_setzero_si256();
+        __m256i ia[UB_MR][2], s[UB_MR][2];
         for (int o = 0; o < 4; o++) {
-            for (int v = 0; v < 2; v++) {
+            __m256i l[2], h[2];
+            for (int v = 0; v < V; v++) {
                 __m256i pk = _mm256_loadu_si256((const __m256i *)(gb + o * 128 + 4 * c0 + 32 * v));
-                __m256i l = _mm256_and_si256(pk, lo4), h = _mm256_and_si256(_mm256_srli_epi16(pk, 4), lo4);
+                l[v] = _mm256_and_si256(pk, lo4);
+                h[v] = _mm256_and_si256(_mm256_srli_epi16(pk, 4), lo4);
                 if (mx) {
-                    l = _mm256_shuffle_epi8(lut, l);
-                    h = _mm256_shuffle_epi8(lut, h);
-                }
-                for (int m = 0; m < MR; m++) {
-                    const int8_t *xq = rows->q[m0 + m] + (size_t)g * 64 + 8 * o;
-                    __m256i a = _mm256_set1_epi32(*(const int32_t *)xq), b = _mm256_set1_epi32(*(const int32_t *)(xq + 4));
-                    __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(l, a), _mm256_maddubs_epi16(h, b));
-                    ia[m][v] = _mm256_add_epi32(ia[m][v], _mm256_madd_epi16(ph, ones));
+                    l[v] = _mm256_shuffle_epi8(lut, l[v]);
+                    h[v] = _mm256_shuffle_epi8(lut, h[v]);
                 }
             }
+            for (int m = 0; m < MR; m++) {
+                const int8_t *xq = rows->q[m0 + m] + (size_t)g * 64 + 8 * o;
+                __m256i a = _mm256_set1_epi32(*(const int32_t *)xq), b = _mm256_set1_epi32(*(const int32_t *)(xq + 4));
+                for (int v = 0; v < V; v++) {
+                    __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(l[v], a), _mm256_maddubs_epi16(h[v], b));
+                    s[m][v] = o % K == 0 ? ph : _mm256_add_epi16(s[m][v], ph);
+                }
+            }
+            /* each octet's sums in registers before the next: otherwise GCC regroups the adds of the
+             * unrolled octets into trees and spills the products */
+            for (int m = 0; m < MR; m++)
+                for (int v = 0; v < V; v++) __asm__("" : "+x"(s[m][v]));
+            if (o % K == K - 1)
+                for (int m = 0; m < MR; m++)
+                    for (int v = 0; v < V; v++) {
+                        __m256i t = _mm256_madd_epi16(s[m][v], ones);
+                        ia[m][v] = o == K - 1 ? t : _mm256_add_epi32(ia[m][v], t);
+                    }
         }
-        __m256 ws0 = _mm256_load_ps(wsc + (size_t)g * 32 + c0), ws1 = _mm256_load_ps(wsc + (size_t)g * 32 + c0 + 8);
-        for (int m = 0; m < MR; m++) {
-            __m256 xs = _mm256_set1_ps(rows->xs[m0 + m][g]), xc = _mm256_set1_ps(rows->xc[m0 + m][g]);
-            __m256 s0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[m][0]), k254, zf);
-            __m256 s1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[m][1]), k254, zf);
-            acc[m][0] = _mm256_fmadd_ps(ws0, _mm256_fmsub_ps(s0, xs, xc), acc[m][0]);
-            acc[m][1] = _mm256_fmadd_ps(ws1, _mm256_fmsub_ps(s1, xs, xc), acc[m][1]);
+        for (int v = 0; v < V; v++) {
+            __m256 ws = _mm256_load_ps(wsc + (size_t)g * 32 + c0 + 8 * v);
+            for (int m = 0; m < MR; m++) {
+                __m256 xs = _mm256_set1_ps(rows->xs[m0 + m][g]), xc = _mm256_set1_ps(rows->xc[m0 + m][g]);
+                __m256 sv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[m][v]), k254, zf);
+                acc[m][v] = _mm256_fmadd_ps(ws, _mm256_fmsub_ps(sv, xs, xc), acc[m][v]);
+            }
         }
     }
-    for (int m = 0; m < MR; m++) {
-        _mm256_storeu_ps(C + (size_t)(m0 + m) * 32 + c0, acc[m][0]);
-        _mm256_storeu_ps(C + (size_t)(m0 + m) * 32 + c0 + 8, acc[m][1]);
-    }
+    for (int m = 0; m < MR; m++)
+        for (int v = 0; v < V; v++) _mm256_storeu_ps(C + (size_t)(m0 + m) * 32 + c0 + 8 * v, acc[m][v]);
 }
 
 /* int4 (mx 0) / mxfp4 (mx 1) panel for 2+ rows at 8-bit activations; scratch: the panel's group scales */
@@ -412,7 +431,7 @@ static void panel_int_ub(const MoeMat *W, int p, const MoeRows *rows, float *C, 
     group_scales(wp, 0, G, mx ? 2 : 1, wsc);
     for (int m0 = 0; m0 < n; m0 += UB_MR) {
         int mr = n - m0 < UB_MR ? n - m0 : UB_MR;
-        for (int c0 = 0; c0 < 32; c0 += 16) {
+        for (int c0 = 0; c0 < 32; c0 += 8 * UB_V(mx)) {
 #define MKUB(R) (mx ? mk_ub(R, 1, wp, wsc, G, rows, m0, c0, C) : mk_ub(R, 0, wp, wsc, G, rows, m0, c0, C))
             switch (mr) {
             case 1: MKUB(1); break;
