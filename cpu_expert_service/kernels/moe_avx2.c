@@ -14,7 +14,7 @@ static void scale_channels_avx2(const float *chs, float *C, int n);
 
 #define KC_BF 128 /* k-pairs per block: 64 ch x 256 k x 2 B = 32 KiB of weights, L1-resident */
 #define GC_INT 16 /* groups per block */
-#define BF2_MR 5  /* tokens per micro-tile: 5 x 2 ymm = 10 accumulators + 4 widened weights + 2 broadcasts */
+#define BF2_MR 4  /* tokens per micro-tile: 4 x 2 ymm = 8 accumulators + 4 widened weights + 2 broadcasts */
 
 /* C[m][c0 .. c0+16) (+)= x[m] . W over k-pairs [kp0, kp0 + nkp): each loaded weight vector (8
  * channels x one k-pair) is widened to f32 once and feeds MR tokens. Per output element the
@@ -97,7 +97,6 @@ void moe_panel_bf16_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, 
                 case 1: mk_bf16_avx2(1, w, kc, x, k0, Cm, k0 > 0); break;
                 case 2: mk_bf16_avx2(2, w, kc, x, k0, Cm, k0 > 0); break;
                 case 3: mk_bf16_avx2(3, w, kc, x, k0, Cm, k0 > 0); break;
-                case 4: mk_bf16_avx2(4, w, kc, x, k0, Cm, k0 > 0); break;
                 default: mk_bf16_avx2(BF2_MR, w, kc, x, k0, Cm, k0 > 0); break;
                 }
             }
