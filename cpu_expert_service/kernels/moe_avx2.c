@@ -362,68 +362,48 @@ static void panel_int_wd(const MoeMat *W, int p, const MoeRows *rows, float *C, 
  * vpmaddubsw step costs the same uops per product as vpmaddwd on widened weights. */
 #define UB_MR 4
 
-#define UGC 8 /* groups per k-block: the unpacked tile is UGC x 4 octets x 256 B = 8 KiB, L1-resident */
-
-/* tile[(g * 4 + o) * 256 + c * 4 + j] = the lo nibble of byte j of channel c in octet o of group g0 + g
- * (int4: as stored, 0..15; mxfp4: through moe_mxfp4_u8), + 128: the hi nibble; unpacked once per
- * k-block for every token of the call instead of once per micro-tile */
-static void unpack_tile(const uint8_t *wp, int g0, int ng, int mx, uint8_t *tile) {
-    const __m256i lo4 = _mm256_set1_epi8(0x0f);
+/* 16 channels [c0, c0 + 16) of MR tokens over all G groups, each unpacked 16-channel slice shared by
+ * MR tokens. int4 sums its vpmaddubsw pairs in int16 over all 4 octets of a group (8 products of
+ * <= 2 * 15 * 127 per lane, < 2^15) before one vpmaddwd; mxfp4 (table values <= 24) widens every
+ * octet (4 octets would pass 2^15; summing 2 needs 2 MR more registers, and on 8-channel slices that
+ * measured 3-7% slower). The integer group sum is exact in any order, so the bits equal the 1-token
+ * path's. */
+#define UB_V(mx) 2
+static inline __attribute__((always_inline)) void mk_ub(const int MR, const int mx, const uint8_t *wp, const float *wsc, int G,
+                                                       const MoeRows *rows, int m0, int c0, float *C) {
+    const int V = UB_V(mx), K = mx ? 1 : 4;
+    const __m256i ones = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0f);
     const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)moe_mxfp4_u8));
-    for (int g = 0; g < ng; g++) {
-        const uint8_t *gb = wp + (size_t)(g0 + g) * NIB_GB(mx ? 2 : 1);
-        for (int o = 0; o < 4; o++)
-            for (int v = 0; v < 4; v++) {
-                __m256i pk = _mm256_loadu_si256((const __m256i *)(gb + o * 128 + 32 * v));
-                __m256i l = _mm256_and_si256(pk, lo4), h = _mm256_and_si256(_mm256_srli_epi16(pk, 4), lo4);
-                if (mx) {
-                    l = _mm256_shuffle_epi8(lut, l);
-                    h = _mm256_shuffle_epi8(lut, h);
-                }
-                uint8_t *d = tile + (size_t)(g * 4 + o) * 256 + 32 * v;
-                _mm256_store_si256((__m256i *)d, l);
-                _mm256_store_si256((__m256i *)(d + 128), h);
-            }
-    }
-}
-
-/* UB_V x 8 channels [c0, c0 + 8 UB_V) of MR tokens over the k-block's ng groups from g0 (C loaded
- * when g0 > 0: a float store and reload is exact). The int16 partial sums run over UB_K octets
- * before one vpmaddwd widens them (int4: all 4 octets, 8 products of <= 2 * 15 * 127 per lane,
- * < 2^15; mxfp4: 2 octets, 4 of <= 2 * 24 * 127): the integer group sum is exact in any order, so
- * the bits equal the 1-token path's. mxfp4, whose two half-group sums need 2 MR more registers,
- * takes 8-channel slices. */
-#define UB_V(mx) ((mx) ? 1 : 2)
-static inline __attribute__((always_inline)) void mk_ub(const int MR, const int mx, const uint8_t *tile, const float *wsc,
-                                                       int g0, int ng, const MoeRows *rows, int m0, int c0, float *C) {
-    const int V = UB_V(mx), K = mx ? 2 : 4;
-    const __m256i ones = _mm256_set1_epi16(1);
     const __m256 k254 = _mm256_set1_ps(254.f), zf = _mm256_setzero_ps();
     __m256 acc[UB_MR][2];
-    for (int m = 0; m < MR; m++)
-        for (int v = 0; v < V; v++)
-            acc[m][v] = g0 > 0 ? _mm256_loadu_ps(C + (size_t)(m0 + m) * 32 + c0 + 8 * v) : _mm256_setzero_ps();
-    for (int g = 0; g < ng; g++) {
+    for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        const uint8_t *gb = wp + (size_t)g * NIB_GB(mx ? 2 : 1);
         __m256i ia[UB_MR][2], s[UB_MR][2];
         for (int o = 0; o < 4; o++) {
             __m256i l[2], h[2];
             for (int v = 0; v < V; v++) {
-                const uint8_t *t = tile + (size_t)(g * 4 + o) * 256 + 4 * c0 + 32 * v;
-                l[v] = _mm256_load_si256((const __m256i *)t);
-                h[v] = _mm256_load_si256((const __m256i *)(t + 128));
+                __m256i pk = _mm256_loadu_si256((const __m256i *)(gb + o * 128 + 4 * c0 + 32 * v));
+                l[v] = _mm256_and_si256(pk, lo4);
+                h[v] = _mm256_and_si256(_mm256_srli_epi16(pk, 4), lo4);
+                if (mx) {
+                    l[v] = _mm256_shuffle_epi8(lut, l[v]);
+                    h[v] = _mm256_shuffle_epi8(lut, h[v]);
+                }
             }
             for (int m = 0; m < MR; m++) {
-                const int8_t *xq = rows->q[m0 + m] + (size_t)(g0 + g) * 64 + 8 * o;
+                const int8_t *xq = rows->q[m0 + m] + (size_t)g * 64 + 8 * o;
                 __m256i a = _mm256_set1_epi32(*(const int32_t *)xq), b = _mm256_set1_epi32(*(const int32_t *)(xq + 4));
                 for (int v = 0; v < V; v++) {
                     __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(l[v], a), _mm256_maddubs_epi16(h[v], b));
                     s[m][v] = o % K == 0 ? ph : _mm256_add_epi16(s[m][v], ph);
                 }
             }
-            /* each octet's sums in registers before the next: otherwise GCC regroups the adds of the
-             * unrolled octets into trees and spills the products */
-            for (int m = 0; m < MR; m++)
-                for (int v = 0; v < V; v++) __asm__("" : "+x"(s[m][v]));
+            /* int4: each octet's sums in registers before the next: otherwise GCC regroups the adds
+             * of the unrolled octets into trees and spills the products (mxfp4 measured slower with it) */
+            if (!mx)
+                for (int m = 0; m < MR; m++)
+                    for (int v = 0; v < V; v++) __asm__("" : "+x"(s[m][v]));
             if (o % K == K - 1)
                 for (int m = 0; m < MR; m++)
                     for (int v = 0; v < V; v++) {
@@ -432,9 +412,9 @@ static inline __attribute__((always_inline)) void mk_ub(const int MR, const int 
                     }
         }
         for (int v = 0; v < V; v++) {
-            __m256 ws = _mm256_load_ps(wsc + (size_t)(g0 + g) * 32 + c0 + 8 * v);
+            __m256 ws = _mm256_load_ps(wsc + (size_t)g * 32 + c0 + 8 * v);
             for (int m = 0; m < MR; m++) {
-                __m256 xs = _mm256_set1_ps(rows->xs[m0 + m][g0 + g]), xc = _mm256_set1_ps(rows->xc[m0 + m][g0 + g]);
+                __m256 xs = _mm256_set1_ps(rows->xs[m0 + m][g]), xc = _mm256_set1_ps(rows->xc[m0 + m][g]);
                 __m256 sv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[m][v]), k254, zf);
                 acc[m][v] = _mm256_fmadd_ps(ws, _mm256_fmsub_ps(sv, xs, xc), acc[m][v]);
             }
@@ -444,30 +424,66 @@ static inline __attribute__((always_inline)) void mk_ub(const int MR, const int 
         for (int v = 0; v < V; v++) _mm256_storeu_ps(C + (size_t)(m0 + m) * 32 + c0 + 8 * v, acc[m][v]);
 }
 
-/* int4 (mx 0) / mxfp4 (mx 1) panel for 2+ rows at 8-bit activations; scratch: the panel's group
- * scales (G x 32 floats: 4 KiB per 1024 inputs), then the k-block's unpacked tile (8 KiB), within
- * moe_scratch_bytes */
+/* mxfp4: every octet's int16 pair sums widened by vpmaddwd at once (4 octets would pass 2^15) */
+static inline __attribute__((always_inline)) void mk_ub_wide(const int MR, const int mx, const uint8_t *wp, const float *wsc, int G,
+                                                       const MoeRows *rows, int m0, int c0, float *C) {
+    const __m256i ones = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0f);
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)moe_mxfp4_u8));
+    const __m256 k254 = _mm256_set1_ps(254.f), zf = _mm256_setzero_ps();
+    __m256 acc[UB_MR][2];
+    for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        const uint8_t *gb = wp + (size_t)g * NIB_GB(mx ? 2 : 1);
+        __m256i ia[UB_MR][2];
+        for (int m = 0; m < MR; m++) ia[m][0] = ia[m][1] = _mm256_setzero_si256();
+        for (int o = 0; o < 4; o++) {
+            for (int v = 0; v < 2; v++) {
+                __m256i pk = _mm256_loadu_si256((const __m256i *)(gb + o * 128 + 4 * c0 + 32 * v));
+                __m256i l = _mm256_and_si256(pk, lo4), h = _mm256_and_si256(_mm256_srli_epi16(pk, 4), lo4);
+                if (mx) {
+                    l = _mm256_shuffle_epi8(lut, l);
+                    h = _mm256_shuffle_epi8(lut, h);
+                }
+                for (int m = 0; m < MR; m++) {
+                    const int8_t *xq = rows->q[m0 + m] + (size_t)g * 64 + 8 * o;
+                    __m256i a = _mm256_set1_epi32(*(const int32_t *)xq), b = _mm256_set1_epi32(*(const int32_t *)(xq + 4));
+                    __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(l, a), _mm256_maddubs_epi16(h, b));
+                    ia[m][v] = _mm256_add_epi32(ia[m][v], _mm256_madd_epi16(ph, ones));
+                }
+            }
+        }
+        __m256 ws0 = _mm256_load_ps(wsc + (size_t)g * 32 + c0), ws1 = _mm256_load_ps(wsc + (size_t)g * 32 + c0 + 8);
+        for (int m = 0; m < MR; m++) {
+            __m256 xs = _mm256_set1_ps(rows->xs[m0 + m][g]), xc = _mm256_set1_ps(rows->xc[m0 + m][g]);
+            __m256 s0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[m][0]), k254, zf);
+            __m256 s1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[m][1]), k254, zf);
+            acc[m][0] = _mm256_fmadd_ps(ws0, _mm256_fmsub_ps(s0, xs, xc), acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(ws1, _mm256_fmsub_ps(s1, xs, xc), acc[m][1]);
+        }
+    }
+    for (int m = 0; m < MR; m++) {
+        _mm256_storeu_ps(C + (size_t)(m0 + m) * 32 + c0, acc[m][0]);
+        _mm256_storeu_ps(C + (size_t)(m0 + m) * 32 + c0 + 8, acc[m][1]);
+    }
+}
+
+/* int4 (mx 0) / mxfp4 (mx 1) panel for 2+ rows at 8-bit activations; scratch: the panel's group scales */
 static void panel_int_ub(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch, int mx) {
     const uint8_t *wp = W->data + W->panel_bytes * (size_t)p;
     int G = W->Kp / MOE_GROUP, n = rows->n;
-    float *wsc = scratch;
-    uint8_t *tile = (uint8_t *)(wsc + (size_t)G * 32);
+    float *wsc = scratch; /* G x 32 floats: 4 KiB per 1024 inputs, within moe_scratch_bytes */
     group_scales(wp, 0, G, mx ? 2 : 1, wsc);
-    for (int g0 = 0; g0 < G; g0 += UGC) {
-        int ng = G - g0 < UGC ? G - g0 : UGC;
-        unpack_tile(wp, g0, ng, mx, tile);
-        for (int m0 = 0; m0 < n; m0 += UB_MR) {
-            int mr = n - m0 < UB_MR ? n - m0 : UB_MR;
-            for (int c0 = 0; c0 < 32; c0 += 8 * UB_V(mx)) {
-#define MKUB(R) (mx ? mk_ub(R, 1, tile, wsc, g0, ng, rows, m0, c0, C) : mk_ub(R, 0, tile, wsc, g0, ng, rows, m0, c0, C))
-                switch (mr) {
-                case 1: MKUB(1); break;
-                case 2: MKUB(2); break;
-                case 3: MKUB(3); break;
-                default: MKUB(4); break;
-                }
-#undef MKUB
+    for (int m0 = 0; m0 < n; m0 += UB_MR) {
+        int mr = n - m0 < UB_MR ? n - m0 : UB_MR;
+        for (int c0 = 0; c0 < 32; c0 += 8 * UB_V(mx)) {
+#define MKUB(R) (mx ? mk_ub_wide(R, 1, wp, wsc, G, rows, m0, c0, C) : mk_ub(R, 0, wp, wsc, G, rows, m0, c0, C))
+            switch (mr) {
+            case 1: MKUB(1); break;
+            case 2: MKUB(2); break;
+            case 3: MKUB(3); break;
+            default: MKUB(4); break;
             }
+#undef MKUB
         }
     }
 }
