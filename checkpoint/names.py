@@ -22,6 +22,12 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
+def slice_range(intermediate: int, index: int, count: int) -> tuple[int, int]:
+    """Even split of [0, intermediate) into `count` parts; part `index` as [i0, i1) (the shards load
+    it, the memory plan counts it)."""
+    return (index * intermediate) // count, ((index + 1) * intermediate) // count
+
+
 def layer_prefix(layer: int) -> str:
     return f"model.layers.{layer}."
 

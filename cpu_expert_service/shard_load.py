@@ -10,6 +10,7 @@ import time
 import numpy as np
 
 from checkpoint.config import ModelConfig
+from checkpoint.names import slice_range  # noqa: F401  (the server imports it from here)
 from cpu_expert_service.arch import (V4_EXACT_IN_BF16, add_mxfp4_expert, bf16_exact, check_mxfp4_slice,
                                     expert_weight_name, swiglu_limit_of)
 from cpu_expert_service.backend import ExpertBackend, make_backend
@@ -56,11 +57,6 @@ def parse_slice(spec: str) -> tuple[int, int]:
     if not (n >= 1 and 0 <= i < n):
         raise ValueError(f"--slice {spec!r}: need n >= 1 and 0 <= i < n (i is 0-based)")
     return i, n
-
-
-def slice_range(intermediate: int, index: int, count: int) -> tuple[int, int]:
-    """Even split of [0, intermediate) into `count` parts; part `index` as [i0, i1)."""
-    return (index * intermediate) // count, ((index + 1) * intermediate) // count
 
 
 def _weight_format(reader, name: str, cfg: ModelConfig) -> str:

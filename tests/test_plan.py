@@ -201,6 +201,21 @@ def test_shards_and_host_ram():
     assert [s.experts for s in by_expert] == [(0, 128), (128, 256)]
 
 
+def test_uneven_slices_counted_as_the_shards_load_them():
+    """I = 2048 over 3 slices: each slice's bytes are those of the shard's own range
+    (cpu_expert_service.shard_load.slice_range: 682, 683, 683 rows), not a split of the plan's own."""
+    from cpu_expert_service.shard_load import slice_range
+    from gpu_service.plan.bytes import expert_bytes
+
+    cfg = preset("deepseek-v3")
+    I, nl, E = cfg.moe_intermediate_size, len(cfg.moe_layers), cfg.n_routed_experts
+    rows = [b - a for a, b in (slice_range(I, s, 3) for s in range(3))]
+    assert rows == [682, 683, 683]
+    plans = P.shard_plans(cfg, "int8", 3, 2048)
+    assert [s.weight_bytes for s in plans] == [nl * E * expert_bytes(cfg, "int8", r, host=True) for r in rows]
+    assert plans[0].weight_bytes < plans[2].weight_bytes
+
+
 # ------------------------------------------------------------------------------------ CLI
 def test_cli_json_schema_and_exit_codes(capsys):
     rc, out = run_cli(capsys, "--model", "kimi-k2-thinking", "--gpu", "24GiB", "--json")

@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from checkpoint.config import ModelConfig
 from checkpoint.config_v4 import V4Config
+from checkpoint.names import slice_range
 from gpu_service.plan.arch import arch_bytes, kv_bytes_per_token, param_counts
 from gpu_service.plan.bytes import (
     ATTENTION_WEIGHTS, DEFAULT_CHUNK_TOKENS, DEFAULT_KV_TARGET, DEFAULT_MAX_BATCH,
@@ -278,7 +279,8 @@ def shard_plans(cfg: ModelConfig, fmt: str, numa_nodes: int, chunk_tokens: int,
     out = []
     for s in range(n):
         if split == "slice":
-            I_s = I // n + (1 if s < I % n else 0)
+            i0, i1 = slice_range(I, s, n)  # as the shard loads it
+            I_s = i1 - i0
             w = nl * E * expert_bytes(cfg, fmt, I_s, host=True)
             ident: dict[str, Any] = {"slice": (s, n)}
         elif split == "experts":
