@@ -48,6 +48,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from cpu_expert_service.probes import cpu_description  # noqa: E402
+
 RESULTS = os.path.join(ROOT, "bench", "results")
 CACHE = os.environ.get("MOESPLIT_BENCH_CACHE", os.path.join(tempfile.gettempdir(), "moesplit-bench-cache"))
 DEPTHS = (3, 27)
@@ -220,15 +222,6 @@ def plot(res: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def cpu_name() -> str:
-    """lscpu's model name (the CPU every figure here was measured on)."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        return next(ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name"))
-    except (OSError, StopIteration, subprocess.SubprocessError):
-        return platform.processor() or "unknown"
-
-
 def handoff() -> dict:
     """bench/bench_handoff.py's JSON (the hand-off alone), run as its own process."""
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_handoff.py")], capture_output=True,
@@ -250,7 +243,7 @@ def main() -> int:
     torch.set_num_threads(1)  # as bench_pipeline: the "GPU side" on one CPU thread, the shards on the rest
     t_start = time.perf_counter()
     os.makedirs(CACHE, exist_ok=True)
-    res: dict = {"machine": {"cpu": cpu_name(), "cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg(),
+    res: dict = {"machine": {"cpu": cpu_description(), "cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg(),
                              "python": platform.python_version(), "torch": torch.__version__, "torch_threads": 1},
                  "definition": __doc__}
     if not args.skip_handoff:

@@ -28,7 +28,6 @@ import importlib.abc
 import importlib.util
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -39,20 +38,11 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from cpu_expert_service.probes import cpu_description  # noqa: E402
+
 CACHE = os.environ.get("MOESPLIT_BENCH_CACHE", os.path.join(tempfile.gettempdir(), "moesplit-bench-cache"))
 PY_CLIENT_COMMIT = "e4c116b"  # the last tree whose FastPath sent and received in Python
 BATCHES = (1, 8)
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def tiny() -> str:
@@ -208,7 +198,7 @@ def run(calls: int, rounds: int, spin_us: float) -> dict:
     if py_client is None:
         rec["variants"]["remote_py"] = {"skipped": py_why}
     rec.update({
-        "cpu": cpu_name(), "cpus": os.cpu_count(), "spin_us": spin_us, "layer": layer,
+        "cpu": cpu_description(), "cpus": os.cpu_count(), "spin_us": spin_us, "layer": layer,
         "hidden_size": cfg.hidden_size, "top_k": cfg.num_experts_per_tok, "wire_dtype": "bfloat16",
         "shard": "1 process, kernels backend, C doorbell loop", "c_client_sent_answered": list(c_counts),
         "target_b1_us": 40, "py_client_commit": PY_CLIENT_COMMIT,

@@ -32,16 +32,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from wire import shm as P  # noqa: E402
+from cpu_expert_service.probes import cpu_description  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown"
 
 
 def _stats(a) -> dict:
@@ -112,7 +105,7 @@ def main() -> None:
     cfg = load_config(model)
     from cpu_expert_service.kernel_backend import AVAILABLE_ISAS
 
-    res = {"machine": {"cpu": cpu_name(), "kernel_isas": list(AVAILABLE_ISAS), "cpus": os.cpu_count(),
+    res = {"machine": {"cpu": cpu_description(), "kernel_isas": list(AVAILABLE_ISAS), "cpus": os.cpu_count(),
                        "loadavg_at_start": os.getloadavg(),
                        "python": platform.python_version(), "spin_us": os.environ.get(P.SPIN_ENV, "0")},
            "model": {"hidden_size": cfg.hidden_size, "top_k": cfg.num_experts_per_tok,

@@ -48,6 +48,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
+from cpu_expert_service.probes import cpu_description  # noqa: E402
+
 LAYERS_BOUND = 58  # MoE layers of DeepSeek-V3 / Kimi-K2: the per-token bound a link's round trip implies
 RAW_SEQ = itertools.count()
 SHARDS = {"tcp_c": (50051, {}), "tcp_py": (50052, {"MOESPLIT_TCP_LOOP": "python"}), "tcp_tls": (50053, {}),
@@ -147,21 +149,6 @@ def time_c_raw(fp, layer, h, ids, w, n: int) -> list[float]:
     return out
 
 
-def cpu_id() -> str:
-    """The CPU as /proc/cpuinfo gives it: family, model and the AVX-512 BF16 / VNNI flags."""
-    info = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                k, _, v = line.partition(":")
-                info.setdefault(k.strip(), v.strip())
-    except OSError:
-        return "unknown"
-    flags = set(info.get("flags", "").split())
-    has = [f for f in ("avx512_bf16", "avx512_vnni", "amx_tile") if f in flags]
-    return f"family {info.get('cpu family', '?')} model {info.get('model', '?')}, {' '.join(has) or 'no AVX-512 BF16/VNNI'}"
-
-
 def make_pki(work: str) -> dict:
     """A CA, a shard certificate (for localhost) and a GPU-service client certificate in work, made as
     tests/test_tls.py makes them: {"ca": path, "server": {cert, key}, "client": {cert, key}}."""
@@ -175,7 +162,7 @@ def make_pki(work: str) -> dict:
 
 def orchestrate(args) -> dict:
     """Hosts, shards and the client process; the record."""
-    from bench_handoff import cpu_name, tiny
+    from bench_handoff import tiny
     from checkpoint.config import load_config
     from nethosts import NetHosts, skip_reason
     from netstack import GRPC_PORT, env
@@ -230,7 +217,7 @@ def orchestrate(args) -> dict:
     per_token = {f"b{B}": round(LAYERS_BOUND * res["tcp_c_1ms"][f"b{B}"]["median_us"] / 1e3, 1) for B in (1, 8)}
     return {
         "definition": __doc__,
-        "cpu": cpu_name(), "cpu_id": cpu_id(), "cpus": os.cpu_count(), "loadavg": os.getloadavg(), "spin_us": args.spin_us,
+        "cpu": cpu_description(), "cpus": os.cpu_count(), "loadavg": os.getloadavg(), "spin_us": args.spin_us,
         "hidden_size": cfg.hidden_size, "top_k": cfg.num_experts_per_tok, "wire_dtype": "bfloat16",
         "runs": len(runs), "variants": res,
         "run_medians_us": {v: {b: [x[v][b]["median_us"] for x in runs] for b in ("b1", "b8")} for v in res},

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gpu_service.api.parsers import OutputParser, ReasoningParser, TOOL_PARSERS  # noqa: E402
 from gpu_service.api.parsers.stream import open_stream  # noqa: E402
+from cpu_expert_service.probes import cpu_description  # noqa: E402
 
 
 def answer(chars: int, syntax: str) -> tuple[str, int, int]:
@@ -73,21 +74,6 @@ def measure(parser: str, reasoning: str, syntax: str, chars: int, token_chars: i
             "us_per_token_end": round(end, 2), "end_over_start": round(end / start, 2)}
 
 
-def cpu_name() -> str:
-    """The CPU's model name, family and model (/proc/cpuinfo), else the machine type."""
-    fields = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        import platform
-
-        return platform.machine()
-    return f"{fields.get('model name', '?')} family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chars", type=int, default=4000)
@@ -96,7 +82,7 @@ def main() -> int:
     args = ap.parse_args()
     v4 = measure("deepseek_v4", "deepseek_v4", "dsml_v4", args.chars, args.token_chars, args.repeats)
     v31 = measure("deepseek_v31", "deepseek_v3", "v31", args.chars, args.token_chars, args.repeats)
-    out = {"bench": "tool_stream", "cpu": cpu_name(), "token_chars": args.token_chars,
+    out = {"bench": "tool_stream", "cpu": cpu_description(), "token_chars": args.token_chars,
            "deepseek_v4_incremental": v4, "deepseek_v31_reparsing": v31,
            "target": "deepseek_v4 end_over_start <= 2", "met": v4["end_over_start"] <= 2}
     print(json.dumps(out, indent=1))

@@ -19,7 +19,6 @@ import argparse
 import glob
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -29,19 +28,6 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STREAMS = (1, 4, 8)
 PROMPT = 64
-
-
-def cpu_name() -> str:
-    """The CPU's model name with its family / model numbers (/proc/cpuinfo)."""
-    info: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                k, _, v = line.partition(":")
-                info.setdefault(k.strip(), v.strip())
-    except OSError:
-        return platform.processor() or "unknown"
-    return f"{info.get('model name', '?')} (family {info.get('cpu family', '?')} model {info.get('model', '?')})"
 
 
 def measure(streams: int, steps: int, ckpt: str) -> dict:
@@ -122,6 +108,7 @@ def main() -> None:
                           text=True).stdout.strip()
     with tempfile.TemporaryDirectory(prefix="bench-v4-") as tmp:
         sys.path.insert(0, ROOT)
+        from cpu_expert_service.probes import cpu_description
         from gpu_service.local.tiny import make_tiny
 
         ckpt = os.path.join(tmp, "tiny-v4")
@@ -137,7 +124,7 @@ def main() -> None:
                     print(f"round {r} {name} streams {n}: {m['tok_per_s']} tok/s", file=sys.stderr)
                     if n not in best[name] or m["tok_per_s"] > best[name][n]["tok_per_s"]:
                         best[name][n] = m
-    result = {"bench": "v4_decode", "cpu": cpu_name(), "torch_threads": 1, "dtype": "float32",
+    result = {"bench": "v4_decode", "cpu": cpu_description(), "torch_threads": 1, "dtype": "float32",
               "model": "make-tiny deepseek_v4 flash (mxfp4 experts in process)", "prompt_tokens": PROMPT,
               "before": {"commit": ref, "runs": [best["before"][n] for n in STREAMS]},
               "after": {"commit": head, "runs": [best["after"][n] for n in STREAMS]},

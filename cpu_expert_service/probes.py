@@ -161,6 +161,19 @@ def cpu_vendor_family_model() -> tuple[str, int, int]:
         return _cpuinfo_field("vendor_id"), 0, 0
 
 
+def cpu_description() -> str:
+    """The CPU a figure was measured on, for benchmark records: /proc/cpuinfo's model name, family,
+    model and the AVX-512 BF16 / VNNI and AMX flags it has (else the platform's name)."""
+    name = _cpuinfo_field("model name")
+    if not name:
+        import platform
+
+        return platform.processor() or platform.machine() or "unknown"
+    flags = set(_cpuinfo_field("flags").split())
+    isa = [f for f in ("avx2", "avx512_bf16", "avx512_vnni", "amx_tile") if f in flags]
+    return f"{name} (family {_cpuinfo_field('cpu family')} model {_cpuinfo_field('model')}; {', '.join(isa) or 'no AVX2'})"
+
+
 def theoretical_peaks(threads: int | None = None) -> dict:
     """Nominal peaks from clock x cores x ops per cycle, beside the probed ones: 2 vector ports per
     core at full width, except where AMD splits a wide op into halves (Zen 4, family 19h: 512-bit

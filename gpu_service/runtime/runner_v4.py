@@ -44,6 +44,8 @@ class V4Runner:
     """The engine's runner for DeepSeek-V4 (module docstring); arguments as ModelRunner's."""
 
     generate = ModelRunner.generate  # the one-request loop over new_seq / step
+    # the all-decode steps' layer pieces as CUDA graphs per batch bucket (and, V4's, per entry bucket)
+    set_cuda_graphs = ModelRunner.set_cuda_graphs
 
     def __init__(self, reader, experts, device: torch.device | None = None, dtype: torch.dtype | None = None,
                  kv_tokens: int = 4096, page_size: int | None = None, placement=None, prefix_cache: bool = True,
@@ -79,20 +81,6 @@ class V4Runner:
         self.prefix_cache = V4PrefixCache(self.pool, every) if prefix_cache else None
         self.forked = 0  # choices forked from a sequence's state (copy_prefix), not prefilled again
         self.set_cuda_graphs(cuda_graphs and os.environ.get("MOESPLIT_CUDA_GRAPHS", "1") != "0", graph_buckets)
-
-    def set_cuda_graphs(self, on: bool, buckets: tuple[int, ...] | None = None, mode: str = "cuda") -> None:
-        """The all-decode steps' layer pieces as CUDA graphs per batch-size bucket (and entry bucket),
-        CUDA only, as ModelRunner's (the plan's buckets); mode="static" runs the same plumbing on CPU
-        (tests)."""
-        from gpu_service.plan.bytes import graph_buckets
-        from gpu_service.runtime.cuda_graphs import Graphs
-
-        if not on or (mode == "cuda" and self.device.type != "cuda"):
-            self.graphs = None
-            return
-        if buckets is None:  # the buckets the plan counted: powers of two up to its max batch (at least 1..32)
-            buckets = graph_buckets(self.plan.options.max_batch if self.plan is not None else 0)
-        self.graphs = Graphs(buckets, mode, min_rows=self.model.row_block(self.device) if mode == "static" else 1)
 
     def new_seq(self) -> V4Seq:
         """An empty sequence of the pool."""
