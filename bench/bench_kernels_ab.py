@@ -8,7 +8,11 @@ that alternates between rounds; a shared machine's load then falls on both build
 (measured in the same process), after/before as the median of the per-round ratios (wall and CPU time),
 and within each build the same-round ratios mxfp4 / int8 and each format / bf16.
 
-    python bench/bench_kernels_ab.py --before /tmp/old-tree [--rounds 9] [--tokens 1] [--isa avx512,avx2] [--formats bf16,int8,int4,mxfp4] [--out kernels_ab.json]
+    python bench/bench_kernels_ab.py --before /tmp/old-tree [--rounds 9] [--tokens 1] [--isa avx512,avx2] [--formats bf16,int8,int4,mxfp4] [--act-bits 16|8] [--topk 8] [--out kernels_ab.json]
+
+--act-bits 8 runs the integer formats with 8-bit activations (expert-server --act-bits 8; bf16 has no
+such mode and keeps 16); --topk K routes each token to K of the E = 8 experts (round-robin, so every
+expert gets T*K/8 tokens, as a top-8-of-32 model's prefill gives each expert about T/4).
 """
 from __future__ import annotations
 
@@ -36,10 +40,11 @@ import bench_kernels as BK  # noqa: E402: the shapes, data and cache flush of th
 E_AB = 8
 
 
-def engine(fmt: str, isa: str):
-    """An Engine of this process's kernels holding E_AB experts of the main bench's data in `fmt`."""
+def engine(fmt: str, isa: str, act_bits: int = 16):
+    """An Engine of this process's kernels holding E_AB experts of the main bench's data in `fmt` (integer
+    formats with `act_bits` activations)."""
     cpus = sorted(os.sched_getaffinity(0))
-    eng = _moe.Engine(fmt, isa, BK.THREADS, cpus, 0.0, 16)
+    eng = _moe.Engine(fmt, isa, BK.THREADS, cpus, 0.0, act_bits if fmt != "bf16" else 16)
     if fmt == "mxfp4":
         base = BK.mxfp4_base()
         for e in range(E_AB):
@@ -53,11 +58,13 @@ def engine(fmt: str, isa: str):
     return eng
 
 
-def inputs(T: int):
-    """The call inputs of T tokens (the same in every process): every token on all E_AB experts."""
+def inputs(T: int, topk: int = E_AB):
+    """The call inputs of T tokens (the same in every process): token t on experts t*k .. t*k+k-1 mod E_AB
+    (every token on all E_AB experts when topk = E_AB)."""
     rng = np.random.default_rng(1000 + T)
     x = rng.standard_normal((T, BK.H), dtype=np.float32)
-    return x, np.tile(np.arange(E_AB, dtype=np.int64), (T, 1)), rng.random((T, E_AB), dtype=np.float32)
+    ids = (np.arange(T, dtype=np.int64)[:, None] * topk + np.arange(topk, dtype=np.int64)[None, :]) % E_AB
+    return x, ids, rng.random((T, topk), dtype=np.float32)
 
 
 def worker() -> int:
@@ -66,10 +73,10 @@ def worker() -> int:
     for line in sys.stdin:
         q = json.loads(line)
         if q["cmd"] == "load":
-            engines = {f: engine(f, q["isa"]) for f in q["formats"]}
+            engines = {f: engine(f, q["isa"], q.get("act_bits", 16)) for f in q["formats"]}
             ans = {"bytes": {f: e.expert_bytes(0, 0) for f, e in engines.items()}}
         elif q["cmd"] == "call":
-            x, ids, w = inputs(q["T"])
+            x, ids, w = inputs(q["T"], q.get("topk", E_AB))
             if q.get("warm"):
                 engines[q["fmt"]].forward(0, x, ids, w)
             BK.flush_caches()
@@ -97,23 +104,25 @@ class Build:
         return json.loads(self.p.stdout.readline())
 
 
-def bench_isa(isa: str, builds: dict, formats: list, tokens: list, rounds: int, read_gbps: float) -> tuple[list, list]:
+def bench_isa(isa: str, builds: dict, formats: list, tokens: list, rounds: int, read_gbps: float,
+              act_bits: int = 16, topk: int = E_AB) -> tuple[list, list]:
     """Records and ratios of one ISA (see the module docstring)."""
-    nbytes = {b: w.ask(cmd="load", isa=isa, formats=formats)["bytes"] for b, w in builds.items()}
+    nbytes = {b: w.ask(cmd="load", isa=isa, formats=formats, act_bits=act_bits)["bytes"] for b, w in builds.items()}
     records, ratios = [], []
     for T in tokens:
         keys = [(b, f) for b in builds for f in formats]
         for b, f in keys:
-            builds[b].ask(cmd="call", fmt=f, T=T, warm=True)
+            builds[b].ask(cmd="call", fmt=f, T=T, warm=True, topk=topk)
         got: dict = {k: [] for k in keys}
         for r in range(rounds):
             for b, f in (keys if r % 2 == 0 else keys[::-1]):
-                a = builds[b].ask(cmd="call", fmt=f, T=T)
+                a = builds[b].ask(cmd="call", fmt=f, T=T, topk=topk)
                 got[(b, f)].append((a["ms"], a["cpu_ms"]))
         for (b, f), v in got.items():
             ms = statistics.median(a for a, _ in v)
             nb = E_AB * nbytes[b][f]
             records.append({"isa": isa, "build": b, "format": f, "tokens": T, "ms": round(ms, 3),
+                            "act_bits": act_bits if f != "bf16" else 16, "topk": topk,
                             "cpu_ms": round(statistics.median(c for _, c in v), 3), "gbps": round(nb / ms / 1e6, 2),
                             "frac_of_read_bw": round(nb / ms / 1e6 / read_gbps, 3),
                             "bits_per_weight": round(8 * nb / E_AB / (3 * BK.H * BK.I), 3)})
@@ -146,6 +155,9 @@ def main() -> int:
     ap.add_argument("--tokens", default="1")
     ap.add_argument("--isa", default="avx512,avx2")
     ap.add_argument("--formats", default=",".join(BK.FORMATS))
+    ap.add_argument("--act-bits", type=int, choices=(16, 8), default=16,
+                    help="the integer formats' activations (expert-server --act-bits)")
+    ap.add_argument("--topk", type=int, default=E_AB, help=f"experts each token uses, of the {E_AB} held")
     ap.add_argument("--out", default="kernels_ab.json", help="file name under bench/results/")
     a = ap.parse_args()
     if a.worker:
@@ -157,12 +169,16 @@ def main() -> int:
     read_gbps = probes.read_bandwidth_gbps(BK.THREADS)
     records, ratios = [], []
     for isa in a.isa.split(","):
-        rec, rat = bench_isa(isa, builds, a.formats.split(","), [int(t) for t in a.tokens.split(",")], a.rounds, read_gbps)
+        if not 1 <= a.topk <= E_AB:
+            ap.error(f"--topk {a.topk}: between 1 and {E_AB}")
+        rec, rat = bench_isa(isa, builds, a.formats.split(","), [int(t) for t in a.tokens.split(",")], a.rounds,
+                             read_gbps, a.act_bits, a.topk)
         records += rec
         ratios += rat
         for q in rec + rat:
             print(q, flush=True)
     out = {"cpu": probes.cpu_vendor_family_model(), "threads": BK.THREADS, "experts": E_AB, "rounds": a.rounds,
+           "act_bits": a.act_bits, "topk": a.topk,
            "read_gbps": round(read_gbps, 2), "before": a.before, "records": records, "ratios": ratios,
            "load_avg_1m_end": os.getloadavg()[0], "wall_s": round(time.time() - t0, 1),
            "notes": "medians over rounds; ratios are medians of per-round ratios (the calls of a round are adjacent in "
