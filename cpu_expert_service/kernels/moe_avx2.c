@@ -362,56 +362,42 @@ static void panel_int_wd(const MoeMat *W, int p, const MoeRows *rows, float *C, 
  * vpmaddubsw step costs the same uops per product as vpmaddwd on widened weights. */
 #define UB_MR 4
 
-/* 16 channels [c0, c0 + 16) of MR tokens over all G groups, each unpacked 16-channel slice shared by
- * MR tokens. int4 sums its vpmaddubsw pairs in int16 over all 4 octets of a group (8 products of
- * <= 2 * 15 * 127 per lane, < 2^15) before one vpmaddwd; mxfp4 (table values <= 24) widens every
- * octet (4 octets would pass 2^15; summing 2 needs 2 MR more registers, and on 8-channel slices that
- * measured 3-7% slower). The integer group sum is exact in any order, so the bits equal the 1-token
- * path's. */
-#define UB_V(mx) 2
-static inline __attribute__((always_inline)) void mk_ub(const int MR, const int mx, const uint8_t *wp, const float *wsc, int G,
+/* int4: 16 channels [c0, c0 + 16) of MR tokens over all G groups, each unpacked 16-channel slice
+ * shared by MR tokens; its vpmaddubsw pairs summed in int16 over all 4 octets of a group (8 products
+ * of <= 2 * 15 * 127 per lane, < 2^15) before one vpmaddwd. The integer group sum is exact in any
+ * order, so the bits equal the 1-token path's. */
+static inline __attribute__((always_inline)) void mk_ub(const int MR, const uint8_t *wp, const float *wsc, int G,
                                                        const MoeRows *rows, int m0, int c0, float *C) {
-    const int V = UB_V(mx), K = mx ? 1 : 4;
     const __m256i ones = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0f);
-    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)moe_mxfp4_u8));
     const __m256 k254 = _mm256_set1_ps(254.f), zf = _mm256_setzero_ps();
     __m256 acc[UB_MR][2];
     for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     for (int g = 0; g < G; g++) {
-        const uint8_t *gb = wp + (size_t)g * NIB_GB(mx ? 2 : 1);
+        const uint8_t *gb = wp + (size_t)g * NIB_GB(1);
         __m256i ia[UB_MR][2], s[UB_MR][2];
         for (int o = 0; o < 4; o++) {
             __m256i l[2], h[2];
-            for (int v = 0; v < V; v++) {
+            for (int v = 0; v < 2; v++) {
                 __m256i pk = _mm256_loadu_si256((const __m256i *)(gb + o * 128 + 4 * c0 + 32 * v));
                 l[v] = _mm256_and_si256(pk, lo4);
                 h[v] = _mm256_and_si256(_mm256_srli_epi16(pk, 4), lo4);
-                if (mx) {
-                    l[v] = _mm256_shuffle_epi8(lut, l[v]);
-                    h[v] = _mm256_shuffle_epi8(lut, h[v]);
-                }
             }
             for (int m = 0; m < MR; m++) {
                 const int8_t *xq = rows->q[m0 + m] + (size_t)g * 64 + 8 * o;
                 __m256i a = _mm256_set1_epi32(*(const int32_t *)xq), b = _mm256_set1_epi32(*(const int32_t *)(xq + 4));
-                for (int v = 0; v < V; v++) {
+                for (int v = 0; v < 2; v++) {
                     __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(l[v], a), _mm256_maddubs_epi16(h[v], b));
-                    s[m][v] = o % K == 0 ? ph : _mm256_add_epi16(s[m][v], ph);
+                    s[m][v] = o == 0 ? ph : _mm256_add_epi16(s[m][v], ph);
                 }
             }
-            /* int4: each octet's sums in registers before the next: otherwise GCC regroups the adds
-             * of the unrolled octets into trees and spills the products (mxfp4 measured slower with it) */
-            if (!mx)
-                for (int m = 0; m < MR; m++)
-                    for (int v = 0; v < V; v++) __asm__("" : "+x"(s[m][v]));
-            if (o % K == K - 1)
-                for (int m = 0; m < MR; m++)
-                    for (int v = 0; v < V; v++) {
-                        __m256i t = _mm256_madd_epi16(s[m][v], ones);
-                        ia[m][v] = o == K - 1 ? t : _mm256_add_epi32(ia[m][v], t);
-                    }
+            /* each octet's sums in registers before the next: otherwise GCC regroups the adds of the
+             * unrolled octets into trees and spills the products */
+            for (int m = 0; m < MR; m++)
+                for (int v = 0; v < 2; v++) __asm__("" : "+x"(s[m][v]));
         }
-        for (int v = 0; v < V; v++) {
+        for (int m = 0; m < MR; m++)
+            for (int v = 0; v < 2; v++) ia[m][v] = _mm256_madd_epi16(s[m][v], ones);
+        for (int v = 0; v < 2; v++) {
             __m256 ws = _mm256_load_ps(wsc + (size_t)g * 32 + c0 + 8 * v);
             for (int m = 0; m < MR; m++) {
                 __m256 xs = _mm256_set1_ps(rows->xs[m0 + m][g]), xc = _mm256_set1_ps(rows->xc[m0 + m][g]);
@@ -421,11 +407,12 @@ static inline __attribute__((always_inline)) void mk_ub(const int MR, const int 
         }
     }
     for (int m = 0; m < MR; m++)
-        for (int v = 0; v < V; v++) _mm256_storeu_ps(C + (size_t)(m0 + m) * 32 + c0 + 8 * v, acc[m][v]);
+        for (int v = 0; v < 2; v++) _mm256_storeu_ps(C + (size_t)(m0 + m) * 32 + c0 + 8 * v, acc[m][v]);
 }
 
-/* mxfp4: every octet's int16 pair sums widened by vpmaddwd at once (4 octets would pass 2^15) */
-static inline __attribute__((always_inline)) void mk_ub_wide(const int MR, const int mx, const uint8_t *wp, const float *wsc, int G,
+/* mxfp4 (table values <= 24): every octet's int16 pair sums widened by vpmaddwd at once (4 octets would
+ * pass 2^15; summing 2 needs 2 MR more registers, and on 8-channel slices that measured 3-7% slower) */
+static inline __attribute__((always_inline)) void mk_ub_wide(const int MR, const uint8_t *wp, const float *wsc, int G,
                                                        const MoeRows *rows, int m0, int c0, float *C) {
     const __m256i ones = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0f);
     const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)moe_mxfp4_u8));
@@ -433,17 +420,14 @@ static inline __attribute__((always_inline)) void mk_ub_wide(const int MR, const
     __m256 acc[UB_MR][2];
     for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     for (int g = 0; g < G; g++) {
-        const uint8_t *gb = wp + (size_t)g * NIB_GB(mx ? 2 : 1);
+        const uint8_t *gb = wp + (size_t)g * NIB_GB(2);
         __m256i ia[UB_MR][2];
         for (int m = 0; m < MR; m++) ia[m][0] = ia[m][1] = _mm256_setzero_si256();
         for (int o = 0; o < 4; o++) {
             for (int v = 0; v < 2; v++) {
                 __m256i pk = _mm256_loadu_si256((const __m256i *)(gb + o * 128 + 4 * c0 + 32 * v));
-                __m256i l = _mm256_and_si256(pk, lo4), h = _mm256_and_si256(_mm256_srli_epi16(pk, 4), lo4);
-                if (mx) {
-                    l = _mm256_shuffle_epi8(lut, l);
-                    h = _mm256_shuffle_epi8(lut, h);
-                }
+                __m256i l = _mm256_shuffle_epi8(lut, _mm256_and_si256(pk, lo4));
+                __m256i h = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(pk, 4), lo4));
                 for (int m = 0; m < MR; m++) {
                     const int8_t *xq = rows->q[m0 + m] + (size_t)g * 64 + 8 * o;
                     __m256i a = _mm256_set1_epi32(*(const int32_t *)xq), b = _mm256_set1_epi32(*(const int32_t *)(xq + 4));
@@ -475,8 +459,8 @@ static void panel_int_ub(const MoeMat *W, int p, const MoeRows *rows, float *C, 
     group_scales(wp, 0, G, mx ? 2 : 1, wsc);
     for (int m0 = 0; m0 < n; m0 += UB_MR) {
         int mr = n - m0 < UB_MR ? n - m0 : UB_MR;
-        for (int c0 = 0; c0 < 32; c0 += 8 * UB_V(mx)) {
-#define MKUB(R) (mx ? mk_ub_wide(R, 1, wp, wsc, G, rows, m0, c0, C) : mk_ub(R, 0, wp, wsc, G, rows, m0, c0, C))
+        for (int c0 = 0; c0 < 32; c0 += 16) {
+#define MKUB(R) (mx ? mk_ub_wide(R, wp, wsc, G, rows, m0, c0, C) : mk_ub(R, wp, wsc, G, rows, m0, c0, C))
             switch (mr) {
             case 1: MKUB(1); break;
             case 2: MKUB(2); break;
