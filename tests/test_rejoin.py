@@ -18,6 +18,7 @@ from checkpoint.config import load_config
 from gpu_service.experts.client import ExpertsClient
 from gpu_service.experts.errors import ExpertsClientError
 from gpu_service.local.stack import start_shards
+from test_act_bits import _routing  # the same random routing of T tokens
 
 pytest.importorskip("cpu_expert_service.kernel_backend")
 DIMS = dict(hidden_size=128, moe_intermediate_size=96, n_routed_experts=8, num_experts_per_tok=2,
@@ -36,14 +37,6 @@ def ckpts(tmp_path_factory):
                   overrides=dict(DIMS, moe_intermediate_size=64))
     assert load_config(a).fingerprint() != load_config(b).fingerprint()
     return a, b
-
-
-def _routing(cfg, T, seed):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((T, cfg.hidden_size)).astype(np.float32)
-    ids = np.stack([rng.choice(cfg.n_routed_experts, cfg.num_experts_per_tok, replace=False) for _ in range(T)])
-    w = rng.random((T, cfg.num_experts_per_tok)).astype(np.float32)
-    return x, ids.astype(np.int64), w
 
 
 def _restart_idle(client, shards, i: int, edit=None):
