@@ -99,7 +99,7 @@ def test_idle_restart_with_other_model_refused(ckpts, transport):
     cfg = load_config(ckpts[0])
     layer = cfg.moe_layers[0]
     x, ids, w = _routing(cfg, 4, 7)
-    pair = start_shards(ckpts[0], 1, replicas=2)
+    pair = start_shards(ckpts[0], 1, backend="kernels", replicas=2)
     try:
         with ExpertsClient(pair.addresses, cfg, timeout_s=30.0, transport=transport) as client:
             before = client.forward(layer, x, ids, w)
@@ -116,7 +116,7 @@ def test_idle_restart_serving_other_experts_refused(ckpts):
     cfg = load_config(ckpts[0])
     layer = cfg.moe_layers[0]
     x, ids, w = _routing(cfg, 4, 10)
-    pair = start_shards(ckpts[0], 1, replicas=2)
+    pair = start_shards(ckpts[0], 1, backend="kernels", replicas=2)
     try:
         with ExpertsClient(pair.addresses, cfg, timeout_s=30.0, transport="grpc") as client:
             before = client.forward(layer, x, ids, w)
