@@ -131,8 +131,7 @@ class ExpertsClient:
                     r.channel = None
                     down.append(err)
                     continue
-                self._check_shard(r.address, info)
-                self._attach(r, info, groups_fixed=False, groups=self.groups)
+                self._attach(r, self.admit(r, info), groups_fixed=False, groups=self.groups)
             try:
                 if not self.groups:
                     raise CoverageError("no expert shard answered", [], [])
@@ -162,16 +161,15 @@ class ExpertsClient:
                         ", ".join(d.address for d in down))
         return self
 
-    def _attach(self, r: _Replica, info: experts_pb2.ShardInfo, groups_fixed: bool, groups: list[_Group]) -> None:
-        """Put a replica that answered Describe into its group (a new group only at connect)."""
-        ex = np.array(sorted(info.experts), dtype=np.int64)
-        desc = ShardDesc(r.address, info, ex, len(ex) == self.cfg.n_routed_experts)
+    def _attach(self, r: _Replica, desc: ShardDesc, groups_fixed: bool, groups: list[_Group]) -> None:
+        """Put a replica whose Describe was admitted (`admit`) into its group (a new group only at connect)."""
+        info = desc.info
         key = _coverage_key(info)
         g = next((g for g in groups if g.key == key), None)
         if g is None:
             if groups_fixed:
                 raise CoverageError(
-                    f"expert shard {r.address} serves experts {compact_ranges(ex)}, intermediate "
+                    f"expert shard {r.address} serves experts {compact_ranges(desc.experts)}, intermediate "
                     f"[{info.intermediate_start}:{info.intermediate_stop}), which matches no shard group of this "
                     "GPU service; it is not used", [], [])
             g = _Group(desc, self.cfg)
@@ -186,8 +184,14 @@ class ExpertsClient:
                                 lambda inst, r=r: self.rejoin.check(r, inst))
         r.healthy, r.backoff_s, r.last_error = True, 0.0, ""
 
-    def _check_shard(self, addr: str, info: experts_pb2.ShardInfo) -> None:
-        want = self.cfg.fingerprint()
+    def admit(self, r: _Replica, info: experts_pb2.ShardInfo) -> ShardDesc:
+        """Check replica r's Describe answer `info` before the client uses it (at connect, on the
+        supervisor's reconnect, on a restart Rejoin saw) and return r's new ShardDesc; r is not changed.
+        Raises FingerprintError when the model fingerprint, hidden_size or n_routed_experts differ from
+        the config's, and, only when r was described before, CoverageError (groups.check_returning) when
+        its experts, --act-bits or kernel differ from then. The group's equivalence rule stays with the
+        callers (_attach, Rejoin), which know r's group."""
+        addr, want = r.address, self.cfg.fingerprint()
         if info.model_fingerprint != want:
             raise FingerprintError(
                 f"expert shard {addr} ({info.shard_id}) serves model fingerprint {info.model_fingerprint!r} "
@@ -198,6 +202,10 @@ class ExpertsClient:
                 f"expert shard {addr}: hidden_size/n_routed_experts {info.hidden_size}/{info.n_routed_experts} "
                 f"!= config {self.cfg.hidden_size}/{self.cfg.n_routed_experts}"
             )
+        if r.desc is not None:
+            check_returning(addr, r.desc.info, info)
+        ex = np.array(sorted(info.experts), dtype=np.int64)
+        return ShardDesc(addr, info, ex, len(ex) == self.cfg.n_routed_experts)
 
     def __enter__(self) -> "ExpertsClient":
         return self.connect() if not self.shards else self
@@ -258,10 +266,7 @@ class ExpertsClient:
                 ch.close()
                 return
             try:
-                info = f.result()
-                self._check_shard(r.address, info)
-                if r.desc is not None:
-                    check_returning(r.address, r.desc.info, info)
+                desc = self.admit(r, f.result())
             except (grpc.RpcError, ExpertsClientError) as e:
                 ch.close()
                 if isinstance(e, (FingerprintError, CoverageError)):
@@ -277,7 +282,7 @@ class ExpertsClient:
             with self._lock:
                 r.channel = ch
                 try:
-                    self._attach(r, info, groups_fixed=True, groups=self.groups)
+                    self._attach(r, desc, groups_fixed=True, groups=self.groups)
                 except CoverageError as e:
                     r.refused = str(e)
                     log.error("%s", e)

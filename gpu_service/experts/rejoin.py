@@ -6,7 +6,7 @@ AttachShm / AttachTcp answers and in the initial metadata of its Forward / Forwa
 from Describe). A connection that shows another id (a Forward stream re-opened after the old one
 broke, a shared-memory or TCP data path renegotiated, a unary ForwardOne) reached a new process at the
 same address: `Rejoin.check` describes it again and runs the checks of a returning replica (model
-fingerprint and sizes, coverage, --act-bits: groups.check_returning, the group's equivalence rule)
+fingerprint and sizes, coverage, --act-bits, kernel: ExpertsClient.admit; the group's equivalence rule)
 before any answer from that connection is used. A compatible process rejoins at once (its id
 remembered: no GPU-service restart); an incompatible one is refused for good (marked down, `refused`
 naming the flag or fingerprint), and the calls waiting on it fail over to the group's other replicas
@@ -20,10 +20,8 @@ import threading
 from concurrent.futures import Future
 
 import grpc
-import numpy as np
 
 from gpu_service.experts.errors import CoverageError, FingerprintError, ShardError
-from gpu_service.experts.groups import check_returning, ShardDesc
 from gpu_service.experts.stream import instance_of
 from protos.moesplit.v1 import experts_pb2, experts_pb2_grpc
 
@@ -67,8 +65,7 @@ class Rejoin:
         if info.instance_id != instance:
             self._down(r, "restarted again while it was being re-checked; reconnecting")
         try:
-            c._check_shard(r.address, info)
-            check_returning(r.address, r.desc.info, info)
+            desc = c.admit(r, info)
             r.group.check_equivalent(r.address, info)
         except (FingerprintError, CoverageError) as e:
             r.refused = str(e)
@@ -77,8 +74,7 @@ class Rejoin:
             err = ShardError(r.address, grpc.StatusCode.UNAVAILABLE, str(e))
             c._mark_down(r, err)
             raise err from None
-        ex = np.array(sorted(info.experts), dtype=np.int64)
-        r.desc = ShardDesc(r.address, info, ex, len(ex) == c.cfg.n_routed_experts)
+        r.desc = desc
         r.instance = instance
         log.info("expert shard %s restarted (new process, pid %d); re-checked what it serves: rejoining",
                  r.address, info.pid)
