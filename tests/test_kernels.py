@@ -381,7 +381,7 @@ def test_amx_matches_reference(fmt):
 @pytest.mark.amx
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_amx_batch_invariant(fmt):
-    """On real tiles too: bf16 runs every token count on TDPBF16PS, int8/int4 hand < 16 tokens to
+    """On real tiles too: bf16 runs every token count on TDPBF16PS, int8/int4/mxfp4 hand < 16 tokens to
     the (integer-exact) AVX-512 kernels."""
     fails = invariance_failures(fmt, "amx")
     assert not fails, "\n".join(fails)
