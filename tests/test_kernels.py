@@ -129,6 +129,46 @@ def invariance_failures(fmt, isa, H=160, I=96, n_tok=300, sizes=(1, 2, 3, 16, 17
     return fails
 
 
+TILE_COUNTS = (1, 15, 16, 17, 33, 257)  # tokens per expert: < 16 on AVX-512, 16+ on AMX tiles (tails 0, 1, 1)
+
+
+def amx_tile_failures(fmt, act_bits, counts=TILE_COUNTS, H=160, I=96, seed=9):
+    """The AMX integer kernels (tiles from 16 tokens per expert panel call, fewer on AVX-512) at each
+    count of `counts`, every token routed to experts 0 and 1 (so each panel call has exactly that many
+    rows): output bits equal the AVX-512 kernels' on the same weights, each row's bits equal the row
+    computed alone, the error to the numpy reference is under TOL (16-bit activations) or 2e-2 (8-bit),
+    and the tile multiplies run (counted by an emulated build, kernels.amx_tile_ops) are exactly
+    the tile path's: none below 16 tokens, ceil(n / 16) blocks x groups x panels x 4 from 16 on (2 with
+    8-bit activations: the q2 tiles skipped). Returns (failures, errors by count)."""
+    from cpu_expert_service.kernels import _moe
+    amx, _ = make_backend(fmt, "amx", H, I, range(2), seed=seed, act_bits=act_bits)
+    avx, _ = make_backend(fmt, "avx512", H, I, range(2), seed=seed, act_bits=act_bits)
+    deq = {e: amx.dequantised(3, e) for e in range(2)}
+    rng = np.random.default_rng(seed)
+    n_max = max(counts)
+    x = rng.standard_normal((n_max, H), dtype=np.float32)
+    ids = np.array([rng.permutation(2) for _ in range(n_max)], np.int64)  # each token on both, random slot order
+    w = rng.random((n_max, 2), dtype=np.float32)
+    alone = np.concatenate([amx.forward(3, x[t:t + 1], ids[t:t + 1], w[t:t + 1]) for t in range(n_max)])
+    per_block = (2 * I // 32) * (H // 32) + (H // 32) * (I // 32)  # gate+up, down: panels x groups
+    fails, errs = [], {}
+    for n in counts:
+        ops0 = _moe.amx_tile_ops()
+        out = amx.forward(3, x[:n], ids[:n], w[:n])
+        ops = _moe.amx_tile_ops() - ops0
+        want = 0 if n < 16 else 2 * -(-n // 16) * per_block * (2 if act_bits == 8 else 4)
+        if ops0 >= 0 and ops != want:
+            fails.append(f"{amx.name} n={n}: {ops} tile multiplies, the tile path runs {want}")
+        if not np.array_equal(out, avx.forward(3, x[:n], ids[:n], w[:n])):
+            fails.append(f"{amx.name} n={n}: bits differ from {avx.name}")
+        if not np.array_equal(out, alone[:n]):
+            fails.append(f"{amx.name} n={n}: rows differ from the row alone")
+        errs[n] = rel_err(out, reference(deq, x[:n], ids[:n], w[:n]))
+        if errs[n] >= (TOL if act_bits == 16 else 2e-2):
+            fails.append(f"{amx.name} n={n}: relative error {errs[n]:.3e}")
+    return fails, errs
+
+
 @pytest.mark.parametrize("isa", ISAS_HERE)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_batch_invariant(fmt, isa):
@@ -341,9 +381,20 @@ def test_amx_matches_reference(fmt):
 @pytest.mark.amx
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_amx_batch_invariant(fmt):
-    """On real tiles too: bf16 runs every token count on TDPBF16PS, int8/int4 hand < 16 tokens to
+    """On real tiles too: bf16 runs every token count on TDPBF16PS, int8/int4/mxfp4 hand < 16 tokens to
     the (integer-exact) AVX-512 kernels."""
     fails = invariance_failures(fmt, "amx")
+    assert not fails, "\n".join(fails)
+
+
+@pytest.mark.amx
+@pytest.mark.parametrize("act_bits", (16, 8))
+@pytest.mark.parametrize("fmt", ("int8", "int4", "mxfp4"))
+def test_amx_tiles_give_the_avx512_bits(fmt, act_bits):
+    """On real tiles: int8/int4/mxfp4 at 1-257 tokens per expert equal the AVX-512 kernels bit for bit,
+    each row equals the row alone, and the error to numpy is the other ISAs'."""
+    fails, errs = amx_tile_failures(fmt, act_bits)
+    print(f"\n{fmt} a{act_bits} amx: " + "  ".join(f"n={n}: {e:.2e}" for n, e in errs.items()))
     assert not fails, "\n".join(fails)
 
 
@@ -376,6 +427,10 @@ for spec in sys.argv[2].split(","):
         if fmt != "bf16" and not form:  # 8-bit activations: the AMX tiles and AVX-512's 8-bit micro-tile
             out.append({"name": f"kernel-{isa}-{fmt}-a8", "act8": 1, "invariance": TK.invariance_failures(
                 fmt, isa, sizes=(1, 2, 5, 16, 17, 40, 129), act_bits=8)})
+        if fmt != "bf16" and isa == "amx":  # the tiles against the AVX-512 kernels, both activation widths
+            for bits in (16, 8):
+                fails, errs = TK.amx_tile_failures(fmt, bits)
+                out.append({"name": f"kernel-amx-{fmt}", "tiles": bits, "invariance": fails, "errs": errs})
 print(json.dumps(out))
 """
 
@@ -414,8 +469,10 @@ def test_amx_and_avx512_kernels_under_emulation(tmp_path):
     results = json.loads(r.stdout.strip().splitlines()[-1])
     n_int = len(FORMATS) - 1  # + one 8-bit-activation invariance entry per integer format
     assert len(results) == sum(1 if ":" in run else len(FORMATS) for run in runs) * (2 * 4 + 1) + sum(
-        n_int for run in runs if ":" not in run)  # formats x (shapes x T + 1)
+        n_int for run in runs if ":" not in run) + 2 * n_int  # formats x (shapes x T + 1), + amx tiles
     assert sum(1 for res in results if res.get("act8")) == sum(n_int for run in runs if ":" not in run)
+    assert sorted((res["name"], res["tiles"]) for res in results if "tiles" in res) == sorted(
+        (f"kernel-amx-{fmt}", bits) for fmt in FORMATS[1:] for bits in (16, 8))  # amx_tile_failures ran
     for res in results:
         print(res)
         assert res["name"].split("-")[1] in ("amx", "avx512")

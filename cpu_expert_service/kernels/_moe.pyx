@@ -35,6 +35,7 @@ cdef extern from "moe.h" nogil:
     void moe_kernels_amx(MoeKernels *k)
     int moe_cpu_has(int isa)
     int moe_bf16_dot_fma()
+    long moe_amx_tile_ops()
     double moe_probe_avx512(int kind, long iters)
     double moe_probe_avx2(int kind, long iters)
     double moe_probe_read(MoePool *pool, const unsigned char *buf, size_t nbytes)
@@ -69,6 +70,13 @@ def bf16_dot_form():
     """The form an AVX-512 bf16 kernel table made now takes: "fma" (widened weights x f32 FMA)
     or "dpbf16" (vdpbf16ps); see moe_bf16_dot_fma in moe.h ($MOESPLIT_BF16_DOT overrides)."""
     return "fma" if moe_bf16_dot_fma() else "dpbf16"
+
+
+def amx_tile_ops():
+    """Tile multiplies (TDPBF16PS, TDPBSUD) run so far in this process by a build with
+    -DMOE_AMX_EMULATE (software tiles, amx_emu.h), all threads: tests check which kernel path a call
+    took. -1 in a normal build, which does not count the real instructions."""
+    return moe_amx_tile_ops()
 
 
 # compute-ceiling probes: kind -> (ISA it needs, index in that ISA's probe function)

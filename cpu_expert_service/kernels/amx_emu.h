@@ -21,6 +21,8 @@ typedef struct {
 } MoeAmxEmu;
 
 static __thread MoeAmxEmu moe_amx_emu;
+/* TDPBF16PS + TDPBSUD run so far, all threads (moe_amx_tile_ops: tests check which path ran) */
+static long moe_amx_emu_ops;
 
 static inline void moe_emu_loadconfig(const void *cfg) {
     const uint8_t *c = (const uint8_t *)cfg; /* palette 1 layout: colsb u16[16] at 16, rows u8[16] at 48 */
@@ -53,6 +55,7 @@ static inline float moe_emu_bf16(const uint8_t *p) {
 }
 
 static inline void moe_emu_dpbf16ps(int dst, int a, int b) {
+    __atomic_fetch_add(&moe_amx_emu_ops, 1, __ATOMIC_RELAXED);
     int M = moe_amx_emu.rows[dst], N = moe_amx_emu.colsb[dst] / 4, K = moe_amx_emu.colsb[a] / 4;
     for (int m = 0; m < M; m++)
         for (int n = 0; n < N; n++) {
@@ -71,6 +74,7 @@ static inline void moe_emu_dpbf16ps(int dst, int a, int b) {
 }
 
 static inline void moe_emu_dpbsud(int dst, int a, int b) {
+    __atomic_fetch_add(&moe_amx_emu_ops, 1, __ATOMIC_RELAXED);
     int M = moe_amx_emu.rows[dst], N = moe_amx_emu.colsb[dst] / 4, K = moe_amx_emu.colsb[a] / 4;
     for (int m = 0; m < M; m++)
         for (int n = 0; n < N; n++) {

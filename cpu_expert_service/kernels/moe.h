@@ -134,6 +134,9 @@ double moe_probe_avx512(int kind, long iters); /* compute-ceiling probe: 0 f32 F
 double moe_probe_avx2(int kind, long iters);   /* 0 f32 FMA (ymm), 1 vpmaddubsw; returns ops */
 uint64_t moe_read_avx2(const uint8_t *p, size_t n);
 void moe_kernels_amx(MoeKernels *k);
+/* tile multiplies (TDPBF16PS, TDPBSUD) run so far by a -DMOE_AMX_EMULATE build, all threads; -1 in a
+ * normal build (the real instructions are not counted) */
+long moe_amx_tile_ops(void);
 
 /* generic panels, used by the others for odd cases */
 void moe_panel_bf16_generic(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch);
