@@ -100,6 +100,10 @@ typedef struct {
     const float *const *xs;    /* [Kp/32] group scales per row */
     const float *const *xc;    /* [Kp/32] corrections per row */
     int act8;                  /* 1: every q2 is 0 (8-bit activations); kernels may skip them */
+    /* 8-bit-activation mxfp4 only (else NULL): [2 * Kp/32] per row; per group g, xo[2g] = two int16,
+     * offset * the sum of q1[k] over k % 4 < 2 (low half) and over k % 4 >= 2 (high half), and xo[2g + 1]
+     * = offset * 254 * sum(q1): the offset's part of the AVX2 micro-kernel's sums */
+    const int32_t *const *xo;
 } MoeRows;
 
 /* Kernel: C[m][c] (m < rows->n, c < NP, row stride NP) = sum_k x[m][k] * W[panel*NP + c][k]

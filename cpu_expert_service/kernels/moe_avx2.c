@@ -355,25 +355,29 @@ static void panel_int_wd(const MoeMat *W, int p, const MoeRows *rows, float *C, 
 /* ---------------- 2+ tokens at 8-bit activations (int4, mxfp4): one-level vpmaddubsw ----------------
  * With rows->act8 every q2 is 0, so the 1-token path's group sum is its q1 half alone: the nibbles (u8
  * <= 15; mxfp4 2 * e2m1 + 12 <= 24) times q1 (s8) go straight into vpmaddubsw (no sign trick; two
- * products per int16 lane, 2 * 2 * 24 * 127 < 2^15: no saturation), and the unpacked nibbles of a
+ * products per int16 lane, 2 * 24 * 127 < 2^15: no saturation), and the unpacked nibbles of a
  * 16-channel slice are shared by UB_MR tokens. Per group the float steps are the 1-token path's in its
- * order (fma(cvt(ih), 254, cvt(0)), fmsub by xs and xc, fma by the bf16 group scale), so a row's bits
+ * order (fma(cvt(ih), 254, cvt(0)), fmsub by xs and xc, fma by the group scale), so a row's bits
  * do not depend on the path or the batch. int8 keeps the vpmaddwd path: with the sign trick a
  * vpmaddubsw step costs the same uops per product as vpmaddwd on widened weights. */
 #define UB_MR 4
 
-/* int4: 16 channels [c0, c0 + 16) of MR tokens over all G groups, each unpacked 16-channel slice
- * shared by MR tokens; its vpmaddubsw pairs summed in int16 over all 4 octets of a group (8 products
- * of <= 2 * 15 * 127 per lane, < 2^15) before one vpmaddwd. The integer group sum is exact in any
- * order, so the bits equal the 1-token path's. */
-static inline __attribute__((always_inline)) void mk_ub(const int MR, const uint8_t *wp, const float *wsc, int G,
-                                                       const MoeRows *rows, int m0, int c0, float *C) {
-    const __m256i ones = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0f);
-    const __m256 k254 = _mm256_set1_ps(254.f), zf = _mm256_setzero_ps();
+/* 16 channels [c0, c0 + 16) of MR tokens over all G groups (mx 0 int4, 1 mxfp4), each unpacked
+ * 16-channel slice shared by MR tokens; a group's vpmaddubsw pairs summed in int16 over all 4 octets
+ * (16 products per lane) before one vpmaddwd. int4: <= 16 * 15 * 127 < 2^15. mxfp4 (2v + 12 <= 24):
+ * the int16 adds wrap (16 * 24 * 127 > 2^15), but the signed part sum(2v * q1) is <= 16 * 12 * 127 <
+ * 2^15, so subtracting the offset's part 12 * sum(q1) of each lane (rows->xo, mod 2^16) leaves it exact;
+ * the offset's part of the group sum comes back exactly as the fma's addend: fma(cvt(sum(2v q1)), 254,
+ * 12 * 254 * sum(q1)) rounds the same real as fma(cvt(sum((2v + 12) q1)), 254, 0) (all terms < 2^24).
+ * The integer sums are exact in any order, so the bits equal the 1-token path's. */
+static inline __attribute__((always_inline)) void mk_ub(const int MR, const int mx, const uint8_t *wp, const float *wsc,
+                                                       int G, const MoeRows *rows, int m0, int c0, float *C) {
+    const __m256i k254 = _mm256_set1_epi16(254), lo4 = _mm256_set1_epi8(0x0f);
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)moe_mxfp4_u8));
     __m256 acc[UB_MR][2];
     for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     for (int g = 0; g < G; g++) {
-        const uint8_t *gb = wp + (size_t)g * NIB_GB(1);
+        const uint8_t *gb = wp + (size_t)g * NIB_GB(mx ? 2 : 1);
         __m256i ia[UB_MR][2], s[UB_MR][2];
         for (int o = 0; o < 4; o++) {
             __m256i l[2], h[2];
@@ -381,6 +385,10 @@ static inline __attribute__((always_inline)) void mk_ub(const int MR, const uint
                 __m256i pk = _mm256_loadu_si256((const __m256i *)(gb + o * 128 + 4 * c0 + 32 * v));
                 l[v] = _mm256_and_si256(pk, lo4);
                 h[v] = _mm256_and_si256(_mm256_srli_epi16(pk, 4), lo4);
+                if (mx) {
+                    l[v] = _mm256_shuffle_epi8(lut, l[v]);
+                    h[v] = _mm256_shuffle_epi8(lut, h[v]);
+                }
             }
             for (int m = 0; m < MR; m++) {
                 const int8_t *xq = rows->q[m0 + m] + (size_t)g * 64 + 8 * o;
@@ -395,60 +403,23 @@ static inline __attribute__((always_inline)) void mk_ub(const int MR, const uint
             for (int m = 0; m < MR; m++)
                 for (int v = 0; v < 2; v++) __asm__("" : "+x"(s[m][v]));
         }
-        for (int m = 0; m < MR; m++)
-            for (int v = 0; v < 2; v++) ia[m][v] = _mm256_madd_epi16(s[m][v], ones);
+        for (int m = 0; m < MR; m++) { /* 254 * the group sum, exact in int32 (< 2^31) */
+            __m256i off = mx ? _mm256_set1_epi32(rows->xo[m0 + m][2 * g]) : _mm256_setzero_si256();
+            __m256i fo = mx ? _mm256_set1_epi32(rows->xo[m0 + m][2 * g + 1]) : _mm256_setzero_si256();
+            for (int v = 0; v < 2; v++)
+                ia[m][v] = mx ? _mm256_add_epi32(_mm256_madd_epi16(_mm256_sub_epi16(s[m][v], off), k254), fo)
+                              : _mm256_madd_epi16(s[m][v], k254);
+        }
         for (int v = 0; v < 2; v++) {
             __m256 ws = _mm256_load_ps(wsc + (size_t)g * 32 + c0 + 8 * v);
             for (int m = 0; m < MR; m++) {
                 __m256 xs = _mm256_set1_ps(rows->xs[m0 + m][g]), xc = _mm256_set1_ps(rows->xc[m0 + m][g]);
-                __m256 sv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[m][v]), k254, zf);
-                acc[m][v] = _mm256_fmadd_ps(ws, _mm256_fmsub_ps(sv, xs, xc), acc[m][v]);
+                acc[m][v] = _mm256_fmadd_ps(ws, _mm256_fmsub_ps(_mm256_cvtepi32_ps(ia[m][v]), xs, xc), acc[m][v]);
             }
         }
     }
     for (int m = 0; m < MR; m++)
         for (int v = 0; v < 2; v++) _mm256_storeu_ps(C + (size_t)(m0 + m) * 32 + c0 + 8 * v, acc[m][v]);
-}
-
-/* mxfp4 (table values <= 24): every octet's int16 pair sums widened by vpmaddwd at once (4 octets would
- * pass 2^15; summing 2 needs 2 MR more registers, and on 8-channel slices that measured 3-7% slower) */
-static inline __attribute__((always_inline)) void mk_ub_wide(const int MR, const uint8_t *wp, const float *wsc, int G,
-                                                       const MoeRows *rows, int m0, int c0, float *C) {
-    const __m256i ones = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0f);
-    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)moe_mxfp4_u8));
-    const __m256 k254 = _mm256_set1_ps(254.f), zf = _mm256_setzero_ps();
-    __m256 acc[UB_MR][2];
-    for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-    for (int g = 0; g < G; g++) {
-        const uint8_t *gb = wp + (size_t)g * NIB_GB(2);
-        __m256i ia[UB_MR][2];
-        for (int m = 0; m < MR; m++) ia[m][0] = ia[m][1] = _mm256_setzero_si256();
-        for (int o = 0; o < 4; o++) {
-            for (int v = 0; v < 2; v++) {
-                __m256i pk = _mm256_loadu_si256((const __m256i *)(gb + o * 128 + 4 * c0 + 32 * v));
-                __m256i l = _mm256_shuffle_epi8(lut, _mm256_and_si256(pk, lo4));
-                __m256i h = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(pk, 4), lo4));
-                for (int m = 0; m < MR; m++) {
-                    const int8_t *xq = rows->q[m0 + m] + (size_t)g * 64 + 8 * o;
-                    __m256i a = _mm256_set1_epi32(*(const int32_t *)xq), b = _mm256_set1_epi32(*(const int32_t *)(xq + 4));
-                    __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(l, a), _mm256_maddubs_epi16(h, b));
-                    ia[m][v] = _mm256_add_epi32(ia[m][v], _mm256_madd_epi16(ph, ones));
-                }
-            }
-        }
-        __m256 ws0 = _mm256_load_ps(wsc + (size_t)g * 32 + c0), ws1 = _mm256_load_ps(wsc + (size_t)g * 32 + c0 + 8);
-        for (int m = 0; m < MR; m++) {
-            __m256 xs = _mm256_set1_ps(rows->xs[m0 + m][g]), xc = _mm256_set1_ps(rows->xc[m0 + m][g]);
-            __m256 s0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[m][0]), k254, zf);
-            __m256 s1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[m][1]), k254, zf);
-            acc[m][0] = _mm256_fmadd_ps(ws0, _mm256_fmsub_ps(s0, xs, xc), acc[m][0]);
-            acc[m][1] = _mm256_fmadd_ps(ws1, _mm256_fmsub_ps(s1, xs, xc), acc[m][1]);
-        }
-    }
-    for (int m = 0; m < MR; m++) {
-        _mm256_storeu_ps(C + (size_t)(m0 + m) * 32 + c0, acc[m][0]);
-        _mm256_storeu_ps(C + (size_t)(m0 + m) * 32 + c0 + 8, acc[m][1]);
-    }
 }
 
 /* int4 (mx 0) / mxfp4 (mx 1) panel for 2+ rows at 8-bit activations; scratch: the panel's group scales */
@@ -460,7 +431,7 @@ static void panel_int_ub(const MoeMat *W, int p, const MoeRows *rows, float *C, 
     for (int m0 = 0; m0 < n; m0 += UB_MR) {
         int mr = n - m0 < UB_MR ? n - m0 : UB_MR;
         for (int c0 = 0; c0 < 32; c0 += 16) {
-#define MKUB(R) (mx ? mk_ub_wide(R, wp, wsc, G, rows, m0, c0, C) : mk_ub(R, wp, wsc, G, rows, m0, c0, C))
+#define MKUB(R) (mx ? mk_ub(R, 1, wp, wsc, G, rows, m0, c0, C) : mk_ub(R, 0, wp, wsc, G, rows, m0, c0, C))
             switch (mr) {
             case 1: MKUB(1); break;
             case 2: MKUB(2); break;
@@ -483,7 +454,7 @@ void moe_panel_int4_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, 
 }
 void moe_panel_mxfp4_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {
     if (rows->n == 1) panel_int_avx2(W, p, rows, C, 2);
-    else if (rows->act8) panel_int_ub(W, p, rows, C, scratch, 1);
+    else if (rows->act8 && rows->xo) panel_int_ub(W, p, rows, C, scratch, 1);
     else panel_int_wd(W, p, rows, C, scratch, 2);
 }
 
