@@ -308,7 +308,8 @@ def test_compute_ceiling_probe():
     from cpu_expert_service.kernels import _moe
 
     per_round = {"fma_f32": 12 * 32, "dpbf16": 12 * 64, "vnni_int8": 12 * 128,  # 12 chains x lanes x 2
-                 "fma_f32_avx2": 12 * 16, "maddubs_int8_avx2": 12 * 64}
+                 "fma_f32_avx2": 12 * 16, "maddubs_int8_avx2": 12 * 64,
+                 "int8_exact_wd_avx2": 12 * 32, "int8_exact_sign_avx2": 12 * 64}  # the exact int8 dot's ceilings
     assert set(per_round) == set(_moe.PROBES)
     for kind, n in per_round.items():
         if not _moe.cpu_has(_moe.PROBES[kind][0]):

@@ -135,7 +135,7 @@ void moe_kernels_generic(MoeKernels *k);
 void moe_kernels_avx2(MoeKernels *k);
 void moe_kernels_avx512(MoeKernels *k);
 double moe_probe_avx512(int kind, long iters); /* compute-ceiling probe: 0 f32 FMA, 1 vdpbf16ps, 2 vpdpbusd; returns ops */
-double moe_probe_avx2(int kind, long iters);   /* 0 f32 FMA (ymm), 1 vpmaddubsw; returns ops */
+double moe_probe_avx2(int kind, long iters);   /* 0 f32 FMA (ymm), 1 vpmaddubsw, 2 / 3 the exact int8 dot; returns ops */
 uint64_t moe_read_avx2(const uint8_t *p, size_t n);
 void moe_kernels_amx(MoeKernels *k);
 

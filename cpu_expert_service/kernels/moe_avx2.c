@@ -203,17 +203,21 @@ static void panel_int_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C
  * trick). Per k-block of WGC groups, the panel's weights are widened once to int16 in scratch (int8:
  * w, signed; int4: the nibble q + 8; mxfp4: 2 * e2m1 + 12) and reused by every token of the call;
  * each token's activations of the block are widened once to x16. A micro-tile is W_MR tokens x 8
- * channels: per quad of k (4 int16 of a channel = 64 bits, one broadcast), 2 tile vectors x W_MR
+ * channels: per quad of k (the k-pairs (0, 1) and (2, 3) of 8 channels, two 32-bit broadcasts), 2 tile vectors x W_MR
  * tokens of vpmaddwd + vpaddd. The integer group sum is the 1-token path's 254 * ih + il exactly
  * (integer adds in any order are exact; no overflow: |sum| < 32 * 127 * 32385 < 2^31), and
  * cvt(254 * ih + il) == fma(cvt(ih), 254, cvt(il)) (both round the same integer once), so the float
  * steps per group are the 1-token path's in its order: a row's bits do not depend on the path. */
 #define WGC 8   /* groups per k-block: the int16 tile is WGC x 8 quads x 256 B = 16 KiB, L1-resident */
-#define W_MR 4  /* tokens per micro-tile: 8 int32 + 4 f32 accumulators, 2 weights, 1 broadcast */
+#ifndef W_MR
+#define W_MR 6  /* tokens per micro-tile: 6 int32 + 6 f32 accumulators, 2 weights, 2 broadcasts */
+#endif
 
-/* tile[(g * 8 + qd) * 128 + c * 4 + j] = weight of channel c, k = 32 g + 4 qd + j, int16, g < ng */
+/* tile[(g * 8 + qd) * 128 + 32 (c / 8) + 16 p + 2 (c % 8) + j] = weight of channel c, k = 32 g + 4 qd + 2 p + j,
+ * int16, g < ng: per quad and 8 channels, their k-pairs (0, 1) then (2, 3), so a vpmaddwd's lane is one channel */
 static void widen_tile(const uint8_t *wp, int g0, int ng, int int4, int16_t *tile) {
     const __m256i x80 = _mm256_set1_epi8((char)0x80), lo4 = _mm256_set1_epi8(0x0f);
+    const __m256i pairs = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
     const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)moe_mxfp4_u8));
     for (int g = 0; g < ng; g++) {
         int16_t *tg = tile + (size_t)g * 8 * 128;
@@ -235,8 +239,9 @@ static void widen_tile(const uint8_t *wp, int g0, int ng, int int4, int16_t *til
                     }
                 }
                 __m256i q[2] = {a, b};
-                for (int i = 0; i < 2; i++) {
-                    __m128i l = _mm256_castsi256_si128(q[i]), u = _mm256_extracti128_si256(q[i], 1);
+                for (int i = 0; i < 2; i++) { /* per lane (4 channels x 4 k): the k-pairs (0, 1), then (2, 3) */
+                    __m256i r = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(q[i], pairs), 0xd8);
+                    __m128i l = _mm256_castsi256_si128(r), u = _mm256_extracti128_si256(r, 1);
                     __m256i wl = int4 ? _mm256_cvtepu8_epi16(l) : _mm256_cvtepi8_epi16(l);
                     __m256i wu = int4 ? _mm256_cvtepu8_epi16(u) : _mm256_cvtepi8_epi16(u);
                     int16_t *d = tg + (2 * h + i) * 128 + 32 * v;
@@ -278,26 +283,25 @@ static inline __attribute__((always_inline)) void mk_wd(const int MR, const int 
     for (int m = 0; m < MR; m++)
         acc[m] = load ? _mm256_loadu_ps(C + (size_t)(m0 + m) * 32 + c0) : _mm256_setzero_ps();
     for (int g = 0; g < ng; g++) {
-        __m256i ia[W_MR][2];
-        for (int m = 0; m < MR; m++) ia[m][0] = ia[m][1] = _mm256_setzero_si256();
+        __m256i ia[W_MR];
+        for (int m = 0; m < MR; m++) ia[m] = _mm256_setzero_si256();
 #pragma GCC unroll 1 /* unrolled, GCC regroups the integer adds into trees and spills the products */
         for (int qd = 0; qd < 8; qd++) {
             const int16_t *tq = tile + (size_t)(g * 8 + qd) * 128 + c0 * 4;
             __m256i w0 = _mm256_load_si256((const __m256i *)tq), w1 = _mm256_load_si256((const __m256i *)(tq + 16));
             for (int m = 0; m < MR; m++) {
-                int64_t xv;
-                memcpy(&xv, x16 + (size_t)m * WGC * 32 + g * 32 + qd * 4, 8);
-                __m256i xb = _mm256_set1_epi64x(xv);
-                ia[m][0] = _mm256_add_epi32(ia[m][0], _mm256_madd_epi16(w0, xb));
-                ia[m][1] = _mm256_add_epi32(ia[m][1], _mm256_madd_epi16(w1, xb));
+                int32_t x01, x23;
+                memcpy(&x01, x16 + (size_t)m * WGC * 32 + g * 32 + qd * 4, 4);
+                memcpy(&x23, x16 + (size_t)m * WGC * 32 + g * 32 + qd * 4 + 2, 4);
+                __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_set1_epi32(x01)),
+                                             _mm256_madd_epi16(w1, _mm256_set1_epi32(x23)));
+                ia[m] = _mm256_add_epi32(ia[m], p);
             }
         }
         __m256 ws = _mm256_setzero_ps();
         if (int4) ws = _mm256_load_ps(wsc + (size_t)g * 32 + c0);
         for (int m = 0; m < MR; m++) {
-            /* lanes (c, first half of a quad), (c, second half): hadd pairs them, permute restores c order */
-            __m256i s = _mm256_permute4x64_epi64(_mm256_hadd_epi32(ia[m][0], ia[m][1]), 0xd8);
-            __m256 sf = _mm256_cvtepi32_ps(s), xs = _mm256_set1_ps(rows->xs[m0 + m][g0 + g]);
+            __m256 sf = _mm256_cvtepi32_ps(ia[m]), xs = _mm256_set1_ps(rows->xs[m0 + m][g0 + g]);
             if (!int4) acc[m] = _mm256_fmadd_ps(sf, xs, acc[m]);
             else acc[m] = _mm256_fmadd_ps(ws, _mm256_fmsub_ps(sf, xs, _mm256_set1_ps(rows->xc[m0 + m][g0 + g])), acc[m]);
         }
@@ -307,21 +311,14 @@ static inline __attribute__((always_inline)) void mk_wd(const int MR, const int 
 
 static void mk_wd_n(int mr, int int4, const int16_t *tile, const int16_t *x16, int ng, const float *wsc, int g0,
                     const MoeRows *rows, int m0, float *C) {
-#define MKWD(R, F) for (int c0 = 0; c0 < 32; c0 += 8) mk_wd(R, F, tile, x16, ng, wsc, g0, rows, m0, c0, C, g0 > 0)
-    switch (4 * int4 + mr) {
-    case 1: MKWD(1, 0); break;
-    case 2: MKWD(2, 0); break;
-    case 3: MKWD(3, 0); break;
-    case 4: MKWD(4, 0); break;
-    case 5: MKWD(1, 1); break;
-    case 6: MKWD(2, 1); break;
-    case 7: MKWD(3, 1); break;
-    case 8: MKWD(4, 1); break;
-    case 9: MKWD(1, 2); break;
-    case 10: MKWD(2, 2); break;
-    case 11: MKWD(3, 2); break;
-    default: MKWD(4, 2); break;
-    }
+#define MKWD(R, F) for (int c0 = 0; c0 < 32; c0 += 8) mk_wd(R < W_MR ? R : W_MR, F, tile, x16, ng, wsc, g0, rows, m0, c0, C, g0 > 0)
+#define MKWD_MR(F) switch (mr) { \
+    case 1: MKWD(1, F); break; case 2: MKWD(2, F); break; case 3: MKWD(3, F); break; \
+    case 4: MKWD(4, F); break; case 5: MKWD(5, F); break; default: MKWD(6, F); break; }
+    if (int4 == 0) MKWD_MR(0)
+    else if (int4 == 1) MKWD_MR(1)
+    else MKWD_MR(2)
+#undef MKWD_MR
 #undef MKWD
 }
 
@@ -332,7 +329,7 @@ static void scale_channels_avx2(const float *chs, float *C, int n) {
             _mm256_storeu_ps(C + m * 32 + 8 * v, _mm256_mul_ps(_mm256_loadu_ps(C + m * 32 + 8 * v), _mm256_loadu_ps(chs + 8 * v)));
 }
 
-/* int4: 0 int8, 1 int4, 2 mxfp4; scratch holds the int16 tile (16 KiB), W_MR x16 rows (2 KiB) and the
+/* int4: 0 int8, 1 int4, 2 mxfp4; scratch holds the int16 tile (16 KiB), W_MR x16 rows (3 KiB) and the
  * block's group scales (1 KiB) */
 static void panel_int_wd(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch, int int4) {
     const uint8_t *wp = W->data + W->panel_bytes * (size_t)p;
@@ -468,6 +465,7 @@ void moe_kernels_avx2(MoeKernels *k) {
 }
 
 /* ---------------- machine-ceiling probes (for bench/bench_kernels.py) ---------------- */
+#define PROBE2_CHAINS 12
 
 /* Stream-read [p, p + n) (n a multiple of 256) with 256-bit loads into 4 independent xor chains:
  * what a weight stream can get from memory on one core. Returns the xor (so nothing is elided). */
@@ -486,11 +484,34 @@ uint64_t moe_read_avx2(const uint8_t *p, size_t n) {
     return r[0] ^ r[1] ^ r[2] ^ r[3];
 }
 
+/* The exact s8 x s8 dot's own ceilings on AVX2 (kinds 2, 3 of moe_probe_avx2): vpmaddubsw's u8 x s8 pairs
+ * saturate for signed 8-bit weights (2 * 255 * 127 > 2^15), so an exact int8 dot takes at least two
+ * multiply-port ops per 32 products. 2: vpmaddwd + vpaddd on int16 weights (16 products: the int8
+ * tile's loop); 3: vpsignb + vpmaddubsw + vpmaddwd (widening, the pair sums are up to 2 * 128 * 127)
+ * + vpaddd (32 products: the sign trick), each in 12 chains. Returns the operations done. */
+static double probe_int8_exact(int kind, long iters) {
+    __m256i acc[PROBE2_CHAINS];
+    for (int c = 0; c < PROBE2_CHAINS; c++) acc[c] = _mm256_set1_epi8((char)(1 + c));
+    const __m256i w = _mm256_set1_epi8(-3), aw = _mm256_abs_epi8(w), ones = _mm256_set1_epi16(1);
+    for (long i = 0; i < iters; i++)
+        for (int c = 0; c < PROBE2_CHAINS; c++) {
+            __m256i p = kind == 2 ? _mm256_madd_epi16(acc[c], w)
+                                  : _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(acc[c], w)), ones);
+            acc[c] = _mm256_add_epi32(acc[c], p);
+        }
+    __m256i t = acc[0];
+    for (int c = 1; c < PROBE2_CHAINS; c++) t = _mm256_xor_si256(t, acc[c]);
+    volatile int sink = _mm256_extract_epi32(t, 0);
+    (void)sink;
+    return (double)iters * PROBE2_CHAINS * (kind == 2 ? 32.0 : 64.0);
+}
+
 /* `iters` rounds of 12 independent 256-bit chains: kind 0 f32 FMA (the AVX2 bf16 kernel's
- * instruction), 1 vpmaddubsw u8 x s8 (the AVX2 int8/int4 kernels' multiply). Returns the
- * operations done (2 per multiply-add); the caller times it on every thread at once. */
-#define PROBE2_CHAINS 12
+ * instruction), 1 vpmaddubsw u8 x s8 (the AVX2 int8/int4 kernels' multiply); 2, 3 the exact int8
+ * dot's sequences (probe_int8_exact). Returns the operations done (2 per multiply-add); the caller
+ * times it on every thread at once. */
 double moe_probe_avx2(int kind, long iters) {
+    if (kind >= 2) return probe_int8_exact(kind, iters);
     if (kind == 0) {
         __m256 acc[PROBE2_CHAINS];
         for (int c = 0; c < PROBE2_CHAINS; c++) acc[c] = _mm256_set1_ps(1e-3f * (float)c);
