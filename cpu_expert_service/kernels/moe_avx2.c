@@ -203,21 +203,21 @@ static void panel_int_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C
  * trick). Per k-block of WGC groups, the panel's weights are widened once to int16 in scratch (int8:
  * w, signed; int4: the nibble q + 8; mxfp4: 2 * e2m1 + 12) and reused by every token of the call;
  * each token's activations of the block are widened once to x16. A micro-tile is W_MR tokens x 8
- * channels: per quad of k (the k-pairs (0, 1) and (2, 3) of 8 channels, two 32-bit broadcasts), 2 tile vectors x W_MR
- * tokens of vpmaddwd + vpaddd. The integer group sum is the 1-token path's 254 * ih + il exactly
+ * channels: per quad of k, 2 tile vectors (the k-pairs (0, 1), then (2, 3), of the 8 channels: a
+ * vpmaddwd lane is one channel's pair) x W_MR tokens (two 32-bit broadcasts each) of vpmaddwd + vpaddd.
+ * The integer group sum is the 1-token path's 254 * ih + il exactly
  * (integer adds in any order are exact; no overflow: |sum| < 32 * 127 * 32385 < 2^31), and
  * cvt(254 * ih + il) == fma(cvt(ih), 254, cvt(il)) (both round the same integer once), so the float
  * steps per group are the 1-token path's in its order: a row's bits do not depend on the path. */
 #define WGC 8   /* groups per k-block: the int16 tile is WGC x 8 quads x 256 B = 16 KiB, L1-resident */
-#ifndef W_MR
-#define W_MR 6  /* tokens per micro-tile: 6 int32 + 6 f32 accumulators, 2 weights, 2 broadcasts */
-#endif
+#define W_MR 6  /* tokens per micro-tile (mk_wd_n: at most 6): 6 int32 + 6 f32 accumulators, 2 weights, 2 broadcasts */
 
 /* tile[(g * 8 + qd) * 128 + 32 (c / 8) + 16 p + 2 (c % 8) + j] = weight of channel c, k = 32 g + 4 qd + 2 p + j,
  * int16, g < ng: per quad and 8 channels, their k-pairs (0, 1) then (2, 3), so a vpmaddwd's lane is one channel */
 static void widen_tile(const uint8_t *wp, int g0, int ng, int int4, int16_t *tile) {
     const __m256i x80 = _mm256_set1_epi8((char)0x80), lo4 = _mm256_set1_epi8(0x0f);
-    const __m256i pairs = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+    const __m256i pairs = /* per 4 channels x 4 k: the k-pairs (0, 1), then (2, 3) */
+        _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
     const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)moe_mxfp4_u8));
     for (int g = 0; g < ng; g++) {
         int16_t *tg = tile + (size_t)g * 8 * 128;
@@ -311,7 +311,8 @@ static inline __attribute__((always_inline)) void mk_wd(const int MR, const int 
 
 static void mk_wd_n(int mr, int int4, const int16_t *tile, const int16_t *x16, int ng, const float *wsc, int g0,
                     const MoeRows *rows, int m0, float *C) {
-#define MKWD(R, F) for (int c0 = 0; c0 < 32; c0 += 8) mk_wd(R < W_MR ? R : W_MR, F, tile, x16, ng, wsc, g0, rows, m0, c0, C, g0 > 0)
+#define MKWD(R, F) \
+    for (int c0 = 0; c0 < 32; c0 += 8) mk_wd(R < W_MR ? R : W_MR, F, tile, x16, ng, wsc, g0, rows, m0, c0, C, g0 > 0)
 #define MKWD_MR(F) switch (mr) { \
     case 1: MKWD(1, F); break; case 2: MKWD(2, F); break; case 3: MKWD(3, F); break; \
     case 4: MKWD(4, F); break; case 5: MKWD(5, F); break; default: MKWD(6, F); break; }
@@ -361,12 +362,12 @@ static void panel_int_wd(const MoeMat *W, int p, const MoeRows *rows, float *C, 
 
 /* 16 channels [c0, c0 + 16) of MR tokens over all G groups (mx 0 int4, 1 mxfp4), each unpacked
  * 16-channel slice shared by MR tokens; a group's vpmaddubsw pairs summed in int16 over all 4 octets
- * (16 products per lane) before one vpmaddwd. int4: <= 16 * 15 * 127 < 2^15. mxfp4 (2v + 12 <= 24):
- * the int16 adds wrap (16 * 24 * 127 > 2^15), but the signed part sum(2v * q1) is <= 16 * 12 * 127 <
- * 2^15, so subtracting the offset's part 12 * sum(q1) of each lane (rows->xo, mod 2^16) leaves it exact;
- * the offset's part of the group sum comes back exactly as the fma's addend: fma(cvt(sum(2v q1)), 254,
- * 12 * 254 * sum(q1)) rounds the same real as fma(cvt(sum((2v + 12) q1)), 254, 0) (all terms < 2^24).
- * The integer sums are exact in any order, so the bits equal the 1-token path's. */
+ * (16 products per lane), then one vpmaddwd by 254: 254 * the group sum, exact in int32, whose cvt rounds
+ * the same integer as the 1-token path's fma(cvt(sum), 254, 0). int4: <= 16 * 15 * 127 < 2^15. mxfp4
+ * (2v + 12 <= 24): the int16 adds wrap (16 * 24 * 127 > 2^15), but the signed part sum(2v * q1) is <= 16 *
+ * 12 * 127 < 2^15, so subtracting each lane's offset part 12 * sum(q1) (rows->xo, mod 2^16) leaves it
+ * exact, and 254 * 12 * sum(q1) (rows->xo) is added back in int32. The integer sums are exact in any
+ * order, so the bits equal the 1-token path's. */
 static inline __attribute__((always_inline)) void mk_ub(const int MR, const int mx, const uint8_t *wp, const float *wsc,
                                                        int G, const MoeRows *rows, int m0, int c0, float *C) {
     const __m256i k254 = _mm256_set1_epi16(254), lo4 = _mm256_set1_epi8(0x0f);
