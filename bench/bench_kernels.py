@@ -183,7 +183,23 @@ def peaks_per_cpu_second(iters: int = 2 * 10**7, passes: int = 3) -> dict:
         g = probes.probe_gops_per_cpu_second(kind, iters, passes)
         if g is not None:
             out[key] = round(g, 1)
+    for kind in sorted({k for kinds in probes.REPRESENTATION_CEILINGS.values() for k in kinds}):
+        g = probes.probe_gops_per_cpu_second(kind, iters, passes)
+        if g is not None:
+            out[kind] = round(g, 1)
     return out
+
+
+def ceiling_probe(r: dict, per_cpu: dict, key: str) -> dict | None:
+    """A record's representation ceiling (probes.REPRESENTATION_CEILINGS: the best of its exact minimal
+    loops, per CPU-second) beside the instruction's peak `key`: what the kernel could reach at most."""
+    kinds = probes.REPRESENTATION_CEILINGS.get((r.get("isa"), r["format"], r.get("act_bits") or 16))
+    got = {k: per_cpu[k] for k in kinds or () if per_cpu.get(k)}
+    if not got or not per_cpu.get(key):
+        return None
+    best = max(got, key=got.get)
+    return {"name": best, "gops_per_cpu_s": got[best], "frac_of_peak": round(got[best] / per_cpu[key], 3),
+            "record_frac_of_ceiling": round(r["gflops_per_core"] / got[best], 3), "probes": got}
 
 
 def add_fractions(records: list, ceilings: dict) -> None:
@@ -204,6 +220,9 @@ def add_fractions(records: list, ceilings: dict) -> None:
             r["frac_of_compute_peak"] = round(r["gflops"] / ceilings[key], 3)
         if key and per_cpu.get(key):
             r["frac_of_compute_peak_per_cpu_s"] = round(r["gflops_per_core"] / per_cpu[key], 3)
+            cp = ceiling_probe(r, per_cpu, key)
+            if cp:
+                r["ceiling_probe"] = cp
 
 
 def same_isa_ratios(records: list) -> list:

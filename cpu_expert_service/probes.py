@@ -4,6 +4,7 @@ the one implementation `moesplit doctor` and bench/bench_kernels.py both use.
 - `read_bandwidth_gbps`: a streaming read by the kernels' own pinned pool (moe_probe_read in C);
 - `probe_gops` / `PROBES`: the peak of one dot-product instruction (vfmadd / vdpbf16ps / vpdpbusd,
   AVX2 vfmadd / vpmaddubsw), `COMPUTE_CEILING`: which one a (ISA, format) GEMM runs on;
+  `REPRESENTATION_CEILINGS`: the exact minimal loops that bound a representation below that peak;
 - `theoretical_peaks`: clock x cores x ops per cycle, beside the probed peaks;
 - `host_facts`: CPU model, kernel ISA (as a backend picks it: `kernel_backend.select_isa`), NUMA
   nodes, hugepages / THP, memlock and /dev/shm limits;
@@ -39,6 +40,12 @@ COMPUTE_CEILING = {("avx512", "bf16"): "peak_dpbf16_gflops", ("avx512", "int8"):
                    ("avx512", "int4"): "peak_vnni_int8_gops", ("avx2", "bf16"): "peak_fma_f32_avx2_gflops",
                    ("avx2", "int8"): "peak_maddubs_int8_avx2_gops", ("avx2", "int4"): "peak_maddubs_int8_avx2_gops",
                    ("avx512", "mxfp4"): "peak_vnni_int8_gops", ("avx2", "mxfp4"): "peak_maddubs_int8_avx2_gops"}
+# a representation's own ceiling below its instruction's peak, per (ISA, format, activation bits): the
+# probe kinds of its exact minimal loop (the best of them bounds the kernel). AVX2 int8 weights are signed
+# 8-bit, so vpmaddubsw's u8 x s8 pairs would saturate: an exact dot takes vpmaddwd on int16 weights or the
+# sign trick, two multiply-port ops per 32 products (moe_probe_avx2 kinds 2, 3).
+REPRESENTATION_CEILINGS = {("avx2", "int8", 8): ("int8_exact_wd_avx2", "int8_exact_sign_avx2"),
+                           ("avx2", "int8", 16): ("int8_exact_wd_avx2",)}
 READ_METHOD = ("C streaming read (moe_probe_read) of {gib} GiB by the kernels' pool, {threads} pinned threads, "
                "256-bit loads, best of {passes}")
 PEAK_METHOD = ("{threads} threads x 12 independent vector chains of one instruction (vfmadd ps zmm / vdpbf16ps / "

@@ -67,6 +67,21 @@ def test_bench_kernels_measures_its_ceilings_with_the_doctors_probes():
         assert '"-m", "cpu_expert_service.probes"' in f.read()
 
 
+def test_bench_kernels_ceiling_probe_is_the_representations_best_exact_loop():
+    """An AVX2 int8 record carries its representation's ceiling (the best of probes.REPRESENTATION_CEILINGS'
+    loops per CPU-second, beside the instruction's peak); a format without one carries none."""
+    spec = importlib.util.spec_from_file_location("bench_kernels", os.path.join(ROOT, "bench", "bench_kernels.py"))
+    bk = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bk)
+    per_cpu = {"peak_maddubs_int8_avx2_gops": 350.0, "int8_exact_wd_avx2": 175.0, "int8_exact_sign_avx2": 140.0}
+    rec = {"isa": "avx2", "format": "int8", "act_bits": 8, "gflops_per_core": 105.0}
+    cp = bk.ceiling_probe(rec, per_cpu, "peak_maddubs_int8_avx2_gops")
+    assert cp["name"] == "int8_exact_wd_avx2" and cp["frac_of_peak"] == 0.5 and cp["record_frac_of_ceiling"] == 0.6
+    assert bk.ceiling_probe(dict(rec, act_bits=16), {**per_cpu, "int8_exact_wd_avx2": None},
+                            "peak_maddubs_int8_avx2_gops") is None  # a16 takes only the vpmaddwd loop
+    assert bk.ceiling_probe(dict(rec, format="int4"), per_cpu, "peak_maddubs_int8_avx2_gops") is None
+
+
 def test_doctor_json_reports_the_probes_numbers_without_torch(monkeypatch, capsys):
     """`moesplit doctor --json` with torch unimportable: the ISA a backend would pick, the probe's
     read bandwidth and peaks as measured, no GPU said (not a failure), exit 0."""

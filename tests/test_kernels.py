@@ -203,6 +203,37 @@ def test_act8_matches_reference_and_is_batch_invariant(fmt, isa):
     assert not fails, "\n".join(fails)
 
 
+@pytest.mark.parametrize("isa", ISAS_HERE)
+def test_act8_mxfp4_extreme_sums_exact(isa):
+    """8-bit-activation mxfp4 at the int16 extremes: every weight +-6 (table value 24 or 0) against
+    activation groups of all +-127, where the AVX2 micro-kernel's int16 sums of the offset weights wrap
+    (16 * 24 * 127 > 2^15) and only its offset correction (MoeRows.xo) makes them exact: every row of a
+    multi-token call equals the same token alone (the 1-token path, no wrap) bit for bit, and float math
+    on the same weights within the 8-bit activations' rounding."""
+    H, I = 128, 64
+    rng = np.random.default_rng(21)
+    be = kb.KernelExperts("mxfp4", num_threads=2, isa=isa, act_bits=8)
+    deq = {}
+    for e in (0, 1):
+        stored = []
+        for o, i in ((I, H), (I, H), (H, I)):
+            codes = np.where(rng.random((o, 1)) < 0.5, 7, 15) * np.ones((1, i), np.uint8)  # a channel all +6 or all -6
+            codes[: o // 4] = np.where(rng.random((o // 4, i)) < 0.5, 7, 15)  # and some channels mixed
+            stored += [pack_mxfp4_codes(codes.astype(np.uint8)), np.full((o, i // 32), 120, np.uint8)]
+        be.add_expert_mxfp4(0, e, *stored)
+        deq[e] = tuple(dequant_mxfp4(stored[2 * j], stored[2 * j + 1]) for j in range(3))
+    be.finalize()
+    T = 12
+    x = np.repeat(np.where(rng.random((T, 1)) < 0.5, 1.0, -1.0), H, axis=1).astype(np.float32)
+    x[T // 2:] *= np.where(rng.random((T - T // 2, H // 32, 1)) < 0.5, 1.0, -1.0).repeat(32, axis=2).reshape(T - T // 2, H)
+    ids = np.tile(np.array([[0, 1]], np.int64), (T, 1))
+    w = np.full((T, 2), 0.5, np.float32)
+    out = be.forward(0, x, ids, w)
+    alone = np.concatenate([be.forward(0, x[t:t + 1], ids[t:t + 1], w[t:t + 1]) for t in range(T)])
+    np.testing.assert_array_equal(out, alone)
+    assert rel_err(out, reference(deq, x, ids, w)) < 2e-2
+
+
 def test_act_bits_refused_where_meaningless():
     """act_bits other than 8 / 16, and 8 with bf16 weights (bf16 activations), are refused naming the fix."""
     with pytest.raises(ValueError, match="act_bits 12"):
@@ -317,7 +348,8 @@ def test_compute_ceiling_probe():
     from cpu_expert_service.kernels import _moe
 
     per_round = {"fma_f32": 12 * 32, "dpbf16": 12 * 64, "vnni_int8": 12 * 128,  # 12 chains x lanes x 2
-                 "fma_f32_avx2": 12 * 16, "maddubs_int8_avx2": 12 * 64}
+                 "fma_f32_avx2": 12 * 16, "maddubs_int8_avx2": 12 * 64,
+                 "int8_exact_wd_avx2": 12 * 32, "int8_exact_sign_avx2": 12 * 64}  # the exact int8 dot's ceilings
     assert set(per_round) == set(_moe.PROBES)
     for kind, n in per_round.items():
         if not _moe.cpu_has(_moe.PROBES[kind][0]):

@@ -81,7 +81,8 @@ def amx_tile_ops():
 
 # compute-ceiling probes: kind -> (ISA it needs, index in that ISA's probe function)
 PROBES = {"fma_f32": ("avx512", 0), "dpbf16": ("avx512", 1), "vnni_int8": ("avx512", 2),
-          "fma_f32_avx2": ("avx2", 0), "maddubs_int8_avx2": ("avx2", 1)}
+          "fma_f32_avx2": ("avx2", 0), "maddubs_int8_avx2": ("avx2", 1),
+          "int8_exact_wd_avx2": ("avx2", 2), "int8_exact_sign_avx2": ("avx2", 3)}
 
 
 def probe_peak(str kind, long iters):

@@ -100,6 +100,10 @@ typedef struct {
     const float *const *xs;    /* [Kp/32] group scales per row */
     const float *const *xc;    /* [Kp/32] corrections per row */
     int act8;                  /* 1: every q2 is 0 (8-bit activations); kernels may skip them */
+    /* 8-bit-activation mxfp4 only (else NULL): [2 * Kp/32] per row; per group g, xo[2g] = two int16,
+     * offset * the sum of q1[k] over k % 4 < 2 (low half) and over k % 4 >= 2 (high half), and xo[2g + 1]
+     * = offset * 254 * sum(q1): the offset's part of the AVX2 micro-kernel's sums */
+    const int32_t *const *xo;
 } MoeRows;
 
 /* Kernel: C[m][c] (m < rows->n, c < NP, row stride NP) = sum_k x[m][k] * W[panel*NP + c][k]
@@ -131,7 +135,7 @@ void moe_kernels_generic(MoeKernels *k);
 void moe_kernels_avx2(MoeKernels *k);
 void moe_kernels_avx512(MoeKernels *k);
 double moe_probe_avx512(int kind, long iters); /* compute-ceiling probe: 0 f32 FMA, 1 vdpbf16ps, 2 vpdpbusd; returns ops */
-double moe_probe_avx2(int kind, long iters);   /* 0 f32 FMA (ymm), 1 vpmaddubsw; returns ops */
+double moe_probe_avx2(int kind, long iters);   /* 0 f32 FMA (ymm), 1 vpmaddubsw, 2 / 3 the exact int8 dot; returns ops */
 uint64_t moe_read_avx2(const uint8_t *p, size_t n);
 void moe_kernels_amx(MoeKernels *k);
 /* tile multiplies (TDPBF16PS, TDPBSUD) run so far by a -DMOE_AMX_EMULATE build, all threads; -1 in a

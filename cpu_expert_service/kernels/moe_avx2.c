@@ -203,17 +203,21 @@ static void panel_int_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C
  * trick). Per k-block of WGC groups, the panel's weights are widened once to int16 in scratch (int8:
  * w, signed; int4: the nibble q + 8; mxfp4: 2 * e2m1 + 12) and reused by every token of the call;
  * each token's activations of the block are widened once to x16. A micro-tile is W_MR tokens x 8
- * channels: per quad of k (4 int16 of a channel = 64 bits, one broadcast), 2 tile vectors x W_MR
- * tokens of vpmaddwd + vpaddd. The integer group sum is the 1-token path's 254 * ih + il exactly
+ * channels: per quad of k, 2 tile vectors (the k-pairs (0, 1), then (2, 3), of the 8 channels: a
+ * vpmaddwd lane is one channel's pair) x W_MR tokens (two 32-bit broadcasts each) of vpmaddwd + vpaddd.
+ * The integer group sum is the 1-token path's 254 * ih + il exactly
  * (integer adds in any order are exact; no overflow: |sum| < 32 * 127 * 32385 < 2^31), and
  * cvt(254 * ih + il) == fma(cvt(ih), 254, cvt(il)) (both round the same integer once), so the float
  * steps per group are the 1-token path's in its order: a row's bits do not depend on the path. */
 #define WGC 8   /* groups per k-block: the int16 tile is WGC x 8 quads x 256 B = 16 KiB, L1-resident */
-#define W_MR 4  /* tokens per micro-tile: 8 int32 + 4 f32 accumulators, 2 weights, 1 broadcast */
+#define W_MR 6  /* tokens per micro-tile (mk_wd_n: at most 6): 6 int32 + 6 f32 accumulators, 2 weights, 2 broadcasts */
 
-/* tile[(g * 8 + qd) * 128 + c * 4 + j] = weight of channel c, k = 32 g + 4 qd + j, int16, g < ng */
+/* tile[(g * 8 + qd) * 128 + 32 (c / 8) + 16 p + 2 (c % 8) + j] = weight of channel c, k = 32 g + 4 qd + 2 p + j,
+ * int16, g < ng: per quad and 8 channels, their k-pairs (0, 1) then (2, 3), so a vpmaddwd's lane is one channel */
 static void widen_tile(const uint8_t *wp, int g0, int ng, int int4, int16_t *tile) {
     const __m256i x80 = _mm256_set1_epi8((char)0x80), lo4 = _mm256_set1_epi8(0x0f);
+    const __m256i pairs = /* per 4 channels x 4 k: the k-pairs (0, 1), then (2, 3) */
+        _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
     const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)moe_mxfp4_u8));
     for (int g = 0; g < ng; g++) {
         int16_t *tg = tile + (size_t)g * 8 * 128;
@@ -235,8 +239,9 @@ static void widen_tile(const uint8_t *wp, int g0, int ng, int int4, int16_t *til
                     }
                 }
                 __m256i q[2] = {a, b};
-                for (int i = 0; i < 2; i++) {
-                    __m128i l = _mm256_castsi256_si128(q[i]), u = _mm256_extracti128_si256(q[i], 1);
+                for (int i = 0; i < 2; i++) { /* per lane (4 channels x 4 k): the k-pairs (0, 1), then (2, 3) */
+                    __m256i r = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(q[i], pairs), 0xd8);
+                    __m128i l = _mm256_castsi256_si128(r), u = _mm256_extracti128_si256(r, 1);
                     __m256i wl = int4 ? _mm256_cvtepu8_epi16(l) : _mm256_cvtepi8_epi16(l);
                     __m256i wu = int4 ? _mm256_cvtepu8_epi16(u) : _mm256_cvtepi8_epi16(u);
                     int16_t *d = tg + (2 * h + i) * 128 + 32 * v;
@@ -278,26 +283,25 @@ static inline __attribute__((always_inline)) void mk_wd(const int MR, const int 
     for (int m = 0; m < MR; m++)
         acc[m] = load ? _mm256_loadu_ps(C + (size_t)(m0 + m) * 32 + c0) : _mm256_setzero_ps();
     for (int g = 0; g < ng; g++) {
-        __m256i ia[W_MR][2];
-        for (int m = 0; m < MR; m++) ia[m][0] = ia[m][1] = _mm256_setzero_si256();
+        __m256i ia[W_MR];
+        for (int m = 0; m < MR; m++) ia[m] = _mm256_setzero_si256();
 #pragma GCC unroll 1 /* unrolled, GCC regroups the integer adds into trees and spills the products */
         for (int qd = 0; qd < 8; qd++) {
             const int16_t *tq = tile + (size_t)(g * 8 + qd) * 128 + c0 * 4;
             __m256i w0 = _mm256_load_si256((const __m256i *)tq), w1 = _mm256_load_si256((const __m256i *)(tq + 16));
             for (int m = 0; m < MR; m++) {
-                int64_t xv;
-                memcpy(&xv, x16 + (size_t)m * WGC * 32 + g * 32 + qd * 4, 8);
-                __m256i xb = _mm256_set1_epi64x(xv);
-                ia[m][0] = _mm256_add_epi32(ia[m][0], _mm256_madd_epi16(w0, xb));
-                ia[m][1] = _mm256_add_epi32(ia[m][1], _mm256_madd_epi16(w1, xb));
+                int32_t x01, x23;
+                memcpy(&x01, x16 + (size_t)m * WGC * 32 + g * 32 + qd * 4, 4);
+                memcpy(&x23, x16 + (size_t)m * WGC * 32 + g * 32 + qd * 4 + 2, 4);
+                __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_set1_epi32(x01)),
+                                             _mm256_madd_epi16(w1, _mm256_set1_epi32(x23)));
+                ia[m] = _mm256_add_epi32(ia[m], p);
             }
         }
         __m256 ws = _mm256_setzero_ps();
         if (int4) ws = _mm256_load_ps(wsc + (size_t)g * 32 + c0);
         for (int m = 0; m < MR; m++) {
-            /* lanes (c, first half of a quad), (c, second half): hadd pairs them, permute restores c order */
-            __m256i s = _mm256_permute4x64_epi64(_mm256_hadd_epi32(ia[m][0], ia[m][1]), 0xd8);
-            __m256 sf = _mm256_cvtepi32_ps(s), xs = _mm256_set1_ps(rows->xs[m0 + m][g0 + g]);
+            __m256 sf = _mm256_cvtepi32_ps(ia[m]), xs = _mm256_set1_ps(rows->xs[m0 + m][g0 + g]);
             if (!int4) acc[m] = _mm256_fmadd_ps(sf, xs, acc[m]);
             else acc[m] = _mm256_fmadd_ps(ws, _mm256_fmsub_ps(sf, xs, _mm256_set1_ps(rows->xc[m0 + m][g0 + g])), acc[m]);
         }
@@ -307,21 +311,15 @@ static inline __attribute__((always_inline)) void mk_wd(const int MR, const int 
 
 static void mk_wd_n(int mr, int int4, const int16_t *tile, const int16_t *x16, int ng, const float *wsc, int g0,
                     const MoeRows *rows, int m0, float *C) {
-#define MKWD(R, F) for (int c0 = 0; c0 < 32; c0 += 8) mk_wd(R, F, tile, x16, ng, wsc, g0, rows, m0, c0, C, g0 > 0)
-    switch (4 * int4 + mr) {
-    case 1: MKWD(1, 0); break;
-    case 2: MKWD(2, 0); break;
-    case 3: MKWD(3, 0); break;
-    case 4: MKWD(4, 0); break;
-    case 5: MKWD(1, 1); break;
-    case 6: MKWD(2, 1); break;
-    case 7: MKWD(3, 1); break;
-    case 8: MKWD(4, 1); break;
-    case 9: MKWD(1, 2); break;
-    case 10: MKWD(2, 2); break;
-    case 11: MKWD(3, 2); break;
-    default: MKWD(4, 2); break;
-    }
+#define MKWD(R, F) \
+    for (int c0 = 0; c0 < 32; c0 += 8) mk_wd(R < W_MR ? R : W_MR, F, tile, x16, ng, wsc, g0, rows, m0, c0, C, g0 > 0)
+#define MKWD_MR(F) switch (mr) { \
+    case 1: MKWD(1, F); break; case 2: MKWD(2, F); break; case 3: MKWD(3, F); break; \
+    case 4: MKWD(4, F); break; case 5: MKWD(5, F); break; default: MKWD(6, F); break; }
+    if (int4 == 0) MKWD_MR(0)
+    else if (int4 == 1) MKWD_MR(1)
+    else MKWD_MR(2)
+#undef MKWD_MR
 #undef MKWD
 }
 
@@ -332,7 +330,7 @@ static void scale_channels_avx2(const float *chs, float *C, int n) {
             _mm256_storeu_ps(C + m * 32 + 8 * v, _mm256_mul_ps(_mm256_loadu_ps(C + m * 32 + 8 * v), _mm256_loadu_ps(chs + 8 * v)));
 }
 
-/* int4: 0 int8, 1 int4, 2 mxfp4; scratch holds the int16 tile (16 KiB), W_MR x16 rows (2 KiB) and the
+/* int4: 0 int8, 1 int4, 2 mxfp4; scratch holds the int16 tile (16 KiB), W_MR x16 rows (3 KiB) and the
  * block's group scales (1 KiB) */
 static void panel_int_wd(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch, int int4) {
     const uint8_t *wp = W->data + W->panel_bytes * (size_t)p;
@@ -355,25 +353,29 @@ static void panel_int_wd(const MoeMat *W, int p, const MoeRows *rows, float *C, 
 /* ---------------- 2+ tokens at 8-bit activations (int4, mxfp4): one-level vpmaddubsw ----------------
  * With rows->act8 every q2 is 0, so the 1-token path's group sum is its q1 half alone: the nibbles (u8
  * <= 15; mxfp4 2 * e2m1 + 12 <= 24) times q1 (s8) go straight into vpmaddubsw (no sign trick; two
- * products per int16 lane, 2 * 2 * 24 * 127 < 2^15: no saturation), and the unpacked nibbles of a
+ * products per int16 lane, 2 * 24 * 127 < 2^15: no saturation), and the unpacked nibbles of a
  * 16-channel slice are shared by UB_MR tokens. Per group the float steps are the 1-token path's in its
- * order (fma(cvt(ih), 254, cvt(0)), fmsub by xs and xc, fma by the bf16 group scale), so a row's bits
+ * order (fma(cvt(ih), 254, cvt(0)), fmsub by xs and xc, fma by the group scale), so a row's bits
  * do not depend on the path or the batch. int8 keeps the vpmaddwd path: with the sign trick a
  * vpmaddubsw step costs the same uops per product as vpmaddwd on widened weights. */
 #define UB_MR 4
 
-/* int4: 16 channels [c0, c0 + 16) of MR tokens over all G groups, each unpacked 16-channel slice
- * shared by MR tokens; its vpmaddubsw pairs summed in int16 over all 4 octets of a group (8 products
- * of <= 2 * 15 * 127 per lane, < 2^15) before one vpmaddwd. The integer group sum is exact in any
+/* 16 channels [c0, c0 + 16) of MR tokens over all G groups (mx 0 int4, 1 mxfp4), each unpacked
+ * 16-channel slice shared by MR tokens; a group's vpmaddubsw pairs summed in int16 over all 4 octets
+ * (16 products per lane), then one vpmaddwd by 254: 254 * the group sum, exact in int32, whose cvt rounds
+ * the same integer as the 1-token path's fma(cvt(sum), 254, 0). int4: <= 16 * 15 * 127 < 2^15. mxfp4
+ * (2v + 12 <= 24): the int16 adds wrap (16 * 24 * 127 > 2^15), but the signed part sum(2v * q1) is <= 16 *
+ * 12 * 127 < 2^15, so subtracting each lane's offset part 12 * sum(q1) (rows->xo, mod 2^16) leaves it
+ * exact, and 254 * 12 * sum(q1) (rows->xo) is added back in int32. The integer sums are exact in any
  * order, so the bits equal the 1-token path's. */
-static inline __attribute__((always_inline)) void mk_ub(const int MR, const uint8_t *wp, const float *wsc, int G,
-                                                       const MoeRows *rows, int m0, int c0, float *C) {
-    const __m256i ones = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0f);
-    const __m256 k254 = _mm256_set1_ps(254.f), zf = _mm256_setzero_ps();
+static inline __attribute__((always_inline)) void mk_ub(const int MR, const int mx, const uint8_t *wp, const float *wsc,
+                                                       int G, const MoeRows *rows, int m0, int c0, float *C) {
+    const __m256i k254 = _mm256_set1_epi16(254), lo4 = _mm256_set1_epi8(0x0f);
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)moe_mxfp4_u8));
     __m256 acc[UB_MR][2];
     for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     for (int g = 0; g < G; g++) {
-        const uint8_t *gb = wp + (size_t)g * NIB_GB(1);
+        const uint8_t *gb = wp + (size_t)g * NIB_GB(mx ? 2 : 1);
         __m256i ia[UB_MR][2], s[UB_MR][2];
         for (int o = 0; o < 4; o++) {
             __m256i l[2], h[2];
@@ -381,6 +383,10 @@ static inline __attribute__((always_inline)) void mk_ub(const int MR, const uint
                 __m256i pk = _mm256_loadu_si256((const __m256i *)(gb + o * 128 + 4 * c0 + 32 * v));
                 l[v] = _mm256_and_si256(pk, lo4);
                 h[v] = _mm256_and_si256(_mm256_srli_epi16(pk, 4), lo4);
+                if (mx) {
+                    l[v] = _mm256_shuffle_epi8(lut, l[v]);
+                    h[v] = _mm256_shuffle_epi8(lut, h[v]);
+                }
             }
             for (int m = 0; m < MR; m++) {
                 const int8_t *xq = rows->q[m0 + m] + (size_t)g * 64 + 8 * o;
@@ -395,60 +401,23 @@ static inline __attribute__((always_inline)) void mk_ub(const int MR, const uint
             for (int m = 0; m < MR; m++)
                 for (int v = 0; v < 2; v++) __asm__("" : "+x"(s[m][v]));
         }
-        for (int m = 0; m < MR; m++)
-            for (int v = 0; v < 2; v++) ia[m][v] = _mm256_madd_epi16(s[m][v], ones);
+        for (int m = 0; m < MR; m++) { /* 254 * the group sum, exact in int32 (< 2^31) */
+            __m256i off = mx ? _mm256_set1_epi32(rows->xo[m0 + m][2 * g]) : _mm256_setzero_si256();
+            __m256i fo = mx ? _mm256_set1_epi32(rows->xo[m0 + m][2 * g + 1]) : _mm256_setzero_si256();
+            for (int v = 0; v < 2; v++)
+                ia[m][v] = mx ? _mm256_add_epi32(_mm256_madd_epi16(_mm256_sub_epi16(s[m][v], off), k254), fo)
+                              : _mm256_madd_epi16(s[m][v], k254);
+        }
         for (int v = 0; v < 2; v++) {
             __m256 ws = _mm256_load_ps(wsc + (size_t)g * 32 + c0 + 8 * v);
             for (int m = 0; m < MR; m++) {
                 __m256 xs = _mm256_set1_ps(rows->xs[m0 + m][g]), xc = _mm256_set1_ps(rows->xc[m0 + m][g]);
-                __m256 sv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[m][v]), k254, zf);
-                acc[m][v] = _mm256_fmadd_ps(ws, _mm256_fmsub_ps(sv, xs, xc), acc[m][v]);
+                acc[m][v] = _mm256_fmadd_ps(ws, _mm256_fmsub_ps(_mm256_cvtepi32_ps(ia[m][v]), xs, xc), acc[m][v]);
             }
         }
     }
     for (int m = 0; m < MR; m++)
         for (int v = 0; v < 2; v++) _mm256_storeu_ps(C + (size_t)(m0 + m) * 32 + c0 + 8 * v, acc[m][v]);
-}
-
-/* mxfp4 (table values <= 24): every octet's int16 pair sums widened by vpmaddwd at once (4 octets would
- * pass 2^15; summing 2 needs 2 MR more registers, and on 8-channel slices that measured 3-7% slower) */
-static inline __attribute__((always_inline)) void mk_ub_wide(const int MR, const uint8_t *wp, const float *wsc, int G,
-                                                       const MoeRows *rows, int m0, int c0, float *C) {
-    const __m256i ones = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0f);
-    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)moe_mxfp4_u8));
-    const __m256 k254 = _mm256_set1_ps(254.f), zf = _mm256_setzero_ps();
-    __m256 acc[UB_MR][2];
-    for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-    for (int g = 0; g < G; g++) {
-        const uint8_t *gb = wp + (size_t)g * NIB_GB(2);
-        __m256i ia[UB_MR][2];
-        for (int m = 0; m < MR; m++) ia[m][0] = ia[m][1] = _mm256_setzero_si256();
-        for (int o = 0; o < 4; o++) {
-            for (int v = 0; v < 2; v++) {
-                __m256i pk = _mm256_loadu_si256((const __m256i *)(gb + o * 128 + 4 * c0 + 32 * v));
-                __m256i l = _mm256_shuffle_epi8(lut, _mm256_and_si256(pk, lo4));
-                __m256i h = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(pk, 4), lo4));
-                for (int m = 0; m < MR; m++) {
-                    const int8_t *xq = rows->q[m0 + m] + (size_t)g * 64 + 8 * o;
-                    __m256i a = _mm256_set1_epi32(*(const int32_t *)xq), b = _mm256_set1_epi32(*(const int32_t *)(xq + 4));
-                    __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(l, a), _mm256_maddubs_epi16(h, b));
-                    ia[m][v] = _mm256_add_epi32(ia[m][v], _mm256_madd_epi16(ph, ones));
-                }
-            }
-        }
-        __m256 ws0 = _mm256_load_ps(wsc + (size_t)g * 32 + c0), ws1 = _mm256_load_ps(wsc + (size_t)g * 32 + c0 + 8);
-        for (int m = 0; m < MR; m++) {
-            __m256 xs = _mm256_set1_ps(rows->xs[m0 + m][g]), xc = _mm256_set1_ps(rows->xc[m0 + m][g]);
-            __m256 s0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[m][0]), k254, zf);
-            __m256 s1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[m][1]), k254, zf);
-            acc[m][0] = _mm256_fmadd_ps(ws0, _mm256_fmsub_ps(s0, xs, xc), acc[m][0]);
-            acc[m][1] = _mm256_fmadd_ps(ws1, _mm256_fmsub_ps(s1, xs, xc), acc[m][1]);
-        }
-    }
-    for (int m = 0; m < MR; m++) {
-        _mm256_storeu_ps(C + (size_t)(m0 + m) * 32 + c0, acc[m][0]);
-        _mm256_storeu_ps(C + (size_t)(m0 + m) * 32 + c0 + 8, acc[m][1]);
-    }
 }
 
 /* int4 (mx 0) / mxfp4 (mx 1) panel for 2+ rows at 8-bit activations; scratch: the panel's group scales */
@@ -460,7 +429,7 @@ static void panel_int_ub(const MoeMat *W, int p, const MoeRows *rows, float *C, 
     for (int m0 = 0; m0 < n; m0 += UB_MR) {
         int mr = n - m0 < UB_MR ? n - m0 : UB_MR;
         for (int c0 = 0; c0 < 32; c0 += 16) {
-#define MKUB(R) (mx ? mk_ub_wide(R, wp, wsc, G, rows, m0, c0, C) : mk_ub(R, wp, wsc, G, rows, m0, c0, C))
+#define MKUB(R) (mx ? mk_ub(R, 1, wp, wsc, G, rows, m0, c0, C) : mk_ub(R, 0, wp, wsc, G, rows, m0, c0, C))
             switch (mr) {
             case 1: MKUB(1); break;
             case 2: MKUB(2); break;
@@ -483,7 +452,7 @@ void moe_panel_int4_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, 
 }
 void moe_panel_mxfp4_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {
     if (rows->n == 1) panel_int_avx2(W, p, rows, C, 2);
-    else if (rows->act8) panel_int_ub(W, p, rows, C, scratch, 1);
+    else if (rows->act8 && rows->xo) panel_int_ub(W, p, rows, C, scratch, 1);
     else panel_int_wd(W, p, rows, C, scratch, 2);
 }
 
@@ -497,6 +466,7 @@ void moe_kernels_avx2(MoeKernels *k) {
 }
 
 /* ---------------- machine-ceiling probes (for bench/bench_kernels.py) ---------------- */
+#define PROBE2_CHAINS 12
 
 /* Stream-read [p, p + n) (n a multiple of 256) with 256-bit loads into 4 independent xor chains:
  * what a weight stream can get from memory on one core. Returns the xor (so nothing is elided). */
@@ -515,11 +485,34 @@ uint64_t moe_read_avx2(const uint8_t *p, size_t n) {
     return r[0] ^ r[1] ^ r[2] ^ r[3];
 }
 
+/* The exact s8 x s8 dot's own ceilings on AVX2 (kinds 2, 3 of moe_probe_avx2): vpmaddubsw's u8 x s8 pairs
+ * saturate for signed 8-bit weights (2 * 255 * 127 > 2^15), so an exact int8 dot takes at least two
+ * multiply-port ops per 32 products. 2: vpmaddwd + vpaddd on int16 weights (16 products: the int8
+ * tile's loop); 3: vpsignb + vpmaddubsw + vpmaddwd (widening, the pair sums are up to 2 * 128 * 127)
+ * + vpaddd (32 products: the sign trick), each in 12 chains. Returns the operations done. */
+static double probe_int8_exact(int kind, long iters) {
+    __m256i acc[PROBE2_CHAINS];
+    for (int c = 0; c < PROBE2_CHAINS; c++) acc[c] = _mm256_set1_epi8((char)(1 + c));
+    const __m256i w = _mm256_set1_epi8(-3), aw = _mm256_abs_epi8(w), ones = _mm256_set1_epi16(1);
+    for (long i = 0; i < iters; i++)
+        for (int c = 0; c < PROBE2_CHAINS; c++) {
+            __m256i p = kind == 2 ? _mm256_madd_epi16(acc[c], w)
+                                  : _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(acc[c], w)), ones);
+            acc[c] = _mm256_add_epi32(acc[c], p);
+        }
+    __m256i t = acc[0];
+    for (int c = 1; c < PROBE2_CHAINS; c++) t = _mm256_xor_si256(t, acc[c]);
+    volatile int sink = _mm256_extract_epi32(t, 0);
+    (void)sink;
+    return (double)iters * PROBE2_CHAINS * (kind == 2 ? 32.0 : 64.0);
+}
+
 /* `iters` rounds of 12 independent 256-bit chains: kind 0 f32 FMA (the AVX2 bf16 kernel's
- * instruction), 1 vpmaddubsw u8 x s8 (the AVX2 int8/int4 kernels' multiply). Returns the
- * operations done (2 per multiply-add); the caller times it on every thread at once. */
-#define PROBE2_CHAINS 12
+ * instruction), 1 vpmaddubsw u8 x s8 (the AVX2 int8/int4 kernels' multiply); 2, 3 the exact int8
+ * dot's sequences (probe_int8_exact). Returns the operations done (2 per multiply-add); the caller
+ * times it on every thread at once. */
 double moe_probe_avx2(int kind, long iters) {
+    if (kind >= 2) return probe_int8_exact(kind, iters);
     if (kind == 0) {
         __m256 acc[PROBE2_CHAINS];
         for (int c = 0; c < PROBE2_CHAINS; c++) acc[c] = _mm256_set1_ps(1e-3f * (float)c);

@@ -261,7 +261,8 @@ double moe_probe_read(MoePool *pool, const uint8_t *buf, size_t bytes) {
  * projection). Layout per group: [32 x q1][32 x q2]. xs[g] = s / div (254; 508 for mxfp4, whose table
  * doubles the e2m1 values: exactly half, so the e8m0 value scales a group as is); xc[g] = offset * xs[g] *
  * sum(254 q1 + q2), the correction for unsigned (offset) weights. levels 1 (8-bit activations): q2 = 0. */
-static void quant_row(const float *x, int K, int Kp, int offset, int levels, float div, int8_t *q, float *xs, float *xc) {
+static void quant_row(const float *x, int K, int Kp, int offset, int levels, float div, int8_t *q, float *xs, float *xc,
+                      int32_t *xo) {
     for (int g = 0; g < Kp / MOE_GROUP; g++) {
         float amax = 0.f;
         int k0 = g * MOE_GROUP;
@@ -284,6 +285,12 @@ static void quant_row(const float *x, int K, int Kp, int offset, int levels, flo
         }
         xs[g] = s / div;
         xc[g] = (float)offset * xs[g] * (float)sum;
+        if (xo) { /* MoeRows.xo (levels 1: sum = 254 * sum(q1)) */
+            int h[2] = {0, 0};
+            for (int k = 0; k < MOE_GROUP; k++) h[(k >> 1) & 1] += qh[k];
+            xo[2 * g] = (int32_t)((uint32_t)(uint16_t)(offset * h[0]) | (uint32_t)(uint16_t)(offset * h[1]) << 16);
+            xo[2 * g + 1] = offset * sum;
+        }
     }
 }
 
@@ -311,6 +318,7 @@ typedef struct {
     float *xf; /* bf16 format: the bf16 token rows in f32 (af: the bf16 assignment rows in f32) */
     int8_t *xq, *aq;
     float *xs, *xc, *as, *ac, *af;
+    int32_t *xo, *ao; /* 8-bit-activation mxfp4: MoeRows.xo of the token and assignment rows; else NULL */
     /* per thread */
     const void **ptrs; /* [nt][4 * nmax] */
     float *C;          /* [nt][nmax * 64] */
@@ -338,7 +346,8 @@ static void fwd_job(void *arg, int tid, int nt) {
                 df[kk] = moe_bf16_to_f32(d[kk]);
             }
         } else
-            quant_row(xr, f->H, Kx, off, levels, div, f->xq + (size_t)t * 2 * Kx, f->xs + (size_t)t * gx, f->xc + (size_t)t * gx);
+            quant_row(xr, f->H, Kx, off, levels, div, f->xq + (size_t)t * 2 * Kx, f->xs + (size_t)t * gx, f->xc + (size_t)t * gx,
+                      f->xo ? f->xo + (size_t)t * 2 * gx : NULL);
     }
     if (nt > 1) moe_pool_barrier(f->pool);
 
@@ -352,6 +361,7 @@ static void fwd_job(void *arg, int tid, int nt) {
     rows.xs = (const float *const *)(ptr + f->nmax);
     rows.xc = (const float *const *)(ptr + 2 * f->nmax);
     rows.f = (const float *const *)(ptr + 3 * f->nmax);
+    rows.xo = isint && f->xo ? (const int32_t *const *)(ptr + 3 * f->nmax) : NULL; /* the slot rows.f has for bf16 */
 
     /* phase 1: gate+up, [clamp,] silu(gate) * up */
     const float lim = f->kern->swiglu_limit;
@@ -368,6 +378,7 @@ static void fwd_job(void *arg, int tid, int nt) {
                 ptr[m] = f->xq + (size_t)t * 2 * Kx;
                 ptr[f->nmax + m] = f->xs + (size_t)t * gx;
                 ptr[2 * f->nmax + m] = f->xc + (size_t)t * gx;
+                ptr[3 * f->nmax + m] = f->xo ? f->xo + (size_t)t * 2 * gx : NULL;
             }
         }
         moe_part(W->Np / W->NP, tid, nt, &p0, &p1);
@@ -389,7 +400,7 @@ static void fwd_job(void *arg, int tid, int nt) {
         moe_part(f->na, tid, nt, &r0, &r1);
         for (int a = r0; a < r1; a++)
             quant_row(f->af + (size_t)a * Ka, Ka, Ka, off, levels, div, f->aq + (size_t)a * 2 * Ka, f->as + (size_t)a * ga,
-                      f->ac + (size_t)a * ga);
+                      f->ac + (size_t)a * ga, f->ao ? f->ao + (size_t)a * 2 * ga : NULL);
         if (nt > 1) moe_pool_barrier(f->pool);
     }
     /* phase 2: down, weighted accumulation; this thread owns output columns of its panels, so a
@@ -408,6 +419,7 @@ static void fwd_job(void *arg, int tid, int nt) {
                 ptr[m] = f->aq + (size_t)a * 2 * Ka;
                 ptr[f->nmax + m] = f->as + (size_t)a * ga;
                 ptr[2 * f->nmax + m] = f->ac + (size_t)a * ga;
+                ptr[3 * f->nmax + m] = f->ao ? f->ao + (size_t)a * 2 * ga : NULL;
             }
         }
         moe_part(W->Np / NP, tid, nt, &p0, &p1);
@@ -520,6 +532,10 @@ int moe_forward(MoePool *pool, const MoeKernels *kern, MoeExpert *const *experts
             f.aq = take(&ar, (size_t)f.na * 2 * f.Ka);
             f.as = take(&ar, sizeof(float) * f.na * ga);
             f.ac = take(&ar, sizeof(float) * f.na * ga);
+            if (fmt == MOE_FMT_MXFP4 && kern->act_bits == 8) {
+                f.xo = take(&ar, sizeof(int32_t) * 2 * T * gx);
+                f.ao = take(&ar, sizeof(int32_t) * 2 * f.na * ga);
+            }
         }
     }
     if (!ar.base || !f.ex || !f.off || !f.tok || !f.wt || !slot || !f.ptrs || !f.C || !f.scratch ||
