@@ -14,12 +14,14 @@ static void scale_channels_avx2(const float *chs, float *C, int n);
 
 #define KC_BF 128 /* k-pairs per block: 64 ch x 256 k x 2 B = 32 KiB of weights, L1-resident */
 #define GC_INT 16 /* groups per block */
-#define BF2_MR 4  /* tokens per micro-tile: 4 x 2 ymm = 8 accumulators + 4 widened weights + 2 broadcasts */
+#define BF2_MR 6  /* tokens per micro-tile: 6 x 2 ymm = 12 accumulators + 2 widened weights + 1 broadcast + mask */
 
-/* C[m][c0 .. c0+16) (+)= x[m] . W over k-pairs [kp0, kp0 + nkp): each loaded weight vector (8
- * channels x one k-pair) is widened to f32 once and feeds MR tokens. Per output element the
- * order is fixed whatever MR is (batch invariance): for each k-pair ascending, the even product
- * then the odd one, each a rounded FMA into one f32 accumulator (bf16 x bf16 products are exact). */
+/* C[m][c0 .. c0+16) (+)= x[m] . W over k-pairs [kp0, kp0 + nkp): per k-pair the even halves of the
+ * 16 channels are widened (shift, straight from L1) and feed all MR tokens, then the odd halves (and),
+ * so only 2 widened weights are live beside MR x 2 accumulators and one broadcast (MR 6: 16 ymm), and
+ * each activation is broadcast once per k-pair. Per output element the order is fixed whatever MR is
+ * (batch invariance): for each k-pair ascending, the even product then the odd one, each a rounded
+ * FMA into one f32 accumulator (bf16 x bf16 products are exact). */
 static inline __attribute__((always_inline)) void mk_bf16_avx2(const int MR, const uint16_t *w, int nkp,
                                                                 const float *const *x, int kp0, float *C, int load) {
     __m256 acc[BF2_MR][2];
@@ -27,23 +29,61 @@ static inline __attribute__((always_inline)) void mk_bf16_avx2(const int MR, con
         for (int v = 0; v < 2; v++) acc[m][v] = load ? _mm256_loadu_ps(C + m * 64 + 8 * v) : _mm256_setzero_ps();
     const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
     for (int kp = 0; kp < nkp; kp++) {
-        const uint16_t *wr = w + (size_t)kp * 128;
-        __m256 we[2], wo[2];
-        for (int v = 0; v < 2; v++) {
-            __m256i t = _mm256_loadu_si256((const __m256i *)(wr + 16 * v));
-            we[v] = _mm256_castsi256_ps(_mm256_slli_epi32(t, 16));
-            wo[v] = _mm256_castsi256_ps(_mm256_and_si256(t, hi));
-        }
+        const __m256i *wr = (const __m256i *)(w + (size_t)kp * 128);
+        __m256 we0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(wr), 16));
+        __m256 we1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(wr + 1), 16));
         for (int m = 0; m < MR; m++) {
-            __m256 xe = _mm256_broadcast_ss(x[m] + 2 * (kp0 + kp)), xo = _mm256_broadcast_ss(x[m] + 2 * (kp0 + kp) + 1);
-            for (int v = 0; v < 2; v++) {
-                acc[m][v] = _mm256_fmadd_ps(we[v], xe, acc[m][v]);
-                acc[m][v] = _mm256_fmadd_ps(wo[v], xo, acc[m][v]);
-            }
+            __m256 xb = _mm256_broadcast_ss(x[m] + 2 * (kp0 + kp));
+            acc[m][0] = _mm256_fmadd_ps(we0, xb, acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(we1, xb, acc[m][1]);
+        }
+        __m256 wo0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(wr), hi));
+        __m256 wo1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(wr + 1), hi));
+        for (int m = 0; m < MR; m++) {
+            __m256 xb = _mm256_broadcast_ss(x[m] + 2 * (kp0 + kp) + 1);
+            acc[m][0] = _mm256_fmadd_ps(wo0, xb, acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(wo1, xb, acc[m][1]);
         }
     }
     for (int m = 0; m < MR; m++)
         for (int v = 0; v < 2; v++) _mm256_storeu_ps(C + m * 64 + 8 * v, acc[m][v]);
+}
+
+/* One token's FMAs of mk_bf16_6 (asm): broadcast x[kp][half] (OFF 0 even, 4 odd) into ymm14, then
+ * ymm12 (channels 0-7) / ymm13 (8-15) x it into the token's accumulators A, B. */
+#define BF6_T(OFF, X, A, B) "vbroadcastss " OFF "(%[" X "],%[i]),%%ymm14\n\t" \
+    "vfmadd231ps %%ymm12,%%ymm14,%%ymm" A "\n\tvfmadd231ps %%ymm13,%%ymm14,%%ymm" B "\n\t"
+#define BF6_ALL(OFF) BF6_T(OFF, "x0", "0", "1") BF6_T(OFF, "x1", "2", "3") BF6_T(OFF, "x2", "4", "5") \
+    BF6_T(OFF, "x3", "6", "7") BF6_T(OFF, "x4", "8", "9") BF6_T(OFF, "x5", "10", "11")
+#define BF6_L(T, A, B) "vmovups " T "(%[C]),%%ymm" A "\n\tvmovups " T "+32(%[C]),%%ymm" B "\n\t"
+#define BF6_S(T, A, B) "vmovups %%ymm" A "," T "(%[C])\n\tvmovups %%ymm" B "," T "+32(%[C])\n\t"
+#define BF6_CS(F) F("0", "0", "1") F("256", "2", "3") F("512", "4", "5") F("768", "6", "7") \
+    F("1024", "8", "9") F("1280", "10", "11")
+
+/* mk_bf16_avx2 for 6 tokens, register-allocated by hand (GCC spilled 5 accumulators): ymm0-11 the
+ * 12 accumulators, ymm12-13 the widened weights (even: load + shift, odd: and from L1), ymm14 the
+ * broadcast, ymm15 the odd mask. Same FMA chain per output element as mk_bf16_avx2. */
+static void mk_bf16_6(const uint16_t *w, long nkp, const float *const *x, int kp0, float *C, int load) {
+    const float *x0 = x[0] + 2 * kp0, *x1 = x[1] + 2 * kp0, *x2 = x[2] + 2 * kp0;
+    const float *x3 = x[3] + 2 * kp0, *x4 = x[4] + 2 * kp0, *x5 = x[5] + 2 * kp0;
+    long i = 0;
+    __asm__ volatile("vpcmpeqd %%ymm15,%%ymm15,%%ymm15\n\tvpslld $16,%%ymm15,%%ymm15\n\t"
+                     "test %[load],%[load]\n\tjz 1f\n\t" BF6_CS(BF6_L) "jmp 2f\n"
+                     "1:\n\tvxorps %%ymm0,%%ymm0,%%ymm0\n\tvmovaps %%ymm0,%%ymm1\n\tvmovaps %%ymm0,%%ymm2\n\t"
+                     "vmovaps %%ymm0,%%ymm3\n\tvmovaps %%ymm0,%%ymm4\n\tvmovaps %%ymm0,%%ymm5\n\t"
+                     "vmovaps %%ymm0,%%ymm6\n\tvmovaps %%ymm0,%%ymm7\n\tvmovaps %%ymm0,%%ymm8\n\t"
+                     "vmovaps %%ymm0,%%ymm9\n\tvmovaps %%ymm0,%%ymm10\n\tvmovaps %%ymm0,%%ymm11\n"
+                     "2:\n\ttest %[n],%[n]\n\tjz 4f\n"
+                     "3:\n\tvmovdqu (%[w]),%%ymm12\n\tvmovdqu 32(%[w]),%%ymm13\n\t"
+                     "vpslld $16,%%ymm12,%%ymm12\n\tvpslld $16,%%ymm13,%%ymm13\n\t" BF6_ALL("")
+                     "vpand (%[w]),%%ymm15,%%ymm12\n\tvpand 32(%[w]),%%ymm15,%%ymm13\n\t" BF6_ALL("4")
+                     "add $256,%[w]\n\tadd $8,%[i]\n\tdec %[n]\n\tjnz 3b\n"
+                     "4:\n\t" BF6_CS(BF6_S)
+                     : [w] "+r"(w), [i] "+r"(i), [n] "+r"(nkp)
+                     : [x0] "r"(x0), [x1] "r"(x1), [x2] "r"(x2), [x3] "r"(x3), [x4] "r"(x4), [x5] "r"(x5),
+                       [C] "r"(C), [load] "r"(load)
+                     : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",
+                       "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "cc", "memory");
 }
 
 /* Weight-stream prefetch of the 1-token bf16 path, bytes ahead of the line being read (L1, L2) */
@@ -97,7 +137,9 @@ void moe_panel_bf16_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, 
                 case 1: mk_bf16_avx2(1, w, kc, x, k0, Cm, k0 > 0); break;
                 case 2: mk_bf16_avx2(2, w, kc, x, k0, Cm, k0 > 0); break;
                 case 3: mk_bf16_avx2(3, w, kc, x, k0, Cm, k0 > 0); break;
-                default: mk_bf16_avx2(BF2_MR, w, kc, x, k0, Cm, k0 > 0); break;
+                case 4: mk_bf16_avx2(4, w, kc, x, k0, Cm, k0 > 0); break;
+                case 5: mk_bf16_avx2(5, w, kc, x, k0, Cm, k0 > 0); break;
+                default: mk_bf16_6(w, kc, x, k0, Cm, k0 > 0); break;
                 }
             }
     }
