@@ -12,7 +12,11 @@
 
 static void scale_channels_avx2(const float *chs, float *C, int n);
 
-#define KC_BF 128 /* k-pairs per block: 64 ch x 256 k x 2 B = 32 KiB of weights, L1-resident */
+#define KC_BF 64 /* k-pairs per block: 64 ch x 128 k x 2 B = 16 KiB of weights, L1-resident */
+#ifndef BF2_PF_HINT
+#define BF2_PF_HINT _MM_HINT_T0
+#endif
+#define BF2_XS (2 * KC_BF + 16) /* floats per packed activation row (rows 4 KiB apart share L1 sets) */
 #define GC_INT 16 /* groups per block */
 #define BF2_MR 6  /* tokens per micro-tile: 6 x 2 ymm = 12 accumulators + 2 widened weights + 1 broadcast + mask */
 
@@ -23,8 +27,8 @@ static void scale_channels_avx2(const float *chs, float *C, int n);
  * (batch invariance): for each k-pair ascending, the even product then the odd one, each a rounded
  * FMA into one f32 accumulator (bf16 x bf16 products are exact). */
 static inline __attribute__((always_inline)) void mk_bf16_avx2(const int MR, const uint16_t *w, int nkp,
-                                                                const float *const *x, int kp0, float *C, int load) {
-    __m256 acc[BF2_MR][2];
+                                                                const float *const *x, float *C, int load) {
+    __m256 acc[4][2];
     for (int m = 0; m < MR; m++)
         for (int v = 0; v < 2; v++) acc[m][v] = load ? _mm256_loadu_ps(C + m * 64 + 8 * v) : _mm256_setzero_ps();
     const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
@@ -33,14 +37,14 @@ static inline __attribute__((always_inline)) void mk_bf16_avx2(const int MR, con
         __m256 we0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(wr), 16));
         __m256 we1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(wr + 1), 16));
         for (int m = 0; m < MR; m++) {
-            __m256 xb = _mm256_broadcast_ss(x[m] + 2 * (kp0 + kp));
+            __m256 xb = _mm256_broadcast_ss(x[m] + 2 * kp);
             acc[m][0] = _mm256_fmadd_ps(we0, xb, acc[m][0]);
             acc[m][1] = _mm256_fmadd_ps(we1, xb, acc[m][1]);
         }
         __m256 wo0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(wr), hi));
         __m256 wo1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(wr + 1), hi));
         for (int m = 0; m < MR; m++) {
-            __m256 xb = _mm256_broadcast_ss(x[m] + 2 * (kp0 + kp) + 1);
+            __m256 xb = _mm256_broadcast_ss(x[m] + 2 * kp + 1);
             acc[m][0] = _mm256_fmadd_ps(wo0, xb, acc[m][0]);
             acc[m][1] = _mm256_fmadd_ps(wo1, xb, acc[m][1]);
         }
@@ -49,41 +53,35 @@ static inline __attribute__((always_inline)) void mk_bf16_avx2(const int MR, con
         for (int v = 0; v < 2; v++) _mm256_storeu_ps(C + m * 64 + 8 * v, acc[m][v]);
 }
 
-/* One token's FMAs of mk_bf16_6 (asm): broadcast x[kp][half] (OFF 0 even, 4 odd) into ymm14, then
- * ymm12 (channels 0-7) / ymm13 (8-15) x it into the token's accumulators A, B. */
-#define BF6_T(OFF, X, A, B) "vbroadcastss " OFF "(%[" X "],%[i]),%%ymm14\n\t" \
+/* mk_bf16_asm's pieces, per token row F(C offset, accumulators A and B, x offset: BF2_XS floats a row) */
+#define BF_C5(F) F("0", "0", "1", "0") F("256", "2", "3", "576") F("512", "4", "5", "1152") \
+    F("768", "6", "7", "1728") F("1024", "8", "9", "2304")
+#define BF_C6(F) BF_C5(F) F("1280", "10", "11", "2880")
+#define BF_L(T, A, B, X) "vmovups " T "(%[C]),%%ymm" A "\n\tvmovups " T "+32(%[C]),%%ymm" B "\n\t"
+#define BF_S(T, A, B, X) "vmovups %%ymm" A "," T "(%[C])\n\tvmovups %%ymm" B "," T "+32(%[C])\n\t"
+#define BF_Z(T, A, B, X) "vxorps %%ymm" A ",%%ymm" A ",%%ymm" A "\n\tvxorps %%ymm" B ",%%ymm" B ",%%ymm" B "\n\t"
+#define BF_T(OFF, X, A, B) "vbroadcastss " OFF "+" X "(%[x],%[i]),%%ymm14\n\t" \
     "vfmadd231ps %%ymm12,%%ymm14,%%ymm" A "\n\tvfmadd231ps %%ymm13,%%ymm14,%%ymm" B "\n\t"
-#define BF6_ALL(OFF) BF6_T(OFF, "x0", "0", "1") BF6_T(OFF, "x1", "2", "3") BF6_T(OFF, "x2", "4", "5") \
-    BF6_T(OFF, "x3", "6", "7") BF6_T(OFF, "x4", "8", "9") BF6_T(OFF, "x5", "10", "11")
-#define BF6_L(T, A, B) "vmovups " T "(%[C]),%%ymm" A "\n\tvmovups " T "+32(%[C]),%%ymm" B "\n\t"
-#define BF6_S(T, A, B) "vmovups %%ymm" A "," T "(%[C])\n\tvmovups %%ymm" B "," T "+32(%[C])\n\t"
-#define BF6_CS(F) F("0", "0", "1") F("256", "2", "3") F("512", "4", "5") F("768", "6", "7") \
-    F("1024", "8", "9") F("1280", "10", "11")
+#define BF_E(T, A, B, X) BF_T("0", X, A, B)
+#define BF_O(T, A, B, X) BF_T("4", X, A, B)
+#define BF_ASM(CS) __asm__ volatile( \
+    "vpcmpeqd %%ymm15,%%ymm15,%%ymm15\n\tvpslld $16,%%ymm15,%%ymm15\n\ttest %[load],%[load]\n\tjz 1f\n\t" \
+    CS(BF_L) "jmp 2f\n1:\n\t" CS(BF_Z) "2:\n\ttest %[n],%[n]\n\tjz 4f\n3:\n\tvmovdqu (%[w]),%%ymm12\n\t" \
+    "vmovdqu 32(%[w]),%%ymm13\n\tvpslld $16,%%ymm12,%%ymm12\n\tvpslld $16,%%ymm13,%%ymm13\n\t" CS(BF_E) \
+    "vpand (%[w]),%%ymm15,%%ymm12\n\tvpand 32(%[w]),%%ymm15,%%ymm13\n\t" CS(BF_O) \
+    "add $256,%[w]\n\tadd $8,%[i]\n\tdec %[n]\n\tjnz 3b\n4:\n\t" CS(BF_S) \
+    : [w] "+r"(w), [i] "+r"(i), [n] "+r"(nkp) : [x] "r"(x), [C] "r"(C), [load] "r"(load) \
+    : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", \
+      "xmm12", "xmm13", "xmm14", "xmm15", "cc", "memory")
+_Static_assert(BF2_XS * 4 == 576, "BF_C5's x offsets are rows of BF2_XS floats");
 
-/* mk_bf16_avx2 for 6 tokens, register-allocated by hand (GCC spilled 5 accumulators): ymm0-11 the
- * 12 accumulators, ymm12-13 the widened weights (even: load + shift, odd: and from L1), ymm14 the
- * broadcast, ymm15 the odd mask. Same FMA chain per output element as mk_bf16_avx2. */
-static void mk_bf16_6(const uint16_t *w, long nkp, const float *const *x, int kp0, float *C, int load) {
-    const float *x0 = x[0] + 2 * kp0, *x1 = x[1] + 2 * kp0, *x2 = x[2] + 2 * kp0;
-    const float *x3 = x[3] + 2 * kp0, *x4 = x[4] + 2 * kp0, *x5 = x[5] + 2 * kp0;
+/* mk_bf16_avx2 for 5 or 6 tokens (rows of `x` BF2_XS floats apart), register-allocated by hand (GCC
+ * spilled 5 of the 12 accumulators): ymm0-11 the accumulators, ymm12-13 the widened weights (even: load
+ * + shift, odd: and from L1), ymm14 the broadcast, ymm15 the odd mask. The same FMA chain per element. */
+static void mk_bf16_asm(int mr, const uint16_t *w, long nkp, const float *x, float *C, int load) {
     long i = 0;
-    __asm__ volatile("vpcmpeqd %%ymm15,%%ymm15,%%ymm15\n\tvpslld $16,%%ymm15,%%ymm15\n\t"
-                     "test %[load],%[load]\n\tjz 1f\n\t" BF6_CS(BF6_L) "jmp 2f\n"
-                     "1:\n\tvxorps %%ymm0,%%ymm0,%%ymm0\n\tvmovaps %%ymm0,%%ymm1\n\tvmovaps %%ymm0,%%ymm2\n\t"
-                     "vmovaps %%ymm0,%%ymm3\n\tvmovaps %%ymm0,%%ymm4\n\tvmovaps %%ymm0,%%ymm5\n\t"
-                     "vmovaps %%ymm0,%%ymm6\n\tvmovaps %%ymm0,%%ymm7\n\tvmovaps %%ymm0,%%ymm8\n\t"
-                     "vmovaps %%ymm0,%%ymm9\n\tvmovaps %%ymm0,%%ymm10\n\tvmovaps %%ymm0,%%ymm11\n"
-                     "2:\n\ttest %[n],%[n]\n\tjz 4f\n"
-                     "3:\n\tvmovdqu (%[w]),%%ymm12\n\tvmovdqu 32(%[w]),%%ymm13\n\t"
-                     "vpslld $16,%%ymm12,%%ymm12\n\tvpslld $16,%%ymm13,%%ymm13\n\t" BF6_ALL("")
-                     "vpand (%[w]),%%ymm15,%%ymm12\n\tvpand 32(%[w]),%%ymm15,%%ymm13\n\t" BF6_ALL("4")
-                     "add $256,%[w]\n\tadd $8,%[i]\n\tdec %[n]\n\tjnz 3b\n"
-                     "4:\n\t" BF6_CS(BF6_S)
-                     : [w] "+r"(w), [i] "+r"(i), [n] "+r"(nkp)
-                     : [x0] "r"(x0), [x1] "r"(x1), [x2] "r"(x2), [x3] "r"(x3), [x4] "r"(x4), [x5] "r"(x5),
-                       [C] "r"(C), [load] "r"(load)
-                     : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",
-                       "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "cc", "memory");
+    if (mr == 6) BF_ASM(BF_C6);
+    else BF_ASM(BF_C5);
 }
 
 /* Weight-stream prefetch of the 1-token bf16 path, bytes ahead of the line being read (L1, L2) */
@@ -118,30 +116,41 @@ static void gemv_bf16_avx2(const uint16_t *w, int nkp, const float *x, float *C)
     for (int v = 0; v < 8; v++) _mm256_storeu_ps(C + 8 * v, a[v]);
 }
 
+/* 2+ tokens: per k-block, each tile of up to 6 tokens has its activations copied to `scratch`
+ * (BF2_XS floats a row: token rows Kp floats apart alias in L1 and evicted the weights) and runs the
+ * block's 4 16-channel slices, whose 16 KiB of weights stay in L1 across the block's tiles. */
 void moe_panel_bf16_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {
-    (void)scratch;
     const uint16_t *wp = (const uint16_t *)(W->data + W->panel_bytes * (size_t)p);
     int nkp = W->Kp / 2, n = rows->n;
     if (n == 1) {
         gemv_bf16_avx2(wp, nkp, rows->f[0], C);
         return;
     }
+    float *xp = scratch;
+    const float *x[4] = {xp, xp + BF2_XS, xp + 2 * BF2_XS, xp + 3 * BF2_XS};
+    int nt = (n + BF2_MR - 1) / BF2_MR, pf = (4 * KC_BF + nt - 1) / nt; /* tiles; weight lines each */
     for (int k0 = 0; k0 < nkp; k0 += KC_BF) {
         int kc = nkp - k0 < KC_BF ? nkp - k0 : KC_BF;
-        for (int c0 = 0; c0 < 64; c0 += 16) /* 16-channel slices of the panel */
-            for (int m0 = 0; m0 < n; m0 += BF2_MR) {
+        for (int t = 0, m0 = 0, mr; t < nt; t++, m0 += mr) {
+            mr = n / nt + (t < n % nt); /* 4-6 tokens from 8 on: no 1-3-token tail */
+            for (int m = 0; m < mr; m++) memcpy(xp + m * BF2_XS, rows->f[m0 + m] + 2 * k0, (size_t)kc * 8);
+            int pm = m0 + mr < n ? m0 + mr : 0, pk = m0 + mr < n ? k0 : k0 + kc; /* the next tile's rows */
+            for (int m = pm; m < pm + BF2_MR && m < n && pk < nkp; m++)
+                for (int l = 0; l < 2 * KC_BF; l += 16) _mm_prefetch((const char *)(rows->f[m] + 2 * pk + l), _MM_HINT_T1);
+            for (int l = t * pf; l < (t + 1) * pf && l < 4 * (nkp - k0 - kc); l++) /* the next block's weights */
+                _mm_prefetch((const char *)(wp + (size_t)(k0 + kc) * 128) + 64 * l, BF2_PF_HINT);
+            for (int c0 = 0; c0 < 64; c0 += 16) { /* 16-channel slices of the panel */
                 const uint16_t *w = wp + (size_t)k0 * 128 + 2 * c0;
-                const float *const *x = rows->f + m0;
                 float *Cm = C + (size_t)m0 * 64 + c0;
-                switch (n - m0 < BF2_MR ? n - m0 : BF2_MR) {
-                case 1: mk_bf16_avx2(1, w, kc, x, k0, Cm, k0 > 0); break;
-                case 2: mk_bf16_avx2(2, w, kc, x, k0, Cm, k0 > 0); break;
-                case 3: mk_bf16_avx2(3, w, kc, x, k0, Cm, k0 > 0); break;
-                case 4: mk_bf16_avx2(4, w, kc, x, k0, Cm, k0 > 0); break;
-                case 5: mk_bf16_avx2(5, w, kc, x, k0, Cm, k0 > 0); break;
-                default: mk_bf16_6(w, kc, x, k0, Cm, k0 > 0); break;
+                switch (mr) {
+                case 1: mk_bf16_avx2(1, w, kc, x, Cm, k0 > 0); break;
+                case 2: mk_bf16_avx2(2, w, kc, x, Cm, k0 > 0); break;
+                case 3: mk_bf16_avx2(3, w, kc, x, Cm, k0 > 0); break;
+                case 4: mk_bf16_avx2(4, w, kc, x, Cm, k0 > 0); break;
+                default: mk_bf16_asm(mr, w, kc, xp, Cm, k0 > 0); break;
                 }
             }
+        }
     }
 }
 
