@@ -45,6 +45,9 @@
 #define MOE_ISA_AMX 3
 
 #define MOE_GROUP 32
+/* floats between the f32 activation rows of K inputs: a line more than K, so rows a multiple of 4 KiB
+ * long do not all fall in the same L1 sets (the AVX2 bf16 tile reads 6 rows at once) */
+#define MOE_F32_ROW(K) ((K) + 16)
 #define MOE_NP_BF16 64
 #define MOE_NP_INT 32
 #define MOE_INT4_GROUP_BYTES (4 * 32 * 4 + 32 * 2) /* weights + bf16 scales = 576 */

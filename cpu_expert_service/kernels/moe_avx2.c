@@ -1,7 +1,7 @@
 /* moesplit CPU MoE: AVX2 + FMA kernels (any x86-64 from Haswell / Zen 1 on).
  * bf16 weights are widened to f32 (shift) and FMA'd; int8 uses the sign trick with
  * vpmaddubsw (|w| x sign(x, w), no saturation for |w|, |x| <= 127); int4 nibbles (0..15)
- * go straight into vpmaddubsw. bf16: micro-tiles of 4 tokens x 16 channels over an L1-resident
+ * go straight into vpmaddubsw. bf16: micro-tiles of 5-6 tokens x 16 channels over an L1-resident
  * k-block; int8/int4: one token at a time over an L1-resident k-block. */
 #pragma GCC target("avx2,fma,f16c")
 #include <immintrin.h>
@@ -16,11 +16,10 @@ static void scale_channels_avx2(const float *chs, float *C, int n);
 #ifndef BF2_PF_HINT
 #define BF2_PF_HINT _MM_HINT_T0
 #endif
-#define BF2_XS (2 * KC_BF + 16) /* floats per packed activation row (rows 4 KiB apart share L1 sets) */
 #define GC_INT 16 /* groups per block */
-#define BF2_MR 6  /* tokens per micro-tile: 6 x 2 ymm = 12 accumulators + 2 widened weights + 1 broadcast + mask */
+#define BF2_MR 6  /* tokens per micro-tile: 6 x 2 ymm = 12 accumulators, 2 widened weights, 1 broadcast, mask */
 
-/* C[m][c0 .. c0+16) (+)= x[m] . W over k-pairs [kp0, kp0 + nkp): per k-pair the even halves of the
+/* C[m][c0 .. c0+16) (+)= x[m] . W over the nkp k-pairs at w and x[m]: per k-pair the even halves of the
  * 16 channels are widened (shift, straight from L1) and feed all MR tokens, then the odd halves (and),
  * so only 2 widened weights are live beside MR x 2 accumulators and one broadcast (MR 6: 16 ymm), and
  * each activation is broadcast once per k-pair. Per output element the order is fixed whatever MR is
@@ -53,14 +52,14 @@ static inline __attribute__((always_inline)) void mk_bf16_avx2(const int MR, con
         for (int v = 0; v < 2; v++) _mm256_storeu_ps(C + m * 64 + 8 * v, acc[m][v]);
 }
 
-/* mk_bf16_asm's pieces, per token row F(C offset, accumulators A and B, x offset: BF2_XS floats a row) */
-#define BF_C5(F) F("0", "0", "1", "0") F("256", "2", "3", "576") F("512", "4", "5", "1152") \
-    F("768", "6", "7", "1728") F("1024", "8", "9", "2304")
-#define BF_C6(F) BF_C5(F) F("1280", "10", "11", "2880")
+/* mk_bf16_asm's pieces, per token row F(C offset, accumulators A and B, activation row X) */
+#define BF_C5(F) F("0", "0", "1", "x0") F("256", "2", "3", "x1") F("512", "4", "5", "x2") \
+    F("768", "6", "7", "x3") F("1024", "8", "9", "x4")
+#define BF_C6(F) BF_C5(F) F("1280", "10", "11", "x5")
 #define BF_L(T, A, B, X) "vmovups " T "(%[C]),%%ymm" A "\n\tvmovups " T "+32(%[C]),%%ymm" B "\n\t"
 #define BF_S(T, A, B, X) "vmovups %%ymm" A "," T "(%[C])\n\tvmovups %%ymm" B "," T "+32(%[C])\n\t"
 #define BF_Z(T, A, B, X) "vxorps %%ymm" A ",%%ymm" A ",%%ymm" A "\n\tvxorps %%ymm" B ",%%ymm" B ",%%ymm" B "\n\t"
-#define BF_T(OFF, X, A, B) "vbroadcastss " OFF "+" X "(%[x],%[i]),%%ymm14\n\t" \
+#define BF_T(OFF, X, A, B) "vbroadcastss " OFF "(%[" X "],%[i]),%%ymm14\n\t" \
     "vfmadd231ps %%ymm12,%%ymm14,%%ymm" A "\n\tvfmadd231ps %%ymm13,%%ymm14,%%ymm" B "\n\t"
 #define BF_E(T, A, B, X) BF_T("0", X, A, B)
 #define BF_O(T, A, B, X) BF_T("4", X, A, B)
@@ -70,15 +69,15 @@ static inline __attribute__((always_inline)) void mk_bf16_avx2(const int MR, con
     "vmovdqu 32(%[w]),%%ymm13\n\tvpslld $16,%%ymm12,%%ymm12\n\tvpslld $16,%%ymm13,%%ymm13\n\t" CS(BF_E) \
     "vpand (%[w]),%%ymm15,%%ymm12\n\tvpand 32(%[w]),%%ymm15,%%ymm13\n\t" CS(BF_O) \
     "add $256,%[w]\n\tadd $8,%[i]\n\tdec %[n]\n\tjnz 3b\n4:\n\t" CS(BF_S) \
-    : [w] "+r"(w), [i] "+r"(i), [n] "+r"(nkp) : [x] "r"(x), [C] "r"(C), [load] "r"(load) \
+    : [w] "+r"(w), [i] "+r"(i), [n] "+r"(nkp) : [x0] "r"(x[0]), [x1] "r"(x[1]), [x2] "r"(x[2]), [x3] "r"(x[3]), \
+      [x4] "r"(x[4]), [x5] "r"(x[mr - 1]), [C] "r"(C), [load] "r"(load) \
     : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", \
       "xmm12", "xmm13", "xmm14", "xmm15", "cc", "memory")
-_Static_assert(BF2_XS * 4 == 576, "BF_C5's x offsets are rows of BF2_XS floats");
 
-/* mk_bf16_avx2 for 5 or 6 tokens (rows of `x` BF2_XS floats apart), register-allocated by hand (GCC
+/* mk_bf16_avx2 for 5 or 6 tokens, register-allocated by hand (GCC
  * spilled 5 of the 12 accumulators): ymm0-11 the accumulators, ymm12-13 the widened weights (even: load
  * + shift, odd: and from L1), ymm14 the broadcast, ymm15 the odd mask. The same FMA chain per element. */
-static void mk_bf16_asm(int mr, const uint16_t *w, long nkp, const float *x, float *C, int load) {
+static void mk_bf16_asm(int mr, const uint16_t *w, long nkp, const float *const *x, float *C, int load) {
     long i = 0;
     if (mr == 6) BF_ASM(BF_C6);
     else BF_ASM(BF_C5);
@@ -116,8 +115,8 @@ static void gemv_bf16_avx2(const uint16_t *w, int nkp, const float *x, float *C)
     for (int v = 0; v < 8; v++) _mm256_storeu_ps(C + 8 * v, a[v]);
 }
 
-/* 2+ tokens: per k-block, each tile of up to 6 tokens has its activations copied to `scratch`
- * (BF2_XS floats a row: token rows Kp floats apart alias in L1 and evicted the weights) and runs the
+/* 2+ tokens: per k-block, each tile of 4-6 tokens (1-3 below 8) reads its rows in place (MOE_F32_ROW
+ * apart: rows a multiple of 4 KiB long shared L1 sets and evicted the weights) and runs the
  * block's 4 16-channel slices, whose 16 KiB of weights stay in L1 across the block's tiles. */
 void moe_panel_bf16_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {
     const uint16_t *wp = (const uint16_t *)(W->data + W->panel_bytes * (size_t)p);
@@ -126,17 +125,14 @@ void moe_panel_bf16_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, 
         gemv_bf16_avx2(wp, nkp, rows->f[0], C);
         return;
     }
-    float *xp = scratch;
-    const float *x[4] = {xp, xp + BF2_XS, xp + 2 * BF2_XS, xp + 3 * BF2_XS};
+    (void)scratch;
+    const float *x[BF2_MR];
     int nt = (n + BF2_MR - 1) / BF2_MR, pf = (4 * KC_BF + nt - 1) / nt; /* tiles; weight lines each */
     for (int k0 = 0; k0 < nkp; k0 += KC_BF) {
         int kc = nkp - k0 < KC_BF ? nkp - k0 : KC_BF;
         for (int t = 0, m0 = 0, mr; t < nt; t++, m0 += mr) {
             mr = n / nt + (t < n % nt); /* 4-6 tokens from 8 on: no 1-3-token tail */
-            for (int m = 0; m < mr; m++) memcpy(xp + m * BF2_XS, rows->f[m0 + m] + 2 * k0, (size_t)kc * 8);
-            int pm = m0 + mr < n ? m0 + mr : 0, pk = m0 + mr < n ? k0 : k0 + kc; /* the next tile's rows */
-            for (int m = pm; m < pm + BF2_MR && m < n && pk < nkp; m++)
-                for (int l = 0; l < 2 * KC_BF; l += 16) _mm_prefetch((const char *)(rows->f[m] + 2 * pk + l), _MM_HINT_T1);
+            for (int m = 0; m < mr; m++) x[m] = rows->f[m0 + m] + 2 * k0;
             for (int l = t * pf; l < (t + 1) * pf && l < 4 * (nkp - k0 - kc); l++) /* the next block's weights */
                 _mm_prefetch((const char *)(wp + (size_t)(k0 + kc) * 128) + 64 * l, BF2_PF_HINT);
             for (int c0 = 0; c0 < 64; c0 += 16) { /* 16-channel slices of the panel */
@@ -147,7 +143,7 @@ void moe_panel_bf16_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, 
                 case 2: mk_bf16_avx2(2, w, kc, x, Cm, k0 > 0); break;
                 case 3: mk_bf16_avx2(3, w, kc, x, Cm, k0 > 0); break;
                 case 4: mk_bf16_avx2(4, w, kc, x, Cm, k0 > 0); break;
-                default: mk_bf16_asm(mr, w, kc, xp, Cm, k0 > 0); break;
+                default: mk_bf16_asm(mr, w, kc, x, Cm, k0 > 0); break;
                 }
             }
         }

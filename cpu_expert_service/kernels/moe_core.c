@@ -340,7 +340,7 @@ static void fwd_job(void *arg, int tid, int nt) {
         const float *xr = f->x + (size_t)t * f->H;
         if (!isint) {
             uint16_t *d = f->xb + (size_t)t * Kx; /* the one activation format of bf16 weights */
-            float *df = f->xf + (size_t)t * Kx;    /* the same values in f32 (exact) */
+            float *df = f->xf + (size_t)t * MOE_F32_ROW(Kx); /* the same values in f32 (exact) */
             for (int kk = 0; kk < Kx; kk++) {
                 d[kk] = kk < f->H ? moe_f32_to_bf16(xr[kk]) : 0;
                 df[kk] = moe_bf16_to_f32(d[kk]);
@@ -373,7 +373,7 @@ static void fwd_job(void *arg, int tid, int nt) {
             int t = f->tok[a0 + m];
             if (!isint) {
                 ptr[m] = f->xb + (size_t)t * Kx;
-                ptr[3 * f->nmax + m] = f->xf + (size_t)t * Kx;
+                ptr[3 * f->nmax + m] = f->xf + (size_t)t * MOE_F32_ROW(Kx);
             } else {
                 ptr[m] = f->xq + (size_t)t * 2 * Kx;
                 ptr[f->nmax + m] = f->xs + (size_t)t * gx;
@@ -386,7 +386,7 @@ static void fwd_job(void *arg, int tid, int nt) {
             f->kern->panel[fmt](W, p, &rows, C, scr);
             for (int m = 0; m < n; m++) {
                 float *cr = C + (size_t)m * W->NP;
-                float *af = f->af + (size_t)(a0 + m) * Ka + p * half;
+                float *af = f->af + (size_t)(a0 + m) * MOE_F32_ROW(Ka) + p * half;
                 uint16_t *ab = isint ? NULL : f->ab + (size_t)(a0 + m) * Ka + p * half;
                 if (lim > 0.f) swiglu_clamp(cr, half, lim);
                 f->kern->act(cr, cr + half, half, af, ab);
@@ -399,7 +399,7 @@ static void fwd_job(void *arg, int tid, int nt) {
     if (isint) { /* phase 1b: quantise the intermediate rows */
         moe_part(f->na, tid, nt, &r0, &r1);
         for (int a = r0; a < r1; a++)
-            quant_row(f->af + (size_t)a * Ka, Ka, Ka, off, levels, div, f->aq + (size_t)a * 2 * Ka, f->as + (size_t)a * ga,
+            quant_row(f->af + (size_t)a * MOE_F32_ROW(Ka), Ka, Ka, off, levels, div, f->aq + (size_t)a * 2 * Ka, f->as + (size_t)a * ga,
                       f->ac + (size_t)a * ga, f->ao ? f->ao + (size_t)a * 2 * ga : NULL);
         if (nt > 1) moe_pool_barrier(f->pool);
     }
@@ -414,7 +414,7 @@ static void fwd_job(void *arg, int tid, int nt) {
             int a = a0 + m;
             if (!isint) {
                 ptr[m] = f->ab + (size_t)a * Ka;
-                ptr[3 * f->nmax + m] = f->af + (size_t)a * Ka;
+                ptr[3 * f->nmax + m] = f->af + (size_t)a * MOE_F32_ROW(Ka);
             } else {
                 ptr[m] = f->aq + (size_t)a * 2 * Ka;
                 ptr[f->nmax + m] = f->as + (size_t)a * ga;
@@ -521,14 +521,14 @@ int moe_forward(MoePool *pool, const MoeKernels *kern, MoeExpert *const *experts
         if (fmt == MOE_FMT_BF16) {
             f.xb = take(&ar, sizeof(uint16_t) * T * f.Kx);
             f.ab = take(&ar, sizeof(uint16_t) * f.na * f.Ka);
-            f.af = take(&ar, sizeof(float) * f.na * f.Ka);
-            f.xf = take(&ar, sizeof(float) * T * f.Kx);
+            f.af = take(&ar, sizeof(float) * f.na * MOE_F32_ROW(f.Ka));
+            f.xf = take(&ar, sizeof(float) * T * MOE_F32_ROW(f.Kx));
         } else {
             int gx = f.Kx / MOE_GROUP, ga = f.Ka / MOE_GROUP;
             f.xq = take(&ar, (size_t)T * 2 * f.Kx);
             f.xs = take(&ar, sizeof(float) * T * gx);
             f.xc = take(&ar, sizeof(float) * T * gx);
-            f.af = take(&ar, sizeof(float) * f.na * f.Ka);
+            f.af = take(&ar, sizeof(float) * f.na * MOE_F32_ROW(f.Ka));
             f.aq = take(&ar, (size_t)f.na * 2 * f.Ka);
             f.as = take(&ar, sizeof(float) * f.na * ga);
             f.ac = take(&ar, sizeof(float) * f.na * ga);
