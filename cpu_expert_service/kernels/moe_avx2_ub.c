@@ -16,6 +16,52 @@
  * vpmaddubsw step costs the same uops per product as vpmaddwd on widened weights. */
 #define UB_MR 4
 
+/* The 4-token group sums by hand-allocated registers (GCC's version of mk_ub's octet loop spills two
+ * products and reloads the table and mask each octet: 16 ymm registers hold exactly 8 sums, the 4 nibble
+ * vectors, 2 broadcasts, one product and the table; the mask is a memory operand). An octet: its 2 x 8
+ * channels' codes unpacked (low, high nibbles; mx: through the table), then per token the two activation
+ * quads broadcast and 4 vpmaddubsw, each product added into its token's int16 sum (wrapping adds: exact
+ * mod 2^16 in any order, so the sums equal the intrinsics'). */
+static const uint8_t ub_lo4[32] __attribute__((aligned(32))) = {
+    15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15,
+    15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15};
+#define UB_UNPACK(o0, o1, SHUF)                                                                              \
+    "vmovdqu " o0 "(%[gb]), %[l0]\n\tvmovdqu " o1 "(%[gb]), %[l1]\n\t"                                     \
+    "vpsrlw $4, %[l0], %[h0]\n\tvpsrlw $4, %[l1], %[h1]\n\t"                                               \
+    "vpand %[lo4], %[l0], %[l0]\n\tvpand %[lo4], %[l1], %[l1]\n\t"                                         \
+    "vpand %[lo4], %[h0], %[h0]\n\tvpand %[lo4], %[h1], %[h1]\n\t" SHUF
+#define UB_SHUF "vpshufb %[l0], %[lut], %[l0]\n\tvpshufb %[l1], %[lut], %[l1]\n\t" \
+                "vpshufb %[h0], %[lut], %[h0]\n\tvpshufb %[h1], %[lut], %[h1]\n\t"
+#define UB_BCAST(X, xa, xb) "vpbroadcastd " xa "(%[" X "]), %[a]\n\tvpbroadcastd " xb "(%[" X "]), %[b]\n\t"
+#define UB_MAC0(X, S0, S1, xa, xb) UB_BCAST(X, xa, xb)                                                        \
+    "vpmaddubsw %[a], %[l0], %[" S0 "]\n\tvpmaddubsw %[a], %[l1], %[" S1 "]\n\t"                            \
+    "vpmaddubsw %[b], %[h0], %[t]\n\tvpaddw %[t], %[" S0 "], %[" S0 "]\n\t"                                 \
+    "vpmaddubsw %[b], %[h1], %[b]\n\tvpaddw %[b], %[" S1 "], %[" S1 "]\n\t"
+#define UB_MAC(X, S0, S1, xa, xb) UB_BCAST(X, xa, xb)                                                         \
+    "vpmaddubsw %[a], %[l0], %[t]\n\tvpaddw %[t], %[" S0 "], %[" S0 "]\n\t"                                 \
+    "vpmaddubsw %[a], %[l1], %[a]\n\tvpaddw %[a], %[" S1 "], %[" S1 "]\n\t"                                 \
+    "vpmaddubsw %[b], %[h0], %[t]\n\tvpaddw %[t], %[" S0 "], %[" S0 "]\n\t"                                 \
+    "vpmaddubsw %[b], %[h1], %[b]\n\tvpaddw %[b], %[" S1 "], %[" S1 "]\n\t"
+#define UB_OCTET(MAC, o0, o1, xa, xb, SHUF) UB_UNPACK(o0, o1, SHUF)                                         \
+    MAC("x0", "s00", "s01", xa, xb) MAC("x1", "s10", "s11", xa, xb)                                        \
+    MAC("x2", "s20", "s21", xa, xb) MAC("x3", "s30", "s31", xa, xb)
+#define UB_GROUP(SHUF)                                                                                       \
+    UB_OCTET(UB_MAC0, "0", "32", "0", "4", SHUF) UB_OCTET(UB_MAC, "128", "160", "8", "12", SHUF)           \
+    UB_OCTET(UB_MAC, "256", "288", "16", "20", SHUF) UB_OCTET(UB_MAC, "384", "416", "24", "28", SHUF)
+#define UB_OPERANDS                                                                                          \
+    : [s00] "=&x"(s[0][0]), [s01] "=&x"(s[0][1]), [s10] "=&x"(s[1][0]), [s11] "=&x"(s[1][1]),               \
+      [s20] "=&x"(s[2][0]), [s21] "=&x"(s[2][1]), [s30] "=&x"(s[3][0]), [s31] "=&x"(s[3][1]),               \
+      [l0] "=&x"(l0), [l1] "=&x"(l1), [h0] "=&x"(h0), [h1] "=&x"(h1), [a] "=&x"(a), [b] "=&x"(b), [t] "=&x"(t) \
+    : [gb] "r"(gb), [x0] "r"(x[0]), [x1] "r"(x[1]), [x2] "r"(x[2]), [x3] "r"(x[3]), [lut] "x"(lut),        \
+      [lo4] "m"(*lo4), "m"(*(const uint8_t(*)[448])gb), "m"(*(const int8_t(*)[32])x[0]),                    \
+      "m"(*(const int8_t(*)[32])x[1]), "m"(*(const int8_t(*)[32])x[2]), "m"(*(const int8_t(*)[32])x[3])
+static inline __attribute__((always_inline)) void ub_sums4(const int mx, const uint8_t *gb, const int8_t *const *x,
+                                                          __m256i lut, const __m256i *lo4, __m256i s[UB_MR][2]) {
+    __m256i l0, l1, h0, h1, a, b, t;
+    if (mx) __asm__(UB_GROUP(UB_SHUF) UB_OPERANDS);
+    else __asm__(UB_GROUP("") UB_OPERANDS);
+}
+
 /* 16 channels [c0, c0 + 16) of MR tokens over all G groups (mx 0 int4, 1 mxfp4), each unpacked
  * 16-channel slice shared by MR tokens; a group's vpmaddubsw pairs summed in int16 over all 4 octets
  * (16 products per lane), then one vpmaddwd by 254: 254 * the group sum, exact in int32, whose cvt rounds
@@ -33,7 +79,11 @@ static inline __attribute__((always_inline)) void mk_ub(const int MR, const int 
     for (int g = 0; g < G; g++) {
         const uint8_t *gb = wp + (size_t)g * (mx ? MOE_MXFP4_GROUP_BYTES : MOE_INT4_GROUP_BYTES);
         __m256i ia[UB_MR][2], s[UB_MR][2];
-        for (int o = 0; o < 4; o++) {
+        if (MR == UB_MR) {
+            const int8_t *x[UB_MR];
+            for (int m = 0; m < UB_MR; m++) x[m] = rows->q[m0 + m] + (size_t)g * 64;
+            ub_sums4(mx, gb + 4 * c0, x, lut, (const __m256i *)ub_lo4, s);
+        } else for (int o = 0; o < 4; o++) {
             __m256i l[2], h[2];
             for (int v = 0; v < 2; v++) {
                 __m256i pk = _mm256_loadu_si256((const __m256i *)(gb + o * 128 + 4 * c0 + 32 * v));
