@@ -15,8 +15,8 @@ import numpy
 from setuptools import Extension, setup
 
 KDIR = "cpu_expert_service/kernels"
-ISA_FILES = ["moe_core.c", "moe_pack.c", "moe_generic.c", "moe_avx2.c", "moe_avx512.c", "moe_amx.c", "moe_shm.c",
-             "moe_tcp.c"]
+ISA_FILES = ["moe_core.c", "moe_pack.c", "moe_generic.c", "moe_avx2.c", "moe_avx2_ub.c", "moe_avx512.c", "moe_amx.c",
+             "moe_shm.c", "moe_tcp.c"]
 TLS = dict(libraries=["ssl", "crypto"])  # wire/tcp_io.c: the TCP data path's mutual TLS (OpenSSL 3, libssl-dev)
 
 ext_modules = []

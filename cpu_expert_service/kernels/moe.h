@@ -136,6 +136,11 @@ void moe_act_generic(const float *g, const float *u, int n, float *out, uint16_t
 /* per-ISA tables (each defined in its own file, compiled for its own target) */
 void moe_kernels_generic(MoeKernels *k);
 void moe_kernels_avx2(MoeKernels *k);
+/* AVX2 helpers shared by moe_avx2.c and moe_avx2_ub.c: the f32 group scales of groups [g0, g0 + ng) of a
+ * nibble panel (int4 1: bf16, mxfp4 2: e8m0) into wsc[g][32]; the 2+-token 8-bit-activation nibble panel
+ * (mx 0 int4, 1 mxfp4; scratch: Kp / 32 x 32 floats) */
+void moe_group_scales_avx2(const uint8_t *wp, int g0, int ng, int int4, float *wsc);
+void moe_panel_int_ub_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch, int mx);
 void moe_kernels_avx512(MoeKernels *k);
 double moe_probe_avx512(int kind, long iters); /* compute-ceiling probe: 0 f32 FMA, 1 vdpbf16ps, 2 vpdpbusd; returns ops */
 double moe_probe_avx2(int kind, long iters);   /* 0 f32 FMA (ymm), 1 vpmaddubsw, 2 / 3 the exact int8 dot; returns ops */

@@ -302,8 +302,8 @@ static void widen_tile(const uint8_t *wp, int g0, int ng, int int4, int16_t *til
 
 /* the f32 scales of groups [g0, g0 + ng) of a nibble panel into wsc[g][32] (int4 1: bf16, mxfp4 2: e8m0),
  * once per k-block (or panel) instead of in every micro-tile, where the conversion's constants would
- * spill the accumulators */
-static void group_scales(const uint8_t *wp, int g0, int ng, int int4, float *wsc) {
+ * spill the accumulators (moe_avx2_ub.c's micro-kernel reads them too) */
+void moe_group_scales_avx2(const uint8_t *wp, int g0, int ng, int int4, float *wsc) {
     for (int g = 0; g < ng; g++)
         for (int c0 = 0; c0 < 32; c0 += 8)
             _mm256_store_ps(wsc + (size_t)g * 32 + c0, group_scale8(wp + (size_t)(g0 + g) * NIB_GB(int4), int4, c0));
@@ -387,7 +387,7 @@ static void panel_int_wd(const MoeMat *W, int p, const MoeRows *rows, float *C, 
     for (int g0 = 0; g0 < G; g0 += WGC) {
         int ng = G - g0 < WGC ? G - g0 : WGC;
         widen_tile(wp, g0, ng, int4, tile);
-        if (int4) group_scales(wp, g0, ng, int4, wsc);
+        if (int4) moe_group_scales_avx2(wp, g0, ng, int4, wsc);
         for (int m0 = 0; m0 < n; m0 += W_MR) {
             int mr = n - m0 < W_MR ? n - m0 : W_MR;
             for (int m = 0; m < mr; m++) widen_x(rows->q[m0 + m], g0, ng, x16 + (size_t)m * WGC * 32);
@@ -397,109 +397,18 @@ static void panel_int_wd(const MoeMat *W, int p, const MoeRows *rows, float *C, 
     if (!int4) scale_channels_avx2(W->chscale + p * 32, C, n);
 }
 
-/* ---------------- 2+ tokens at 8-bit activations (int4, mxfp4): one-level vpmaddubsw ----------------
- * With rows->act8 every q2 is 0, so the 1-token path's group sum is its q1 half alone: the nibbles (u8
- * <= 15; mxfp4 2 * e2m1 + 12 <= 24) times q1 (s8) go straight into vpmaddubsw (no sign trick; two
- * products per int16 lane, 2 * 24 * 127 < 2^15: no saturation), and the unpacked nibbles of a
- * 16-channel slice are shared by UB_MR tokens. Per group the float steps are the 1-token path's in its
- * order (fma(cvt(ih), 254, cvt(0)), fmsub by xs and xc, fma by the group scale), so a row's bits
- * do not depend on the path or the batch. int8 keeps the vpmaddwd path: with the sign trick a
- * vpmaddubsw step costs the same uops per product as vpmaddwd on widened weights. */
-#define UB_MR 4
-
-/* 16 channels [c0, c0 + 16) of MR tokens over all G groups (mx 0 int4, 1 mxfp4), each unpacked
- * 16-channel slice shared by MR tokens; a group's vpmaddubsw pairs summed in int16 over all 4 octets
- * (16 products per lane), then one vpmaddwd by 254: 254 * the group sum, exact in int32, whose cvt rounds
- * the same integer as the 1-token path's fma(cvt(sum), 254, 0). int4: <= 16 * 15 * 127 < 2^15. mxfp4
- * (2v + 12 <= 24): the int16 adds wrap (16 * 24 * 127 > 2^15), but the signed part sum(2v * q1) is <= 16 *
- * 12 * 127 < 2^15, so subtracting each lane's offset part 12 * sum(q1) (rows->xo, mod 2^16) leaves it
- * exact, and 254 * 12 * sum(q1) (rows->xo) is added back in int32. The integer sums are exact in any
- * order, so the bits equal the 1-token path's. */
-static inline __attribute__((always_inline)) void mk_ub(const int MR, const int mx, const uint8_t *wp, const float *wsc,
-                                                       int G, const MoeRows *rows, int m0, int c0, float *C) {
-    const __m256i k254 = _mm256_set1_epi16(254), lo4 = _mm256_set1_epi8(0x0f);
-    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)moe_mxfp4_u8));
-    __m256 acc[UB_MR][2];
-    for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-    for (int g = 0; g < G; g++) {
-        const uint8_t *gb = wp + (size_t)g * NIB_GB(mx ? 2 : 1);
-        __m256i ia[UB_MR][2], s[UB_MR][2];
-        for (int o = 0; o < 4; o++) {
-            __m256i l[2], h[2];
-            for (int v = 0; v < 2; v++) {
-                __m256i pk = _mm256_loadu_si256((const __m256i *)(gb + o * 128 + 4 * c0 + 32 * v));
-                l[v] = _mm256_and_si256(pk, lo4);
-                h[v] = _mm256_and_si256(_mm256_srli_epi16(pk, 4), lo4);
-                if (mx) {
-                    l[v] = _mm256_shuffle_epi8(lut, l[v]);
-                    h[v] = _mm256_shuffle_epi8(lut, h[v]);
-                }
-            }
-            for (int m = 0; m < MR; m++) {
-                const int8_t *xq = rows->q[m0 + m] + (size_t)g * 64 + 8 * o;
-                __m256i a = _mm256_set1_epi32(*(const int32_t *)xq), b = _mm256_set1_epi32(*(const int32_t *)(xq + 4));
-                for (int v = 0; v < 2; v++) {
-                    __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(l[v], a), _mm256_maddubs_epi16(h[v], b));
-                    s[m][v] = o == 0 ? ph : _mm256_add_epi16(s[m][v], ph);
-                }
-            }
-            /* each octet's sums in registers before the next: otherwise GCC regroups the adds of the
-             * unrolled octets into trees and spills the products */
-            for (int m = 0; m < MR; m++)
-                for (int v = 0; v < 2; v++) __asm__("" : "+x"(s[m][v]));
-        }
-        for (int m = 0; m < MR; m++) { /* 254 * the group sum, exact in int32 (< 2^31) */
-            __m256i off = mx ? _mm256_set1_epi32(rows->xo[m0 + m][2 * g]) : _mm256_setzero_si256();
-            __m256i fo = mx ? _mm256_set1_epi32(rows->xo[m0 + m][2 * g + 1]) : _mm256_setzero_si256();
-            for (int v = 0; v < 2; v++)
-                ia[m][v] = mx ? _mm256_add_epi32(_mm256_madd_epi16(_mm256_sub_epi16(s[m][v], off), k254), fo)
-                              : _mm256_madd_epi16(s[m][v], k254);
-        }
-        for (int v = 0; v < 2; v++) {
-            __m256 ws = _mm256_load_ps(wsc + (size_t)g * 32 + c0 + 8 * v);
-            for (int m = 0; m < MR; m++) {
-                __m256 xs = _mm256_set1_ps(rows->xs[m0 + m][g]), xc = _mm256_set1_ps(rows->xc[m0 + m][g]);
-                acc[m][v] = _mm256_fmadd_ps(ws, _mm256_fmsub_ps(_mm256_cvtepi32_ps(ia[m][v]), xs, xc), acc[m][v]);
-            }
-        }
-    }
-    for (int m = 0; m < MR; m++)
-        for (int v = 0; v < 2; v++) _mm256_storeu_ps(C + (size_t)(m0 + m) * 32 + c0 + 8 * v, acc[m][v]);
-}
-
-/* int4 (mx 0) / mxfp4 (mx 1) panel for 2+ rows at 8-bit activations; scratch: the panel's group scales */
-static void panel_int_ub(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch, int mx) {
-    const uint8_t *wp = W->data + W->panel_bytes * (size_t)p;
-    int G = W->Kp / MOE_GROUP, n = rows->n;
-    float *wsc = scratch; /* G x 32 floats: 4 KiB per 1024 inputs, within moe_scratch_bytes */
-    group_scales(wp, 0, G, mx ? 2 : 1, wsc);
-    for (int m0 = 0; m0 < n; m0 += UB_MR) {
-        int mr = n - m0 < UB_MR ? n - m0 : UB_MR;
-        for (int c0 = 0; c0 < 32; c0 += 16) {
-#define MKUB(R) (mx ? mk_ub(R, 1, wp, wsc, G, rows, m0, c0, C) : mk_ub(R, 0, wp, wsc, G, rows, m0, c0, C))
-            switch (mr) {
-            case 1: MKUB(1); break;
-            case 2: MKUB(2); break;
-            case 3: MKUB(3); break;
-            default: MKUB(4); break;
-            }
-#undef MKUB
-        }
-    }
-}
-
 void moe_panel_int8_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {
     if (rows->n == 1) panel_int_avx2(W, p, rows, C, 0);
     else panel_int_wd(W, p, rows, C, scratch, 0);
 }
 void moe_panel_int4_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {
     if (rows->n == 1) panel_int_avx2(W, p, rows, C, 1);
-    else if (rows->act8) panel_int_ub(W, p, rows, C, scratch, 0);
+    else if (rows->act8) moe_panel_int_ub_avx2(W, p, rows, C, scratch, 0);
     else panel_int_wd(W, p, rows, C, scratch, 1);
 }
 void moe_panel_mxfp4_avx2(const MoeMat *W, int p, const MoeRows *rows, float *C, void *scratch) {
     if (rows->n == 1) panel_int_avx2(W, p, rows, C, 2);
-    else if (rows->act8 && rows->xo) panel_int_ub(W, p, rows, C, scratch, 1);
+    else if (rows->act8 && rows->xo) moe_panel_int_ub_avx2(W, p, rows, C, scratch, 1);
     else panel_int_wd(W, p, rows, C, scratch, 2);
 }
 
