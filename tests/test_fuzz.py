@@ -420,7 +420,14 @@ def test_fuzz_http_api(http_stack):
         @given(bad_request(vocab))
         def fuzz(req):
             method, path, raw = req
-            r = c.request(method, path, content=raw, headers={"content-type": "application/json"})
+            for attempt in (0, 1):  # a reset of a kept-alive socket (a close racing the next request): once
+                try:
+                    r = c.request(method, path, content=raw, headers={"content-type": "application/json"})
+                    break
+                except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
+                    if attempt:
+                        raise
+                    stats["reset"] = stats.get("reset", 0) + 1
             stats[r.status_code] = stats.get(r.status_code, 0) + 1
             assert 400 <= r.status_code < 500, (method, path, raw[:300], r.status_code, r.text[:500])
             err = r.json()["error"]
@@ -432,6 +439,9 @@ def test_fuzz_http_api(http_stack):
         ok = c.post("/v1/completions", json={"model": "fuzz", "prompt": [5, 6, 7], "max_tokens": 2})
     assert ok.status_code == 200, ok.text
     assert http_stack.engine.alive
+    resets = stats.pop("reset", 0)  # each such request was sent again on a new connection and checked
+    assert resets <= HTTP_REQUESTS // 100, f"{resets} connection resets: more than a rare close race"
     n = sum(stats.values())
-    print(f"\nHTTP fuzz: {n} malformed requests in {dt:.1f}s, statuses {dict(sorted(stats.items()))}")
+    print(f"\nHTTP fuzz: {n} malformed requests in {dt:.1f}s, statuses {dict(sorted(stats.items()))}, "
+          f"{resets} resets retried")
     assert n >= HTTP_REQUESTS
