@@ -56,7 +56,8 @@
 #define MOE_E8M0_NAN 255    /* the e8m0 NaN scale: refused at load (moe_expert_pack_mxfp4 -> -EDOM) */
 
 /* e2m1 code (bit 3 sign) -> 2 * value + 12: 0,.5,1,1.5,2,3,4,6 doubled, offset to be unsigned */
-static const uint8_t moe_mxfp4_u8[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+#define MOE_MXFP4_U8_VALUES 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0 /* also AVX2 asm's ub_lut */
+static const uint8_t moe_mxfp4_u8[16] = {MOE_MXFP4_U8_VALUES};
 
 /* Bytes of one 32-input group of a nibble format's panel (int4, mxfp4). */
 static inline size_t moe_nibble_group_bytes(int fmt) {

@@ -67,8 +67,7 @@ static inline __attribute__((always_inline)) void ub_sums4(const int mx, const u
  * each octet goes as its low nibbles (activations k 0..3) then its high ones (k 4..7), the table reloaded
  * into the product register before each unpack: the unpack (10 ops an octet, 14 with the table) is shared
  * by 6 tokens instead of 4. The table and mask are read by name (30 operands at most). */
-static const uint8_t ub_lut[32] __attribute__((aligned(32), used)) = {
-    12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+static const uint8_t ub_lut[32] __attribute__((aligned(32), used)) = {MOE_MXFP4_U8_VALUES, MOE_MXFP4_U8_VALUES};
 #define UB6_LUT "vmovdqa ub_lut(%%rip), %[t]\n\t"
 #define UB6_SHUF "vpshufb %[l0], %[t], %[l0]\n\tvpshufb %[l1], %[t], %[l1]\n\t"
 #define UB6_LO(o0, o1, LUT, SHUF) LUT "vmovdqu " o0 "(%[gb]), %[l0]\n\tvmovdqu " o1 "(%[gb]), %[l1]\n\t"            \

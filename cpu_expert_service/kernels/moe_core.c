@@ -532,7 +532,7 @@ int moe_forward(MoePool *pool, const MoeKernels *kern, MoeExpert *const *experts
             f.aq = take(&ar, (size_t)f.na * 2 * f.Ka);
             f.as = take(&ar, sizeof(float) * f.na * ga);
             f.ac = take(&ar, sizeof(float) * f.na * ga);
-            if (fmt == MOE_FMT_MXFP4 && kern->act_bits == 8) {
+            if (fmt == MOE_FMT_MXFP4 && kern->act_bits == 8 && kern->isa == MOE_ISA_AVX2) { /* only its ub panel reads xo */
                 f.xo = take(&ar, sizeof(int32_t) * 2 * T * gx);
                 f.ao = take(&ar, sizeof(int32_t) * 2 * f.na * ga);
             }
